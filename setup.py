@@ -1,0 +1,25 @@
+"""posenc-jax: position encodings beyond RoPE in JAX (PaTH, GRAPE, accumulated rotations, TAPA)."""
+import setuptools
+
+setuptools.setup(
+    name="posenc-jax",
+    version="0.1.0",
+    description="Position encodings beyond RoPE for JAX: PaTH, GRAPE, accumulated rotations, TAPA.",
+    packages=setuptools.find_packages(include=["posenc_jax*", "kernels_pallas*", "experiments*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.10",
+        "flax>=0.12",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.11",
+        "grain>=0.2.10",
+        "ml-collections>=1.0",
+        "chex>=0.1.90",
+        "absl-py",
+        "numpy",
+        "tensorboardX",
+        "matplotlib",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest>=8", "pytest-xdist", "nbformat", "nbclient", "ipykernel"]},
+)
