@@ -1,0 +1,22 @@
+"""posenc_jax: position encodings beyond RoPE as pure JAX functions.
+
+Public API (a contract; see DESIGN.md):
+  path_attention, forgetting_attention, path_integral_attention, tapa_attention,
+  softmax_attention, rope, rotate, householder_product, encodings.
+"""
+from posenc_jax.attention import forgetting_attention
+from posenc_jax.attention import path_attention
+from posenc_jax.attention import path_integral_attention
+from posenc_jax.attention import softmax_attention
+from posenc_jax.attention import tapa_attention
+
+try:  # filled in as the family modules land
+  from posenc_jax.householder import householder_product
+  from posenc_jax.rotations import rope
+  from posenc_jax.rotations import rotate
+except ImportError:  # pragma: no cover
+  pass
+
+from posenc_jax import encodings
+
+__version__ = "0.1.0"
