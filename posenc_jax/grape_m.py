@@ -1,0 +1,147 @@
+"""Multiplicative GRAPE (GRAPE §2-3, App. D, I): orthogonal position maps beyond fixed RoPE planes.
+
+Three parameterisations of G_t in SO(D), all applied to q and k before ordinary attention:
+
+  learned basis    G_t = B R(t theta) B^T. B = expm(A - A^T) from a free matrix A (zero at
+                   init, so B = I and G is RoPE). The matrix exponential of a skew-symmetric
+                   matrix is exactly orthogonal for every A, so B stays orthogonal under any
+                   optimiser step (no re-projection), and it reaches all of SO(D), unlike the
+                   Cayley map (no eigenvalue -1) or a short Householder product (needs D
+                   reflections applied in sequence). Its cost is one D x D expm per head per
+                   step, independent of T.
+  rank-2 planes    G_t = prod_p exp(t w_p L(a_p, b_p)), L(a, b) = a b^T - b a^T, applied in
+                   O(D) per plane by the Rodrigues form x + f1 L x + f2 L^2 x.
+  thin compression G_t = exp(t E L_r E^T) = E exp(t L_r) E^T + (I - E E^T), with
+                   L_r = T (+)_k theta_k J T^T in real Schur form: exp(t L_r) = T R(t theta) T^T.
+
+Shape letters: B batch, T time, H heads, D head dim, P = D/2 planes, R compressed rank,
+N number of rank-2 planes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from posenc_jax import rotations
+
+
+def skew(a):
+  """A - A^T over the last two axes."""
+  return a - jnp.swapaxes(a, -1, -2)
+
+
+def orthogonal_from_param(a_HDD):
+  """B = expm(A - A^T) in SO(D), per leading index; A = 0 gives the identity."""
+  flat = a_HDD.reshape((-1,) + a_HDD.shape[-2:]).astype(jnp.float32)
+  b = jax.vmap(jax.scipy.linalg.expm)(skew(flat))
+  return b.reshape(a_HDD.shape)
+
+
+def per_query_head(p, num_heads: int):
+  """Repeats per-kv-head parameters [K, ...] to the query heads [H, ...] (GQA groups)."""
+  K = p.shape[0]
+  return p if K == num_heads else jnp.repeat(p, num_heads // K, axis=0)
+
+
+def basis_rotate(x_BTHD, angles_BTHP, basis_HDD):
+  """B R(angles) B^T x per head: express x in the basis, rotate its planes, map back."""
+  z = jnp.einsum("bthd,hde->bthe", x_BTHD.astype(jnp.float32), basis_HDD)
+  z = rotations.rotate(z, angles_BTHP)
+  return jnp.einsum("bthe,hde->bthd", z, basis_HDD).astype(x_BTHD.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Rank-2 generators and the Rodrigues form.
+
+# Below this |z|^2 the series replace sin(z)/z: its error term z^6/5040 < 1e-10 there,
+# and the exact branch above it has no cancellation.
+_SERIES_Z2 = 1e-2
+
+
+def sinc(z2):
+  """sin(z)/z as a function of z^2 (even in z, so no sqrt of 0 and finite gradients at 0)."""
+  small = z2 < _SERIES_Z2
+  safe = jnp.where(small, 1.0, z2)   # the unused branch must stay finite under grad too
+  z = jnp.sqrt(safe)
+  return jnp.where(small, 1.0 - z2 / 6.0 + z2 * z2 / 120.0, jnp.sin(z) / z)
+
+
+def rodrigues_coefficients(phase, s2):
+  """f1 = sin(phase s)/s, f2 = (1 - cos(phase s))/s^2, written so both are smooth at s = 0.
+
+  With z = phase * s: f1 = phase sinc(z) and, as 1 - cos z = 2 sin^2(z/2),
+  f2 = phase^2 sinc(z/2)^2 / 2 (no cancellation for small z). Both are functions of z^2.
+  """
+  z2 = phase * phase * s2
+  return phase * sinc(z2), 0.5 * phase * phase * sinc(z2 / 4.0) ** 2
+
+
+def rank2_apply(x, a, b, phase):
+  """exp(phase * L(a, b)) x for L(a, b) = a b^T - b a^T, in O(D).
+
+  x [..., D]; a, b [..., D] broadcastable to x; phase [...] (x without its last axis).
+  L x = a (b.x) - b (a.x), L^2 x = gamma (a (b.x) + b (a.x)) - beta a (a.x) - alpha b (b.x),
+  alpha = |a|^2, beta = |b|^2, gamma = a.b, s^2 = alpha beta - gamma^2 (GRAPE App. I).
+  """
+  alpha, beta, gamma = (a * a).sum(-1), (b * b).sum(-1), (a * b).sum(-1)
+  s2 = jnp.maximum(alpha * beta - gamma * gamma, 0.0)  # rounding can make it slightly < 0
+  u, v = (a * x).sum(-1), (b * x).sum(-1)
+  f1, f2 = rodrigues_coefficients(phase, s2)
+  lx = a * v[..., None] - b * u[..., None]
+  l2x = (gamma[..., None] * (a * v[..., None] + b * u[..., None])
+         - beta[..., None] * a * u[..., None] - alpha[..., None] * b * v[..., None])
+  return x + f1[..., None] * lx + f2[..., None] * l2x
+
+
+def rank2_planes_apply(x_BTHD, a_HND, b_HND, phases_BTHN):
+  """G x with G = G_{N-1} ... G_0, G_n = exp(phase_n L(a_n, b_n)) (plane 0 acts first).
+
+  Planes that are mutually orthogonal commute and the product is a one-parameter group in t
+  (exact relative law); general planes compose in this fixed order.
+  """
+  xs = (jnp.moveaxis(a_HND, 1, 0), jnp.moveaxis(b_HND, 1, 0), jnp.moveaxis(phases_BTHN, -1, 0))
+
+  def step(y, plane):
+    a, b, ph = plane
+    return rank2_apply(y, a, b, ph), None
+
+  y, _ = jax.lax.scan(step, x_BTHD.astype(jnp.float32), xs)
+  return y.astype(x_BTHD.dtype)
+
+
+def canonical_planes(num_heads: int, head_dim: int, num_planes: int):
+  """a_n = e_{2n+1}, b_n = e_{2n}: L(a_n, b_n) is the generator of R's n-th plane (RoPE)."""
+  eye = jnp.eye(head_dim, dtype=jnp.float32)
+  a = jnp.broadcast_to(eye[1:2 * num_planes:2], (num_heads, num_planes, head_dim))
+  b = jnp.broadcast_to(eye[0:2 * num_planes:2], (num_heads, num_planes, head_dim))
+  return a, b
+
+
+# ----------------------------------------------------------------------------------------
+# Non-commuting thin compression (GRAPE App. D).
+
+
+def thin_frame(e_param_HDD, t_param_HRR):
+  """F = E T [H, D, R]: E the first R columns of expm(skew), T = expm(skew) in SO(R).
+
+  exp(t E L_r E^T) only ever needs the product F = E T, whose columns are orthonormal.
+  """
+  R = t_param_HRR.shape[-1]
+  e = orthogonal_from_param(e_param_HDD)[..., :R]
+  return jnp.einsum("hdr,hrs->hds", e, orthogonal_from_param(t_param_HRR))
+
+
+def thin_apply(x_BTHD, angles_BTHQ, frame_HDR):
+  """exp(t L) x = x + F (R(t theta) - I) F^T x, Q = R/2 planes of the Schur form."""
+  x = x_BTHD.astype(jnp.float32)
+  z = jnp.einsum("bthd,hdr->bthr", x, frame_HDR)
+  dz = rotations.rotate(z, angles_BTHQ) - z
+  return (x + jnp.einsum("bthr,hdr->bthd", dz, frame_HDR)).astype(x_BTHD.dtype)
+
+
+def thin_generator(e_param_DD, t_param_RR, theta_Q):
+  """Dense L = E T (+)_k theta_k J T^T E^T [D, D] (an oracle for tests, one head)."""
+  j = jnp.array([[0.0, -1.0], [1.0, 0.0]], jnp.float32)
+  block = jnp.kron(jnp.diag(theta_Q), j)            # (+)_k theta_k J, [R, R]
+  f = thin_frame(e_param_DD[None], t_param_RR[None])[0]
+  return f @ block @ f.T
