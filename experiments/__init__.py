@@ -1,0 +1,1 @@
+"""What a researcher runs: configs, data pipelines, training, evaluation, reports."""

@@ -1,0 +1,92 @@
+"""Word problems on A5 / S5 (PaTH §4.1, Fig. 2 bottom; Merrill et al. 2024).
+
+The input is a word g_1 g_2 ... g_T of group elements drawn uniformly from the whole
+group; the target at every position t is the running product P_t = g_1 g_2 ... g_t
+(a state-tracking "tagging" formulation, as in Merrill et al.'s word-problem code: the
+model must output the prefix product after each element, not only whether the whole
+word is the identity).
+
+Conventions:
+  * Elements are permutations of {0..4} as tuples p with p[i] the image of i. The
+    enumeration is fixed: S5 = all 120 permutations in lexicographic order; A5 = the 60
+    even ones in lexicographic order. Index 0 is the identity in both. Tokens and
+    targets are indices into this enumeration, so vocab_size = |G|.
+  * Products compose left to right, acting on the right: (p q)[i] = q[p[i]] (apply p,
+    then q), so P_t = P_{t-1} g_t.
+  * loss_mask is 1 at every position. The masked accuracy the evaluator reports is
+    therefore the all-position (per-token) accuracy, which Merrill et al. log next to
+    sequence accuracy; PaTH's ">90% accuracy" criterion is applied to it. The
+    final-position accuracy (whether the whole word's product is predicted) is the
+    last column of the same predictions.
+  * PaTH describes words over fixed generators and their inverses; Merrill et al.,
+    whose setup PaTH follows, draw every element of the group uniformly, which is
+    what we do (any element is a product of generators, so the task is the same
+    up to word length).
+  * There is no separate train/test distribution: "test" is fresh words of the
+    requested length from a stream disjoint from training.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+
+GROUPS = ("A5", "S5")
+TEST_SETS = ("test",)
+MIN_SEQ_LEN = 1
+
+
+def _parity(p: tuple[int, ...]) -> int:
+  return sum(p[i] > p[j] for i in range(len(p)) for j in range(i + 1, len(p))) % 2
+
+
+@functools.cache
+def elements(group: str) -> tuple[tuple[int, ...], ...]:
+  """The fixed enumeration of `group`'s elements (identity first)."""
+  if group not in GROUPS:
+    raise ValueError(f"data.group={group!r} must be one of {GROUPS}")
+  perms = list(itertools.permutations(range(5)))
+  if group == "A5":
+    perms = [p for p in perms if _parity(p) == 0]
+  return tuple(perms)
+
+
+@functools.cache
+def cayley_table(group: str) -> np.ndarray:
+  """table[a, b] = index of (element a)(element b), left-to-right composition."""
+  elems = elements(group)
+  index = {p: n for n, p in enumerate(elems)}
+  table = np.empty((len(elems), len(elems)), np.int32)
+  for a, p in enumerate(elems):
+    for b, q in enumerate(elems):
+      table[a, b] = index[tuple(q[p[i]] for i in range(5))]
+  return table
+
+
+def vocab_size(config) -> int:
+  return len(elements(config.group))
+
+
+def validate(config) -> None:
+  elements(config.group)
+
+
+def generate(rng: np.random.Generator, *, seq_len: int, group: str) -> dict[str, np.ndarray]:
+  """One word of length T: tokens, running products as targets, loss_mask all ones."""
+  if seq_len < MIN_SEQ_LEN:
+    raise ValueError(f"word problem seq_len={seq_len} must be >= {MIN_SEQ_LEN}")
+  table = cayley_table(group)
+  tokens = rng.integers(0, table.shape[0], size=seq_len).astype(np.int32)
+  targets = np.empty(seq_len, np.int32)
+  state = 0  # identity
+  for t, g in enumerate(tokens):
+    state = table[state, g]
+    targets[t] = state
+  return {"tokens": tokens, "targets": targets, "loss_mask": np.ones(seq_len, np.float32)}
+
+
+def make_example(config, rng: np.random.Generator, *, seq_len: int, split: str) -> dict[str, np.ndarray]:
+  if split not in ("train",) + TEST_SETS:
+    raise ValueError(f"word problem split={split!r} is not one of {('train',) + TEST_SETS}")
+  return generate(rng, seq_len=seq_len, group=config.group)
