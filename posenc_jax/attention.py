@@ -59,7 +59,12 @@ def softmax_attention(q, k, v, *, segment_ids=None, scale=None, implementation=N
                                    masking.causal_dense_mask(T, segment_ids))
   if impl == "xla":
     mask = None if segment_ids is None else masking.causal_dense_mask(T, segment_ids)
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, mask=mask)
+    Dv = v.shape[-1]
+    if Dv != D:  # it wants one head dim: zero channels change neither logits nor outputs
+      width = lambda x, n: jnp.pad(x, [(0, 0)] * 3 + [(0, n - x.shape[-1])])
+      q, k, v = width(q, max(D, Dv)), width(k, max(D, Dv)), width(v, max(D, Dv))
+    o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, mask=mask)
+    return o[..., :Dv]
   Tp = blockwise.padded_length(T, block_size)
   qp, kp = blockwise.pad_time(q, Tp), blockwise.pad_time(k, Tp)
 
