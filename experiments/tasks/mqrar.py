@@ -50,16 +50,22 @@ def generate(rng: np.random.Generator, *, seq_len: int, n_back: int, num_pairs: 
   """One stream: tokens, targets (int32 [T]), loss_mask (float32 [T], 1 on queried keys)."""
   if seq_len < MIN_SEQ_LEN:
     raise ValueError(f"mqrar seq_len={seq_len} must be >= {MIN_SEQ_LEN}")
+  # Draw every random number up front (each item takes >= 2 tokens): the loop then
+  # runs on python ints, ~10x faster than a Generator call per step.
+  n_items = seq_len // 2 + 1
+  keys = rng.integers(num_pairs, size=n_items).tolist()
+  values = rng.integers(num_values, size=n_items).tolist()
+  is_query = (rng.random(n_items) < query_prob).tolist()
   history: list[list[int]] = [[] for _ in range(num_pairs)]
   s: list[int] = []
   answer_at: list[int] = []
-  while len(s) < seq_len + 1:
-    k = int(rng.integers(num_pairs))
-    if rng.random() < query_prob and len(history[k]) >= n_back:
+  for k, v, q in zip(keys, values, is_query):
+    if len(s) >= seq_len + 1:
+      break
+    if q and len(history[k]) >= n_back:
       answer_at.append(len(s) + 1)
       s += [QUERY, 1 + k, 1 + num_pairs + history[k][-n_back]]
     else:
-      v = int(rng.integers(num_values))
       history[k].append(v)
       s += [1 + k, 1 + num_pairs + v]
   s_arr = np.asarray(s[:seq_len + 1], np.int32)

@@ -1,0 +1,221 @@
+"""grain input pipelines: synthetic tasks generated on the fly and the packed code corpus.
+
+Every batch is a dict of numpy arrays of shape [B, T] (B = the batch size this process
+yields, T = seq_len):
+  tokens       int32    input tokens
+  targets      int32    what position t must predict (the next token for language
+                        modelling; the running product for word problems)
+  loss_mask    float32  1 where the loss and the task metric count
+  segment_ids  int32    1, 2, ... for the documents packed in a row, 0 for padding
+  positions    int32    position inside the segment, restarting at 0 at its start
+
+Fields of the `data` ConfigDict (`default_data_config()` has them all):
+  task                "flipflop" | "word_problem" | "mqrar" | "text"
+  seq_len             training row length T (512)
+  flipflop:           ignore_prob 0.8 (train and "id"), sparse_ignore_prob 0.98,
+                      dense_ignore_prob 0.1
+  word_problem:       group "A5" | "S5"
+  mqrar:              n_back 1, num_pairs 32 (distinct keys), num_values 32,
+                      query_prob 0.3
+  text:               text_dir None (= the interpreter's stdlib), max_files None (all),
+                      valid_fraction 0.05, shuffle_window 256 (rows shuffled in a
+                      window after packing; 0 turns it off)
+The task modules (experiments/tasks/) document each task's exact definition.
+
+Determinism: synthetic example i of a stream comes from numpy's Generator seeded with
+(seed, stream, i), stream 0 for training and 1 + k for the k-th test set, so eval sets
+never reuse training examples' randomness. The training iterator is a grain
+DatasetIterator whose get_state()/set_state() resume it exactly. Multi-host: process p
+of n reads examples p, p + n, ... (synthetic) or every n-th training file (text);
+`batch_size` is the per-process batch.
+"""
+from __future__ import annotations
+
+import grain
+import ml_collections
+import numpy as np
+from ml_collections import config_dict
+
+from experiments.tasks import SYNTHETIC, code_corpus
+
+TASKS = tuple(SYNTHETIC) + ("text",)
+# Synthetic streams are indexable "forever"; 2**62 examples is never exhausted.
+_STREAM_LEN = 2**62
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict({
+      "task": "flipflop",
+      "seq_len": 512,
+      # flipflop
+      "ignore_prob": 0.8,
+      "sparse_ignore_prob": 0.98,
+      "dense_ignore_prob": 0.1,
+      # word_problem
+      "group": "A5",
+      # mqrar
+      "n_back": 1,
+      "num_pairs": 32,
+      "num_values": 32,
+      "query_prob": 0.3,
+      # text
+      "text_dir": config_dict.placeholder(str),
+      "max_files": config_dict.placeholder(int),
+      "valid_fraction": 0.05,
+      "shuffle_window": 256,
+  })
+
+
+def _check(config, seq_len: int | None = None) -> None:
+  """Raises one ValueError naming the offending data.* field."""
+  if config.task not in TASKS:
+    raise ValueError(f"data.task={config.task!r} must be one of {TASKS}")
+  seq_len = config.seq_len if seq_len is None else seq_len
+  minimum = SYNTHETIC[config.task].MIN_SEQ_LEN if config.task in SYNTHETIC else 1
+  if not isinstance(seq_len, (int, np.integer)) or seq_len < minimum:
+    raise ValueError(f"data.seq_len={seq_len!r} must be an int >= {minimum} for task {config.task!r}")
+  if config.task in SYNTHETIC:
+    SYNTHETIC[config.task].validate(config)
+  else:
+    if config.shuffle_window < 0:
+      raise ValueError(f"data.shuffle_window={config.shuffle_window} must be >= 0")
+    code_corpus.split_files(config, "valid")  # checks text_dir, valid_fraction, max_files
+
+
+def vocab_size(config) -> int:
+  _check(config)
+  if config.task == "text":
+    return code_corpus.VOCAB_SIZE
+  return SYNTHETIC[config.task].vocab_size(config)
+
+
+def max_seq_len(config) -> int | None:
+  """The longest row the data can fill, or None when unbounded.
+
+  Synthetic tasks generate any length. Text rows are packed from the held-out
+  validation files, so a row longer than their total token count could never be full.
+  """
+  _check(config)
+  if config.task == "text":
+    return code_corpus.split_files(config, "valid")[2]
+  return None
+
+
+def eval_set_names(config) -> tuple[str, ...]:
+  _check(config)
+  return ("valid",) if config.task == "text" else SYNTHETIC[config.task].TEST_SETS
+
+
+def _check_batching(batch_size: int, process_index: int = 0, process_count: int = 1) -> None:
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size} must be >= 1")
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must lie in [0, process_count={process_count})")
+
+
+# --- synthetic tasks ---------------------------------------------------------------
+
+
+def _synthetic_rows(config, *, split: str, seq_len: int, seed: int) -> grain.MapDataset:
+  """Example i of the `split` stream, as a MapDataset over the infinite index range."""
+  task = SYNTHETIC[config.task]
+  stream = 0 if split == "train" else 1 + task.TEST_SETS.index(split)
+  config = ml_collections.FrozenConfigDict(config)  # a picklable snapshot, immune to later edits
+
+  def example(index: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([seed, stream, index])
+    ex = task.make_example(config, rng, seq_len=seq_len, split=split)
+    ex["segment_ids"] = np.ones(seq_len, np.int32)
+    ex["positions"] = np.arange(seq_len, dtype=np.int32)
+    return ex
+
+  return grain.MapDataset.range(_STREAM_LEN).map(example)
+
+
+# --- text --------------------------------------------------------------------------
+
+
+def _packed_text(config, split: str, *, seq_len: int, seed: int, process_index: int,
+                 process_count: int) -> grain.IterDataset:
+  """Documents packed into rows of seq_len (long ones split), unbatched."""
+  root, files, _ = code_corpus.split_files(config, split)
+  docs = grain.MapDataset.source(files)
+  if split == "train":
+    # Shard files across processes, then reshuffle every epoch.
+    docs = docs[process_index::process_count]
+    if len(docs) == 0:
+      raise ValueError(f"process_count={process_count} exceeds the {len(files)} training files")
+    docs = docs.shuffle(seed).repeat()
+  docs = docs.map(lambda path: code_corpus.read_document(root, path))
+  rows = grain.experimental.ConcatThenSplitIterDataset(
+      docs.to_iter_dataset(), length_struct={"inputs": seq_len, "targets": seq_len})
+  return rows.map(_text_row)
+
+
+def _text_row(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  segment_ids = row["inputs_segment_ids"].astype(np.int32)
+  return {
+      "tokens": row["inputs"].astype(np.int32),
+      "targets": row["targets"].astype(np.int32),
+      "loss_mask": (segment_ids > 0).astype(np.float32),
+      "segment_ids": segment_ids,
+      "positions": row["inputs_positions"].astype(np.int32),
+  }
+
+
+def _empty_row(seq_len: int) -> dict[str, np.ndarray]:
+  zeros = np.zeros(seq_len, np.int32)
+  return {"tokens": zeros, "targets": zeros, "loss_mask": np.zeros(seq_len, np.float32),
+          "segment_ids": zeros, "positions": zeros}
+
+
+def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+# --- the contract ------------------------------------------------------------------
+
+
+def make_train_iter(config, *, batch_size: int, seed: int, process_index: int = 0,
+                    process_count: int = 1) -> grain.DatasetIterator:
+  """The training stream as a checkpointable grain iterator of [batch_size, seq_len] batches."""
+  _check(config)
+  _check_batching(batch_size, process_index, process_count)
+  if config.task == "text":
+    rows = _packed_text(config, "train", seq_len=config.seq_len, seed=seed,
+                        process_index=process_index, process_count=process_count)
+    if config.shuffle_window > 1:
+      rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=config.shuffle_window, seed=seed)
+    return iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack))
+  rows = _synthetic_rows(config, split="train", seq_len=config.seq_len, seed=seed)
+  rows = rows[process_index::process_count]
+  return iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack).to_iter_dataset())
+
+
+def make_eval_sets(config, *, seq_len: int, batch_size: int, num_batches: int,
+                   seed: int) -> dict[str, list[dict[str, np.ndarray]]]:
+  """name -> list of batches at `seq_len`; the same arguments give the same batches.
+
+  Synthetic tasks: each test set has exactly num_batches batches. Text: "valid" holds
+  the held-out files packed in sorted order (seed unused), up to num_batches batches;
+  the last batch is filled with all-padding rows (loss_mask 0) if the files run out.
+  """
+  _check(config, seq_len)
+  _check_batching(batch_size)
+  if num_batches < 1:
+    raise ValueError(f"num_batches={num_batches} must be >= 1")
+  if config.task == "text":
+    rows = _packed_text(config, "valid", seq_len=seq_len, seed=seed, process_index=0, process_count=1)
+    batches, it = [], iter(rows)
+    for _ in range(num_batches):
+      chunk = [row for _, row in zip(range(batch_size), it)]
+      if not chunk:
+        break
+      chunk += [_empty_row(seq_len)] * (batch_size - len(chunk))
+      batches.append(_stack(chunk))
+    return {"valid": batches}
+  sets = {}
+  for name in SYNTHETIC[config.task].TEST_SETS:
+    rows = _synthetic_rows(config, split=name, seq_len=seq_len, seed=seed)
+    sets[name] = [_stack([rows[b * batch_size + i] for i in range(batch_size)]) for b in range(num_batches)]
+  return sets
