@@ -1,0 +1,167 @@
+"""Validates a run's config before anything is built or compiled.
+
+Every problem a user can cause by editing a config raises one ValueError whose message
+names the config field and what was expected; main.py prints it as a single
+`error: ...` line (no traceback) and exits with status 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from experiments import checkpoint
+from experiments import sharding
+from posenc_jax import _checks
+from posenc_jax import encodings
+from posenc_jax import model as model_lib
+
+
+def _positive(section: str, cfg, *fields: str, allow_zero: bool = False) -> None:
+  for f in fields:
+    v = cfg[f]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (v == 0 and not allow_zero):
+      kind = "a non-negative" if allow_zero else "a positive"
+      raise ValueError(f"config.{section}.{f}={v!r} must be {kind} integer")
+
+
+def _plain(x):
+  """ConfigDict / list values -> hashable plain Python (tuples), for ModelConfig."""
+  if hasattr(x, "to_dict"):
+    x = x.to_dict()
+  if isinstance(x, dict):
+    return tuple(sorted((k, _plain(v)) for k, v in x.items()))
+  if isinstance(x, (list, tuple)):
+    return tuple(_plain(v) for v in x)
+  return x
+
+
+def model_config(config, vocab_size: int) -> model_lib.ModelConfig:
+  """The ModelConfig a run's config.model describes."""
+  m = config.model
+  kwargs = m.encoding_kwargs.to_dict() if hasattr(m.encoding_kwargs, "to_dict") else dict(
+      m.encoding_kwargs or {})
+  return model_lib.ModelConfig(
+      vocab_size=vocab_size, encoding=m.encoding,
+      encoding_kwargs=tuple(sorted((k, _plain(v)) for k, v in kwargs.items())),
+      kv_shift=bool(m.kv_shift), num_layers=m.num_layers, d_model=m.d_model,
+      num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+      mlp_dim=m.mlp_dim, block=m.block, qk_norm=bool(m.qk_norm), dropout=float(m.dropout),
+      tie_embeddings=bool(m.tie_embeddings), dtype=m.dtype, implementation=m.implementation)
+
+
+def stored_form(mcfg: model_lib.ModelConfig) -> dict:
+  """What a checkpoint records of the model: everything but the speed-only choice of kernel."""
+  d = dataclasses.asdict(mcfg)
+  d.pop("implementation")
+  d["encoding_kwargs"] = [list(kv) for kv in d["encoding_kwargs"]]
+  return d
+
+
+def check_model(config, vocab_size: int) -> model_lib.ModelConfig:
+  m = config.model
+  _positive("model", m, "num_layers", "d_model", "num_heads", "head_dim")
+  _positive("model", m, "num_kv_heads", "mlp_dim", allow_zero=True)
+  kv = m.num_kv_heads or m.num_heads
+  if m.num_heads % kv:
+    raise ValueError(f"config.model.num_heads={m.num_heads} must be a multiple of "
+                     f"config.model.num_kv_heads={kv} (grouped-query attention)")
+  if m.block not in model_lib.BLOCKS:
+    raise ValueError(f"config.model.block={m.block!r} must be one of {model_lib.BLOCKS}")
+  if m.dtype not in model_lib.DTYPES:
+    raise ValueError(f"config.model.dtype={m.dtype!r} must be one of {tuple(model_lib.DTYPES)}")
+  if m.implementation is not None and m.implementation not in _checks.IMPLEMENTATIONS:
+    raise ValueError(f"config.model.implementation={m.implementation!r} must be None (auto) "
+                     f"or one of {_checks.IMPLEMENTATIONS}")
+  if not 0.0 <= float(m.dropout) < 1.0:
+    raise ValueError(f"config.model.dropout={m.dropout} must be in [0, 1)")
+  if m.encoding in encodings.MODIFIERS:
+    raise ValueError(f"config.model.encoding={m.encoding!r} is a modifier, not an encoding; "
+                     f"set config.model.kv_shift=True and pick an encoding")
+  if m.encoding not in encodings.NAMES:
+    raise ValueError(f"config.model.encoding={m.encoding!r} is unknown; expected one of "
+                     f"{tuple(n for n in encodings.NAMES if n not in encodings.MODIFIERS)}")
+  if m.kv_shift and model_lib.kv_shift_init is None:
+    raise ValueError("config.model.kv_shift=True but the kv_shift modifier is not available")
+  mcfg = model_config(config, vocab_size)
+  try:
+    enc = mcfg.encoding_fn()
+  except ValueError as e:
+    raise ValueError(f"config.model.encoding={m.encoding!r}: {e}") from None
+  try:
+    enc.check(mcfg.dims)
+  except ValueError as e:
+    raise ValueError(f"config.model: {e}") from None
+  try:  # unknown or ill-typed encoding_kwargs surface here, traced but not compiled
+    jax.eval_shape(lambda k: enc.init(k, mcfg.dims), jax.random.key(0))
+  except TypeError as e:
+    raise ValueError(f"config.model.encoding_kwargs={dict(mcfg.encoding_kwargs)} do not fit "
+                     f"encoding {m.encoding!r}: {e}") from None
+  return mcfg
+
+
+def check_train(config) -> None:
+  t = config.train
+  _positive("train", t, "steps", "batch_size", "log_every")
+  _positive("train", t, "warmup_steps", "checkpoint_every", allow_zero=True)
+  _positive("eval", config.eval, "every", "num_batches", "batch_size", allow_zero=True)
+  if not t.learning_rate > 0:
+    raise ValueError(f"config.train.learning_rate={t.learning_rate} must be positive")
+  if t.warmup_steps >= t.steps:
+    raise ValueError(f"config.train.warmup_steps={t.warmup_steps} must be below "
+                     f"config.train.steps={t.steps}")
+  if t.weight_decay < 0 or t.grad_clip < 0:
+    raise ValueError(f"config.train.weight_decay={t.weight_decay} and "
+                     f"config.train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+
+
+def eval_lengths(config) -> tuple[int, ...]:
+  """config.eval.lengths, defaulting to the training length."""
+  return tuple(int(n) for n in (config.eval.lengths or (config.data.seq_len,)))
+
+
+def check_lengths(config, data_module) -> None:
+  longest = data_module.max_seq_len(config.data)
+  task = config.data.task
+  if not isinstance(config.data.seq_len, int) or config.data.seq_len < 1:
+    raise ValueError(f"config.data.seq_len={config.data.seq_len!r} must be a positive integer")
+  if longest is not None and config.data.seq_len > longest:
+    raise ValueError(f"config.data.seq_len={config.data.seq_len} exceeds {longest}, the longest "
+                     f"sequence data.task={task!r} supports with this config")
+  for n in eval_lengths(config):
+    if n < 1 or (longest is not None and n > longest):
+      raise ValueError(f"config.eval.lengths contains {n}: each must be in [1, {longest}] "
+                       f"for data.task={task!r}")
+
+
+def check_mesh(config, num_devices: int) -> tuple[int, int]:
+  data_n, fsdp_n = sharding.mesh_shape(data=config.mesh.data, fsdp=config.mesh.fsdp,
+                                       num_devices=num_devices)
+  split = data_n * fsdp_n  # the default rules split the batch over both axes
+  for field, b in (("train.batch_size", config.train.batch_size),
+                   ("eval.batch_size", config.eval.batch_size or config.train.batch_size)):
+    if b % split:
+      raise ValueError(f"config.{field}={b} must be a multiple of the {split} devices the "
+                       f"batch is split over (mesh data={data_n} x fsdp={fsdp_n})")
+  return data_n, fsdp_n
+
+
+def check_workdir(workdir: str, mcfg: model_lib.ModelConfig) -> None:
+  stored = checkpoint.stored_model_config(workdir)
+  if stored is None:
+    return
+  diff = checkpoint.config_mismatch(stored, stored_form(mcfg))
+  if diff:
+    raise ValueError(f"--workdir={workdir} holds a checkpoint of a different model ({diff}); "
+                     f"use a new --workdir or restore the config")
+
+
+def check(config, *, workdir: str, data_module, num_devices: int) -> model_lib.ModelConfig:
+  """Runs every check; returns the ModelConfig to build. Raises ValueError naming the field."""
+  check_train(config)
+  vocab = data_module.vocab_size(config.data)
+  check_lengths(config, data_module)
+  mcfg = check_model(config, vocab)
+  check_mesh(config, num_devices)
+  check_workdir(workdir, mcfg)
+  return mcfg

@@ -1,0 +1,68 @@
+"""Shared defaults for every experiment config: each field a run can set, with its default.
+
+Experiment files start from `base.get_config()` and override what they study. Fields:
+
+  model.encoding          a name of posenc_jax.encodings.NAMES (not a modifier)
+  model.encoding_kwargs   the encoding's hyperparameters (e.g. {"base": 500000.0} for rope)
+  model.kv_shift          compose the kv_shift modifier with the encoding
+  model.num_layers, d_model, num_heads, head_dim
+  model.num_kv_heads      0 = num_heads (no grouping)
+  model.mlp_dim           0 = auto (8/3 d_model for SwiGLU, 4 d_model for GELU)
+  model.block             "llama" (RMSNorm, SwiGLU, optional qk_norm) | "acc_rot" (LayerNorm,
+                          GELU, dropout)
+  model.dtype             "float32" | "bfloat16" compute (parameters stay float32)
+  model.implementation    None = auto (Pallas on GPU/TPU, dense jnp on CPU), or one of
+                          reference / xla / scan / chunked / pallas
+  train.*                 AdamW with linear warmup, cosine decay to 10%, global-norm clipping
+                          (grad_clip 0 turns it off); batch_size is global (all devices)
+  eval.lengths            evaluate at these sequence lengths (() = data.seq_len only)
+  eval.every              also evaluate every this many steps (0 = only at the end)
+  eval.num_batches        batches per eval set and length (0 = no evaluation)
+  eval.batch_size         0 = train.batch_size
+  mesh.data, mesh.fsdp    device mesh; -1 fills with the remaining devices
+  mesh.rules              logical axis name -> mesh axes (see experiments/sharding.py)
+  sweep.encodings         non-empty: train one run per encoding into WORKDIR/<encoding>/ and
+                          write a comparison table to WORKDIR/report.md
+  data.*                  see experiments/data.py (task, seq_len and the task's fields)
+"""
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+from experiments import data
+from experiments import sharding
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = ml_collections.ConfigDict(dict(
+      encoding="rope", encoding_kwargs=ml_collections.ConfigDict(), kv_shift=False,
+      num_layers=2, d_model=64, num_heads=2, num_kv_heads=0, head_dim=32, mlp_dim=0,
+      block="llama", qk_norm=False, dropout=0.0, tie_embeddings=False, dtype="float32",
+      implementation=config_dict.placeholder(str)))
+  c.train = ml_collections.ConfigDict(dict(
+      steps=1000, batch_size=32, learning_rate=1e-3, warmup_steps=100, weight_decay=0.1,
+      grad_clip=1.0, checkpoint_every=500, log_every=50, seed=0))
+  c.eval = ml_collections.ConfigDict(dict(
+      lengths=(), every=0, num_batches=4, batch_size=0, seed=1234))
+  c.data = data.default_data_config()
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, rules=sharding.DEFAULT_RULES))
+  c.sweep = ml_collections.ConfigDict(dict(encodings=()))
+  return c
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  """big_vision-style `arg`: "runlocal,encoding=path" -> {runlocal: True, encoding: "path"}.
+
+  Keys must appear in `defaults` (which also gives each value's type).
+  """
+  out = ml_collections.ConfigDict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    key, eq, value = item.partition("=")
+    if key not in defaults:
+      raise ValueError(f"config arg {key!r} is unknown; expected one of {tuple(defaults)}")
+    kind = type(defaults[key])
+    out[key] = True if not eq and kind is bool else (value.lower() in ("1", "true", "yes")
+                                                      if kind is bool else kind(value))
+  return out

@@ -1,0 +1,41 @@
+r"""Quickstart: flip-flop language modelling, RoPE vs PaTH, on one CPU in a few minutes.
+
+The PaTH paper's flip-flop experiment (Table 1) at toy scale: a 1-layer, 2-head model
+learns to recall the most recent written bit. Two runs, one per encoding, into
+WORKDIR/rope/ and WORKDIR/path/; then WORKDIR/report.md compares them: final loss and the
+read error on the "id" (training distribution), "sparse" (98% ignores: long gaps) and
+"dense" (10% ignores) test sets, and wall time.
+
+  python -m experiments.main --config=experiments/configs/quickstart.py --workdir=/tmp/qs
+
+`arg` (after a colon, comma-separated) selects variants:
+  runlocal         shrink everything to a seconds-long smoke run
+  encoding=NAME    one run with this encoding instead of the RoPE/PaTH pair
+  encodings=A+B+C  a sweep over these encodings
+  steps=N          train N steps (default 600; runlocal 10)
+e.g. --config=experiments/configs/quickstart.py:runlocal,encodings=rope+fox+path
+"""
+from __future__ import annotations
+
+from experiments.configs import base
+
+
+def get_config(arg: str | None = None):
+  a = base.parse_arg(arg, runlocal=False, encoding="", encodings="rope+path", steps=0)
+  c = base.get_config()
+  c.data.task = "flipflop"
+  c.data.seq_len = 128
+  c.model.update(num_layers=1, d_model=64, num_heads=2, head_dim=32, block="llama")
+  c.train.update(steps=a.steps or 600, batch_size=16, learning_rate=3e-3, warmup_steps=50,
+                 weight_decay=0.1, checkpoint_every=200, log_every=25)
+  c.eval.update(num_batches=4, batch_size=32)
+  if a.runlocal:
+    c.data.seq_len = 32
+    c.model.update(d_model=16, head_dim=8)
+    c.train.update(steps=a.steps or 10, batch_size=4, warmup_steps=2, checkpoint_every=5, log_every=5)
+    c.eval.update(num_batches=1, batch_size=4)
+  if a.encoding:
+    c.model.encoding = a.encoding
+  else:
+    c.sweep.encodings = tuple(a.encodings.split("+"))
+  return c

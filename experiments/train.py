@@ -1,0 +1,246 @@
+"""Training: the sharded, jitted train step and the loop around it.
+
+The train state is one pytree of arrays, so it is donated, sharded and checkpointed whole:
+
+  params  the model's nnx.Param values as a nested dict (nnx.to_pure_dict)
+  opt     optax AdamW state (warmup + cosine schedule, global-norm clipping)
+  step    int32 number of completed steps
+  rng     uint32 key data; step s draws its dropout / encoding keys from fold_in(rng, s),
+          so a resumed run draws exactly the keys an uninterrupted one would
+
+`Trainer` owns the compiled functions; `run` is the loop (data, logging, evaluation,
+checkpoints, SIGTERM, NaN guard, report).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+from flax import nnx
+from flax import traverse_util
+
+from experiments import checkpoint
+from experiments import config_checks
+from experiments import evaluate
+from experiments import report
+from experiments import sharding
+from posenc_jax import model as model_lib
+
+BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss became NaN or inf; the message names the step."""
+
+
+def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW with linear warmup and cosine decay to 10%; decay only on matrices."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, t.learning_rate, warmup_steps=t.warmup_steps, decay_steps=t.steps,
+      end_value=0.1 * t.learning_rate)
+  decay_mask = lambda params: traverse_util.path_aware_map(
+      lambda path, _: path[-1] in ("kernel", "embedding"), params)
+  parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+  parts.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay,
+                           mask=decay_mask))
+  return optax.chain(*parts), schedule
+
+
+class Trainer:
+  """Compiled init / train / eval functions for one model, optimizer and mesh."""
+
+  def __init__(self, mcfg: model_lib.ModelConfig, train_cfg, mesh, *, rules=sharding.DEFAULT_RULES):
+    self.mcfg, self.mesh, self.rules = mcfg, mesh, tuple(tuple(r) for r in rules)
+    shard = functools.partial(sharding.shard, rules=self.rules)
+    self._build = lambda key: model_lib.Transformer(mcfg, rngs=nnx.Rngs(params=key), shard=shard)
+    abstract_model = nnx.eval_shape(lambda: self._build(jax.random.key(0)))
+    self.graphdef, self.template, self.rest = nnx.split(abstract_model, nnx.Param, ...)
+    abstract_params = nnx.to_pure_dict(self.template)
+    logical = traverse_util.unflatten_dict(
+        {tuple(p): v.get_metadata().get("out_sharding") for p, v in nnx.to_flat_state(self.template)})
+    self.param_shardings = sharding.named_shardings(logical, abstract_params, mesh, rules=self.rules)
+    self.tx, self.schedule = make_optimizer(train_cfg)
+    repl = sharding.replicated(mesh)
+    opt_shardings = optax.tree_map_params(
+        self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, abstract_params),
+        self.param_shardings, transform_non_params=lambda _: repl)
+    self.state_shardings = {"params": self.param_shardings, "opt": opt_shardings,
+                            "step": repl, "rng": repl}
+    self.batch_sharding = sharding.batch_sharding(mesh, rules=self.rules)
+    self.init_state = jax.jit(self._init_state, out_shardings=self.state_shardings)
+    self.train_step = jax.jit(self._train_step, donate_argnums=0,
+                              in_shardings=(self.state_shardings, self.batch_sharding),
+                              out_shardings=(self.state_shardings, repl))
+    self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings,
+                                                            self.batch_sharding),
+                             out_shardings=repl)
+
+  def model(self, params) -> model_lib.Transformer:
+    """The NNX model holding `params` (a pure dict); cheap, usable inside jit."""
+    state = jax.tree.map(lambda x: x, self.template)  # fresh Variables to fill in
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(self.graphdef, state, self.rest)
+
+  def _init_state(self, seed):
+    init_key, train_key = jax.random.split(jax.random.key(seed))
+    params = nnx.to_pure_dict(nnx.state(self._build(init_key), nnx.Param))
+    return {"params": params, "opt": self.tx.init(params), "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(train_key)}
+
+  def _logits(self, params, batch, *, rngs, train):
+    return self.model(params)(batch["tokens"], positions_BT=batch["positions"],
+                              segment_ids_BT=batch["segment_ids"], rngs=rngs, train=train)
+
+  def _train_step(self, state, batch):
+    key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+    drop_key, enc_key = jax.random.split(key)
+
+    def loss_fn(params):
+      rngs = nnx.Rngs(dropout=drop_key, encoding=enc_key)
+      logits = self._logits(params, batch, rngs=rngs, train=True)
+      return evaluate.loss_and_metrics(logits, batch)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt = self.tx.update(grads, state["opt"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": loss, **metrics, "grad_norm": optax.global_norm(grads),
+               "learning_rate": self.schedule(state["step"])}
+    return {"params": params, "opt": opt, "step": state["step"] + 1, "rng": state["rng"]}, metrics
+
+  def _eval_step(self, params, batch):
+    return evaluate.token_sums(self._logits(params, batch, rngs=None, train=False), batch)
+
+  def put(self, batch: dict) -> dict:
+    """Host numpy batch (this process's rows) -> global arrays sharded over the batch axes."""
+    return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(batch[k]))
+            for k in BATCH_KEYS}
+
+  def abstract_state(self):
+    shapes = jax.eval_shape(self._init_state, 0)
+    return checkpoint.abstract(shapes, self.state_shardings)
+
+
+@contextlib.contextmanager
+def _sigterm_flag():
+  """Yields a dict whose "set" turns True on SIGTERM (so the loop can save and stop)."""
+  flag = {"set": False}
+  try:
+    previous = signal.signal(signal.SIGTERM, lambda *_: flag.update(set=True))
+  except ValueError:  # not the main thread: no handler, never set
+    previous = None
+  try:
+    yield flag
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+
+
+def _eval_sets(config, data_module, process_count: int) -> dict:
+  e = config.eval
+  batch = (e.batch_size or config.train.batch_size) // process_count
+  return {n: data_module.make_eval_sets(config.data, seq_len=n, batch_size=batch,
+                                        num_batches=e.num_batches, seed=e.seed)
+          for n in config_checks.eval_lengths(config)} if e.num_batches else {}
+
+
+def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | None = None) -> dict:
+  """Trains config's model in workdir (resuming if it holds a checkpoint); returns a summary.
+
+  stop_after: stop (saving a checkpoint) once this many steps are done, as if interrupted.
+  """
+  if data_module is None:
+    from experiments import data as data_module
+  started = time.time()
+  if mcfg is None:
+    mcfg = config_checks.check(config, workdir=workdir, data_module=data_module,
+                               num_devices=jax.device_count())
+  os.makedirs(workdir, exist_ok=True)
+  t = config.train
+  data_n, fsdp_n = config_checks.check_mesh(config, jax.device_count())
+  mesh = sharding.make_mesh(data=data_n, fsdp=fsdp_n)
+  trainer = Trainer(mcfg, t, mesh, rules=config.mesh.rules)
+  pc = jax.process_count()
+  train_iter = data_module.make_train_iter(config.data, batch_size=t.batch_size // pc,
+                                           seed=t.seed, process_index=jax.process_index(),
+                                           process_count=pc)
+  eval_sets = _eval_sets(config, data_module, pc)
+  ckpt = checkpoint.Checkpointer(workdir, every=t.checkpoint_every)
+  stored = config_checks.stored_form(mcfg)
+  primary = jax.process_index() == 0
+  log = report.MetricsLog(workdir, enabled=primary)
+  with jax.set_mesh(mesh), _sigterm_flag() as sigterm:
+    if ckpt.latest_step() is not None:
+      step, state = ckpt.restore(trainer.abstract_state(), train_iter)
+      log.truncate_after(step)  # drop records an interrupted run wrote past its checkpoint
+    else:
+      step, state = 0, trainer.init_state(t.seed)
+    tokens_per_step = t.batch_size * config.data.seq_len
+    last = stop_after if stop_after is not None else t.steps
+    bar = tqdm.tqdm(total=t.steps, initial=step, desc=mcfg.encoding, unit="step",
+                    dynamic_ncols=True, mininterval=0.5)
+    pending, window_start, final_loss = [], time.time(), None
+    while step < last and not sigterm["set"]:
+      state, metrics = trainer.train_step(state, trainer.put(next(train_iter)))
+      step += 1
+      pending.append(metrics)
+      bar.update(1)
+      if step % t.log_every == 0 or step == t.steps:
+        tok_s = tokens_per_step * len(pending) / max(time.time() - window_start, 1e-9)
+        final_loss = _flush(log, pending, step, tok_s, bar)
+        pending, window_start = [], time.time()
+      if config.eval.every and step % config.eval.every == 0 and step < t.steps and eval_sets:
+        log.eval(step, evaluate.evaluate_all(trainer.eval_step, state["params"], eval_sets,
+                                             trainer.put))
+      if ckpt.should_save(step) or step == t.steps:
+        ckpt.save(step, state, train_iter, stored)
+    bar.close()
+    if pending:
+      final_loss = _flush(log, pending, step, None, None)
+    if step < t.steps:  # interrupted (SIGTERM or stop_after): save and leave
+      ckpt.save(step, state, train_iter, stored)
+      ckpt.close()
+      log.close()
+      return {"encoding": mcfg.encoding, "step": step, "interrupted": True}
+    final_eval = (evaluate.evaluate_all(trainer.eval_step, state["params"], eval_sets, trainer.put)
+                  if eval_sets else [])
+  ckpt.close()
+  log.eval(step, final_eval)
+  log.close()
+  summary = {"encoding": mcfg.encoding, "kv_shift": mcfg.kv_shift, "step": step,
+             "final_loss": final_loss if final_loss is not None else log.last_loss(),
+             "eval": final_eval, "wall_time_s": time.time() - started,
+             "task": config.data.task, "seq_len": config.data.seq_len, "interrupted": False}
+  if primary:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    report.write_run_report(workdir, summary)
+  return summary
+
+
+def _flush(log, pending: list, step: int, tok_s, bar) -> float:
+  """Writes the metrics of the steps in `pending` (ending at `step`); stops on NaN/inf."""
+  host = jax.device_get(pending)
+  losses = np.array([m["loss"] for m in host], np.float64)
+  bad = evaluate.first_nonfinite(losses)
+  if bad is not None:
+    raise TrainingDiverged(f"loss is {losses[bad]} at step {step - len(host) + bad + 1}; "
+                           f"lower config.train.learning_rate or check the data")
+  # One record per logged step: that step's own values (exact, comparable across runs)
+  # plus the window's mean loss.
+  record = {k: float(v) for k, v in host[-1].items()}
+  record["loss_window_mean"] = float(losses.mean())
+  if tok_s is not None:
+    record["tokens_per_s"] = tok_s
+  log.train(step, record)
+  if bar is not None:
+    bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tok_s:,.0f}" if tok_s else "-")
+  return float(losses[-1])

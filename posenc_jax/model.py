@@ -1,0 +1,229 @@
+"""A decoder-only causal transformer (Flax NNX) that takes its position encoding from the registry.
+
+Two block styles, chosen by `ModelConfig.block`:
+  llama    pre-norm RMSNorm, SwiGLU MLP, optional QK-norm (the modern default)
+  acc_rot  pre-norm LayerNorm, GELU MLP, dropout (the accumulated-rotations paper's setup)
+
+Each attention layer owns its encoding's parameters (`encodings.get(name).init` gives the
+pytree; it is stored as nnx.Param leaves) and calls `enc.apply`; the model never branches on
+the encoding name. Parameters carry logical axis names as sharding metadata; activations
+are constrained through `shard`, which the training code resolves against a mesh.
+
+Shape letters: B batch, T time, C d_model, H query heads, K kv heads, D head dim,
+F mlp width, V vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posenc_jax import encodings
+
+try:  # the kv_shift modifier lives with the additive encodings
+  from posenc_jax.encodings.additive import kv_shift_apply
+  from posenc_jax.encodings.additive import kv_shift_init
+except ImportError:  # pragma: no cover - before it lands
+  kv_shift_apply = kv_shift_init = None
+
+BLOCKS = ("llama", "acc_rot")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# Default activation constraint: a no-op outside a mesh (see experiments/sharding.py).
+ShardFn = Callable[[jax.Array, Sequence[str | None]], jax.Array]
+
+
+def _no_shard(x, names):
+  del names
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Sizes and choices of the transformer. `num_kv_heads=0` means num_heads; mlp_dim=0 auto."""
+  vocab_size: int
+  encoding: str = "rope"
+  encoding_kwargs: tuple[tuple[str, Any], ...] = ()
+  kv_shift: bool = False
+  num_layers: int = 2
+  d_model: int = 64
+  num_heads: int = 2
+  num_kv_heads: int = 0
+  head_dim: int = 32
+  mlp_dim: int = 0
+  block: str = "llama"
+  qk_norm: bool = False
+  dropout: float = 0.0
+  tie_embeddings: bool = False
+  dtype: str = "float32"
+  implementation: str | None = None
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def mlp_width(self) -> int:
+    if self.mlp_dim:
+      return self.mlp_dim
+    if self.block == "llama":  # SwiGLU: 8/3 C keeps the parameter count of a 4C GELU MLP
+      return -(-8 * self.d_model // 3 // 8) * 8
+    return 4 * self.d_model
+
+  @property
+  def dims(self) -> encodings.Dims:
+    return encodings.Dims(self.d_model, self.num_heads, self.kv_heads, self.head_dim,
+                          self.vocab_size)
+
+  def encoding_fn(self) -> encodings.Encoding:
+    return encodings.get(self.encoding, **dict(self.encoding_kwargs))
+
+
+def _part(init, *names):
+  # eager_sharding=False: the logical names are metadata only; experiments/sharding.py maps
+  # them to a mesh, so a model can be built with no mesh at all.
+  return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+def _linear(din, dout, names, cfg, rngs, *, init=None):
+  init = init or nnx.initializers.lecun_normal()
+  return nnx.Linear(din, dout, use_bias=False, dtype=DTYPES[cfg.dtype],
+                    param_dtype=jnp.float32, kernel_init=_part(init, *names), rngs=rngs)
+
+
+def _norm(cfg, dim, names, rngs):
+  if cfg.block == "llama":
+    return nnx.RMSNorm(dim, dtype=DTYPES[cfg.dtype], param_dtype=jnp.float32,
+                       scale_init=_part(nnx.initializers.ones_init(), *names), rngs=rngs)
+  return nnx.LayerNorm(dim, dtype=DTYPES[cfg.dtype], param_dtype=jnp.float32,
+                       scale_init=_part(nnx.initializers.ones_init(), *names),
+                       bias_init=_part(nnx.initializers.zeros_init(), *names), rngs=rngs)
+
+
+def _as_params(tree):
+  return nnx.data(jax.tree.map(nnx.Param, tree))
+
+
+def _values(tree):
+  return jax.tree.map(lambda p: p[...], tree, is_leaf=lambda p: isinstance(p, nnx.Variable))
+
+
+class Attention(nnx.Module):
+  """Causal GQA self-attention whose position encoding comes from the registry."""
+
+  def __init__(self, cfg: ModelConfig, *, shard: ShardFn, rngs: nnx.Rngs):
+    C, H, K, D = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    self.cfg, self.shard = cfg, shard
+    self.q_proj = _linear(C, H * D, ("embed", "heads"), cfg, rngs)
+    self.k_proj = _linear(C, K * D, ("embed", "kv_heads"), cfg, rngs)
+    self.v_proj = _linear(C, K * D, ("embed", "kv_heads"), cfg, rngs)
+    self.o_proj = _linear(H * D, C, ("heads", "embed"), cfg, rngs)
+    if cfg.qk_norm:
+      self.q_norm = _norm(cfg, D, ("head_dim",), rngs)
+      self.k_norm = _norm(cfg, D, ("head_dim",), rngs)
+    self.enc = cfg.encoding_fn()
+    self.enc_params = _as_params(self.enc.init(rngs.params(), cfg.dims))
+    if cfg.kv_shift:
+      if kv_shift_init is None:
+        raise ValueError("model.kv_shift=True needs posenc_jax.encodings.additive.kv_shift_init")
+      self.kv_shift_params = _as_params(kv_shift_init(rngs.params(), cfg.dims))
+
+  def __call__(self, x_BTC, *, tokens_BT, positions_BT, segment_ids_BT, rngs, train):
+    cfg, (B, T, _) = self.cfg, x_BTC.shape
+    q = self.q_proj(x_BTC).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = self.k_proj(x_BTC).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+    v = self.v_proj(x_BTC).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+    q = self.shard(q, ("batch", "length", "heads", "head_dim"))
+    k = self.shard(k, ("batch", "length", "kv_heads", "head_dim"))
+    v = self.shard(v, ("batch", "length", "kv_heads", "head_dim"))
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    if cfg.kv_shift:
+      k, v = kv_shift_apply(_values(self.kv_shift_params), x=x_BTC, k=k, v=v,
+                            segment_ids=segment_ids_BT)
+    # Encodings that sample (acc_rot_random) draw a fresh key per layer and step in training.
+    rng = rngs.encoding() if (train and rngs is not None) else None
+    o = self.enc.apply(_values(self.enc_params), x=x_BTC, q=q, k=k, v=v,
+                       positions=positions_BT, segment_ids=segment_ids_BT, tokens=tokens_BT,
+                       rng=rng, train=train, implementation=cfg.implementation)
+    o = self.shard(o.astype(x_BTC.dtype), ("batch", "length", "heads", "head_dim"))
+    return self.o_proj(o.reshape(B, T, cfg.num_heads * cfg.head_dim))
+
+
+class Mlp(nnx.Module):
+  """SwiGLU (llama) or GELU (acc_rot) feed-forward."""
+
+  def __init__(self, cfg: ModelConfig, *, shard: ShardFn, rngs: nnx.Rngs):
+    C, F = cfg.d_model, cfg.mlp_width
+    self.gated, self.shard = cfg.block == "llama", shard
+    self.up = _linear(C, F, ("embed", "mlp"), cfg, rngs)
+    if self.gated:
+      self.gate = _linear(C, F, ("embed", "mlp"), cfg, rngs)
+    self.down = _linear(F, C, ("mlp", "embed"), cfg, rngs)
+
+  def __call__(self, x_BTC):
+    h = nnx.silu(self.gate(x_BTC)) * self.up(x_BTC) if self.gated else nnx.gelu(self.up(x_BTC))
+    return self.down(self.shard(h, ("batch", "length", "mlp")))
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, shard: ShardFn, rngs: nnx.Rngs):
+    self.attn_norm = _norm(cfg, cfg.d_model, ("embed",), rngs)
+    self.attn = Attention(cfg, shard=shard, rngs=rngs)
+    self.mlp_norm = _norm(cfg, cfg.d_model, ("embed",), rngs)
+    self.mlp = Mlp(cfg, shard=shard, rngs=rngs)
+    self.dropout = nnx.Dropout(cfg.dropout) if cfg.dropout > 0 else None
+
+  def _drop(self, x, rngs, train):
+    if self.dropout is None:
+      return x
+    return self.dropout(x, deterministic=not train, rngs=rngs)
+
+  def __call__(self, x_BTC, *, rngs, train, **layer):
+    x_BTC = x_BTC + self._drop(self.attn(self.attn_norm(x_BTC), rngs=rngs, train=train, **layer),
+                               rngs, train)
+    return x_BTC + self._drop(self.mlp(self.mlp_norm(x_BTC)), rngs, train)
+
+
+class Transformer(nnx.Module):
+  """tokens [B, T] -> logits [B, T, V] (float32)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, shard: ShardFn = _no_shard):
+    if cfg.block not in BLOCKS:
+      raise ValueError(f"model.block={cfg.block!r} is not one of {BLOCKS}")
+    if cfg.dtype not in DTYPES:
+      raise ValueError(f"model.dtype={cfg.dtype!r} is not one of {tuple(DTYPES)}")
+    self.cfg, self.shard = cfg, shard
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=DTYPES[cfg.dtype],
+                           param_dtype=jnp.float32,
+                           embedding_init=_part(nnx.initializers.normal(1.0), "vocab", "embed"),
+                           rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, shard=shard, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = _norm(cfg, cfg.d_model, ("embed",), rngs)
+    if not cfg.tie_embeddings:
+      self.head = _linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), cfg, rngs)
+
+  def __call__(self, tokens_BT, *, positions_BT=None, segment_ids_BT=None,
+               rngs: nnx.Rngs | None = None, train: bool = False):
+    """positions default to 0..T-1; segment_ids None = one sequence per row.
+
+    rngs: streams "dropout" and "encoding", needed only when train=True.
+    """
+    B, T = tokens_BT.shape
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x = self.shard(self.embed(tokens_BT), ("batch", "length", "embed"))
+    layer = dict(tokens_BT=tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
+    for block in self.blocks:
+      x = self.shard(block(x, rngs=rngs, train=train, **layer), ("batch", "length", "embed"))
+    x = self.final_norm(x)
+    if self.cfg.tie_embeddings:  # 1/sqrt(C): unit-variance embeddings would give huge logits
+      logits = self.embed.attend(x) / jnp.sqrt(jnp.asarray(self.cfg.d_model, x.dtype))
+    else:
+      logits = self.head(x)
+    return self.shard(logits.astype(jnp.float32), ("batch", "length", "vocab"))
