@@ -31,6 +31,8 @@ of n reads examples p, p + n, ... (synthetic) or every n-th training file (text)
 """
 from __future__ import annotations
 
+import functools
+
 import grain
 import ml_collections
 import numpy as np
@@ -70,10 +72,11 @@ def _check(config, seq_len: int | None = None) -> None:
   """Raises one ValueError naming the offending data.* field."""
   if config.task not in TASKS:
     raise ValueError(f"data.task={config.task!r} must be one of {TASKS}")
+  name = "data.seq_len" if seq_len is None else "seq_len"  # the field, or an eval length
   seq_len = config.seq_len if seq_len is None else seq_len
   minimum = SYNTHETIC[config.task].MIN_SEQ_LEN if config.task in SYNTHETIC else 1
   if not isinstance(seq_len, (int, np.integer)) or seq_len < minimum:
-    raise ValueError(f"data.seq_len={seq_len!r} must be an int >= {minimum} for task {config.task!r}")
+    raise ValueError(f"{name}={seq_len!r} must be an int >= {minimum} for data.task={config.task!r}")
   if config.task in SYNTHETIC:
     SYNTHETIC[config.task].validate(config)
   else:
@@ -116,19 +119,26 @@ def _check_batching(batch_size: int, process_index: int = 0, process_count: int 
 # --- synthetic tasks ---------------------------------------------------------------
 
 
-def _synthetic_rows(config, *, split: str, seq_len: int, seed: int) -> grain.MapDataset:
-  """Example i of the `split` stream, as a MapDataset over the infinite index range."""
-  task = SYNTHETIC[config.task]
-  stream = 0 if split == "train" else 1 + task.TEST_SETS.index(split)
-  config = ml_collections.FrozenConfigDict(config)  # a picklable snapshot, immune to later edits
+class _SyntheticExample:
+  """index -> example of one stream; a plain picklable callable (for multiprocess prefetch)."""
 
-  def example(index: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng([seed, stream, index])
-    ex = task.make_example(config, rng, seq_len=seq_len, split=split)
-    ex["segment_ids"] = np.ones(seq_len, np.int32)
-    ex["positions"] = np.arange(seq_len, dtype=np.int32)
+  def __init__(self, config, *, split: str, seq_len: int, seed: int):
+    task = SYNTHETIC[config.task]
+    self.task_name, self.split, self.seq_len, self.seed = config.task, split, seq_len, seed
+    self.stream = 0 if split == "train" else 1 + task.TEST_SETS.index(split)
+    self.config = ml_collections.FrozenConfigDict(config)  # a snapshot, immune to later edits
+
+  def __call__(self, index: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([self.seed, self.stream, index])
+    ex = SYNTHETIC[self.task_name].make_example(self.config, rng, seq_len=self.seq_len, split=self.split)
+    ex["segment_ids"] = np.ones(self.seq_len, np.int32)
+    ex["positions"] = np.arange(self.seq_len, dtype=np.int32)
     return ex
 
+
+def _synthetic_rows(config, *, split: str, seq_len: int, seed: int) -> grain.MapDataset:
+  """Example i of the `split` stream, as a MapDataset over the (practically) infinite range."""
+  example = _SyntheticExample(config, split=split, seq_len=seq_len, seed=seed)
   return grain.MapDataset.range(_STREAM_LEN).map(example)
 
 
@@ -146,7 +156,7 @@ def _packed_text(config, split: str, *, seq_len: int, seed: int, process_index: 
     if len(docs) == 0:
       raise ValueError(f"process_count={process_count} exceeds the {len(files)} training files")
     docs = docs.shuffle(seed).repeat()
-  docs = docs.map(lambda path: code_corpus.read_document(root, path))
+  docs = docs.map(functools.partial(code_corpus.read_document, root))
   rows = grain.experimental.ConcatThenSplitIterDataset(
       docs.to_iter_dataset(), length_struct={"inputs": seq_len, "targets": seq_len})
   return rows.map(_text_row)

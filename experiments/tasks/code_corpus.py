@@ -68,7 +68,8 @@ def split_files(config, split: str) -> tuple[str, list[str], int]:
   if config.max_files is not None:
     if config.max_files < 1:
       raise ValueError(f"data.max_files={config.max_files} must be >= 1 or None")
-    keep = config.max_files if split == "train" else max(1, math.ceil(config.max_files * config.valid_fraction))
+    n_valid = max(1, math.ceil(config.max_files * config.valid_fraction))
+    keep = config.max_files if split == "train" else n_valid
     files = files[:keep]
   if not files:
     raise ValueError(f"the {split} split of data.text_dir={root!r} is empty "

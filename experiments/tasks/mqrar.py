@@ -16,8 +16,10 @@ Each step draws a uniform key k; with probability `query_prob`, and if k already
 >= N assignments, the item queries k, otherwise it assigns k a uniform value. So
 queries spread evenly over the keys, and early in a stream (before keys have N
 values) assignments dominate. The default query_prob 0.3 leaves about 7 assignments
-per key in a 768-token stream with 32 keys, so N up to 4 gets most of its queries. `num_pairs` is the number of distinct
-keys (variables), `num_values` the number of value symbols.
+per key in a 768-token stream with 32 keys, so N up to 4 still gets ~70 queries per
+stream (N = 1: ~90). `num_pairs` is the number of distinct keys (variables),
+`num_values` the number of value symbols; PaTH's "32 key-value pairs" is read as 32
+keys.
 
 Vocabulary: 0 = `?`, 1..num_pairs = keys, num_pairs + 1 .. num_pairs + num_values =
 values. loss_mask is 1 on the key token of each query (its next-token target is the
