@@ -1,0 +1,148 @@
+"""Public entry points: PaTH and FoX attention as Pallas kernels with their own backward.
+
+  path_attention(q, k, v, w, beta, log_forget=None, *, scale, segment_ids, block_sizes, interpret)
+  forgetting_attention(q, k, v, log_forget, *, scale, segment_ids, block_sizes, interpret)
+
+l_ij = scale q_i^T (H_i ... H_{j+1}) k_j + sum_{s=j+1}^{i} log_forget_s, H_t = I - beta_t w_t w_t^T,
+causal softmax; segments never attend across each other. Shapes: q [B, T, H, D]; k, v, w
+[B, T, K, D] (query head h reads kv head h // (H // K)); beta [B, T, K]; log_forget [B, T, H];
+segment_ids [B, T] int. Any T (padded inside to whole chunks with identity transport).
+
+The VJP is a jax.custom_vjp: the backward kernel (kernels.py) gives gradients of the kernel's
+operands and jax.vjp of the jnp pre-pass (prepass.py) carries them to q, k, v, w, beta, log_forget.
+Residuals are the inputs, the output and the log-sum-exp: O(T) memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas.path_attention import calls
+from kernels_pallas.path_attention import prepass
+from kernels_pallas.path_attention.calls import BlockSizes
+
+BACKENDS = ("gpu", "tpu", "interpret", "tpu_interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  scale: float
+  T: int
+  backend: str
+  block_sizes: BlockSizes
+
+
+def _precision(dtype):
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _prepare(cfg, q, k, v, w, beta, log_forget, seg, dtype):
+  return prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale,
+                         C=cfg.block_sizes.block_q, dtype=dtype)
+
+
+def _cast(ops: prepass.Operands, dtype):
+  """Matmul operands to the kernel dtype; logits, gates and ids stay as they are."""
+  return ops._replace(**{f: getattr(ops, f).astype(dtype) for f in ("q", "k", "v", "w", "u")
+                         if getattr(ops, f) is not None})
+
+
+def _forward(cfg, q, k, v, w, beta, log_forget, seg):
+  ops = _cast(_prepare(cfg, q, k, v, w, beta, log_forget, seg, jnp.float32), q.dtype)
+  o, lse = calls.forward(ops, scale=cfg.scale, precision=_precision(q.dtype),
+                         backend=cfg.backend, bs=cfg.block_sizes)
+  return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(cfg, q, k, v, w, beta, log_forget, seg):
+  o, _ = _forward(cfg, q, k, v, w, beta, log_forget, seg)
+  return prepass.unblocked(o)[:, :cfg.T]
+
+
+def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
+  o, lse = _forward(cfg, q, k, v, w, beta, log_forget, seg)
+  return prepass.unblocked(o)[:, :cfg.T], (q, k, v, w, beta, log_forget, seg, o, lse)
+
+
+def _attend_bwd(cfg, res, do):
+  q, k, v, w, beta, log_forget, seg, o, lse = res
+  C = cfg.block_sizes.block_q
+  B, _, H, D = q.shape
+  K = k.shape[2]
+  n = o.shape[2]
+  do_b = prepass.blocked(prepass.pad_time(do, n * C), C).astype(q.dtype)
+  delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
+  # Recompute the pre-pass under jax.vjp (float32), run the backward kernel on its outputs.
+  ops32, pullback = jax.vjp(
+      lambda *a: _prepare(cfg, *a, seg, jnp.float32), q, k, v, w, beta, log_forget)
+  g = calls.backward(_cast(ops32, q.dtype), do_b, lse, delta, scale=cfg.scale,
+                     precision=_precision(q.dtype), backend=cfg.backend, bs=cfg.block_sizes)
+  group_sum = lambda x: x.reshape(B, K, H // K, *x.shape[2:]).sum(2)  # GQA: fixed-order sum
+  ct = ops32._replace(
+      q=g["q"], k=group_sum(g["k"]), v=group_sum(g["v"]),
+      w=None if w is None else group_sum(g["w"]), u=None if w is None else group_sum(g["u"]),
+      diag=g.get("diag"), fq=g.get("fq"), fk=g.get("fk"),
+      sq=None if seg is None else jnp.zeros_like(ops32.sq),
+      sk=None if seg is None else jnp.zeros_like(ops32.sk))
+  grads = pullback(ct)
+  grads = tuple(None if x is None else gx.astype(x.dtype)
+                for x, gx in zip((q, k, v, w, beta, log_forget), grads))
+  return grads + (None,)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _backend(interpret, backend):
+  if backend is not None:
+    if backend not in BACKENDS:
+      raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    return backend
+  if interpret:
+    return "interpret"
+  platform = jax.default_backend()
+  if platform not in ("gpu", "tpu"):
+    raise ValueError(f"no Pallas backend for platform {platform!r}: pass interpret=True")
+  return platform
+
+
+def _check(q, k, v, w, beta, log_forget, segment_ids, block_sizes):
+  if q.ndim != 4:
+    raise ValueError(f"q must have shape [B, T, H, D], got {q.shape}")
+  B, T, H, D = q.shape
+  if k.ndim != 4 or k.shape[:2] != (B, T) or k.shape[3] != D or H % k.shape[2]:
+    raise ValueError(f"k must have shape [B={B}, T={T}, K, D={D}] with H={H} % K == 0, "
+                     f"got {k.shape}")
+  K = k.shape[2]
+  for name, x, shape in (("v", v, (B, T, K, D)), ("w", w, (B, T, K, D)), ("beta", beta, (B, T, K)),
+                         ("log_forget", log_forget, (B, T, H)), ("segment_ids", segment_ids, (B, T))):
+    if x is not None and tuple(x.shape) != shape:
+      raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+  block_sizes.validate(D)
+
+
+def path_attention(q, k, v, w, beta, log_forget=None, *, scale=None, segment_ids=None,
+                   block_sizes: BlockSizes | None = None, interpret=False, backend=None):
+  """PaTH (and PaTH-FoX with log_forget) attention -> o [B, T, H, D] in v's dtype."""
+  block_sizes = block_sizes or BlockSizes()
+  if w is None or beta is None:
+    raise ValueError("w and beta are required (use forgetting_attention for no transport)")
+  _check(q, k, v, w, beta, log_forget, segment_ids, block_sizes)
+  cfg = _Config(scale=float(q.shape[-1] ** -0.5 if scale is None else scale), T=q.shape[1],
+                backend=_backend(interpret, backend), block_sizes=block_sizes)
+  return _attend(cfg, q, k, v, w, beta, log_forget, segment_ids)
+
+
+def forgetting_attention(q, k, v, log_forget, *, scale=None, segment_ids=None,
+                         block_sizes: BlockSizes | None = None, interpret=False, backend=None):
+  """FoX attention (no transport); ALiBi is a constant log_forget per head."""
+  block_sizes = block_sizes or BlockSizes()
+  _check(q, k, v, None, None, log_forget, segment_ids, block_sizes)
+  cfg = _Config(scale=float(q.shape[-1] ** -0.5 if scale is None else scale), T=q.shape[1],
+                backend=_backend(interpret, backend), block_sizes=block_sizes)
+  return _attend(cfg, q, k, v, None, None, log_forget, segment_ids)

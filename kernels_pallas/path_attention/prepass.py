@@ -1,0 +1,132 @@
+"""Per-chunk UT pre-pass for the PaTH kernel, in plain jnp (differentiated by jax.vjp).
+
+Within a chunk of C tokens with Householder vectors W [C, D] and strengths beta [C]:
+
+  X = (I + strictLower(diag(beta) W W^T))^{-1} diag(beta)     lower triangular [C, C]
+  H_{C-1} ... H_0 = I - W^T X W = I - W^T U,  U = X W
+
+and every in-chunk product H_b ... H_a (latest on the left) is I - sum_{a<=s<=r<=b} X_rs w_r w_s^T.
+From these the kernel needs, per chunk:
+  q^ = q transported to its chunk's start:  Q^ = Q - (lower(Q W^T) X) W
+  k^ = k transported to its chunk's end:    K^ = K - (X strictLower(W K^T))^T W
+  diag logits (query and key in one chunk): scale (Q K^T - (lower(Q W^T) X) strictLower(W K^T))
+so that for key chunk m < query chunk c: l = scale q^ P_{c-1} ... P_{m+1} k^ with q~ <- q~ P = q~ - (q~ W^T) U.
+
+The triangular solve happens here, outside the kernel (it does not lower inside Pallas). All
+arithmetic is float32. Layout out of here is head-major and blocked: [B, heads, n, C, ...].
+
+Shape letters: B batch, T time (Tp padded), H query heads, K kv heads, G = H // K, n chunks, C chunk,
+D head dim.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Operands(NamedTuple):
+  """Kernel operands; None where a feature is off (no transport, no gate, no segments)."""
+  q: jax.Array            # [B, H, n, C, D] q^ (transport) or q, kernel dtype
+  k: jax.Array            # [B, K, n, C, D] k^ (transport) or k
+  v: jax.Array            # [B, K, n, C, D]
+  w: jax.Array | None     # [B, K, n, C, D]
+  u: jax.Array | None     # [B, K, n, C, D] U = X W
+  diag: jax.Array | None  # [B, H, n, C, C] float32 scaled in-chunk logits (transport only)
+  fq: jax.Array | None    # [B, H, n, C, 1] float32 gate prefix sums, query layout
+  fk: jax.Array | None    # [B, H, n, 1, C] the same, key layout
+  sq: jax.Array | None    # [B, 1, n, C, 1] int32 segment ids, query layout
+  sk: jax.Array | None    # [B, 1, n, 1, C]
+
+
+def blocked(x, C: int):
+  """[B, Tp, X, ...] -> [B, X, n, C, ...] (head-major chunks)."""
+  B, Tp = x.shape[:2]
+  x = x.reshape(B, Tp // C, C, *x.shape[2:])
+  return jnp.moveaxis(x, 3, 1)
+
+
+def unblocked(x):
+  """[B, X, n, C, ...] -> [B, n*C, X, ...]."""
+  x = jnp.moveaxis(x, 1, 3)
+  return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def pad_time(x, Tp: int, value=0):
+  if x is None or x.shape[1] == Tp:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, Tp - x.shape[1])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def segment_prefix_sum(x_BTH, seg_BT):
+  """Inclusive cumulative sum over time restarting at every segment start (float32)."""
+  if seg_BT is None:
+    return jnp.cumsum(x_BTH, axis=1)
+  start = jnp.concatenate([jnp.ones_like(seg_BT[:, :1], bool), seg_BT[:, 1:] != seg_BT[:, :-1]], 1)
+  start = jnp.broadcast_to(start[..., None], x_BTH.shape)
+
+  def combine(a, b):
+    (va, fa), (vb, fb) = a, b
+    return jnp.where(fb, vb, va + vb), fa | fb
+
+  return jax.lax.associative_scan(combine, (x_BTH, start), axis=1)[0]
+
+
+def _tril(x, k=0):
+  C = x.shape[-1]
+  return jnp.where(jnp.arange(C)[:, None] - jnp.arange(C)[None, :] >= -k, x, 0.0)
+
+
+def ut_transform(w_c, beta_c):
+  """X = (I + strictLower(diag(beta) W W^T))^{-1} diag(beta); w_c [..., C, D], beta_c [..., C]."""
+  C = w_c.shape[-2]
+  a = _tril(beta_c[..., :, None] * jnp.einsum("...id,...jd->...ij", w_c, w_c), -1)
+  eye = jnp.eye(C, dtype=w_c.dtype)
+  rhs = jnp.broadcast_to(eye * beta_c[..., None, :], a.shape)
+  return jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True)
+
+
+def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype):
+  """Pads T to whole chunks and builds the kernel operands (see the module docstring).
+
+  q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K]; log_forget [B, T, H]; seg [B, T] int.
+  Padding uses beta = 0 (identity transport), a zero gate and segment id -1 (its own segment).
+  """
+  B, T, H, D = q.shape
+  K = k.shape[2]
+  G = H // K
+  Tp = -(-T // C) * C
+  n = Tp // C
+  f32 = jnp.float32
+  qb = blocked(pad_time(q, Tp), C).astype(f32)   # [B, H, n, C, D]
+  kb = blocked(pad_time(k, Tp), C).astype(f32)   # [B, K, n, C, D]
+  vb = blocked(pad_time(v, Tp), C).astype(dtype)
+  ops = dict(v=vb, w=None, u=None, diag=None, fq=None, fk=None, sq=None, sk=None)
+  if w is None:
+    ops.update(q=qb.astype(dtype), k=kb.astype(dtype))
+  else:
+    wb = blocked(pad_time(w, Tp), C).astype(f32)
+    bb = jnp.moveaxis(pad_time(beta, Tp).astype(f32).reshape(B, n, C, K), 3, 1)  # [B, K, n, C]
+    x = ut_transform(wb, bb)                                        # [B, K, n, C, C]
+    u = x @ wb
+    wk = _tril(jnp.einsum("bkncd,bknjd->bkncj", wb, kb), -1)       # w_r . k_j, r > j
+    khat = kb - jnp.einsum("bknrj,bknrd->bknjd", x @ wk, wb)
+    qg = qb.reshape(B, K, G, n, C, D)
+    gm = _tril(jnp.einsum("bkgnid,bknrd->bkgnir", qg, wb)) @ x[:, :, None]   # lower(Q W^T) X
+    qhat = qg - gm @ wb[:, :, None]
+    diag = jnp.einsum("bkgnid,bknjd->bkgnij", qg, kb) - gm @ wk[:, :, None]
+    ops.update(q=qhat.reshape(B, H, n, C, D).astype(dtype), k=khat.astype(dtype),
+               w=wb.astype(dtype), u=u.astype(dtype),
+               diag=(scale * diag).reshape(B, H, n, C, C))
+  if log_forget is not None:
+    segp = None if seg is None else pad_time(seg, Tp, -1)
+    f = segment_prefix_sum(pad_time(log_forget.astype(f32), Tp), segp)   # [B, Tp, H]
+    fb = blocked(f, C)                                                    # [B, H, n, C]
+    ops.update(fq=fb[..., None], fk=fb[..., None, :])
+  if seg is not None:
+    sb = pad_time(seg.astype(jnp.int32), Tp, -1).reshape(B, 1, n, C)
+    ops.update(sq=sb[..., None], sk=sb[..., None, :])
+  return Operands(**ops)
