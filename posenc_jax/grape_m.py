@@ -80,17 +80,21 @@ def rank2_apply(x, a, b, phase):
   """exp(phase * L(a, b)) x for L(a, b) = a b^T - b a^T, in O(D).
 
   x [..., D]; a, b [..., D] broadcastable to x; phase [...] (x without its last axis).
-  L x = a (b.x) - b (a.x), L^2 x = gamma (a (b.x) + b (a.x)) - beta a (a.x) - alpha b (b.x),
-  alpha = |a|^2, beta = |b|^2, gamma = a.b, s^2 = alpha beta - gamma^2 (GRAPE App. I).
+  GRAPE App. I: L x = a (b.x) - b (a.x), L^2 x = gamma (a (b.x) + b (a.x)) - beta a (a.x)
+  - alpha b (b.x), s^2 = alpha beta - gamma^2. L(a, b) = L(a, b - c a) for every c, so we first
+  replace b by its part orthogonal to a (gamma = 0): s^2 = |a|^2 |b_perp|^2 then needs no
+  difference of nearly equal products, and neither do L x and L^2 x when a and b are close
+  to parallel (s small). a = 0 gives L = 0 with finite gradients.
   """
-  alpha, beta, gamma = (a * a).sum(-1), (b * b).sum(-1), (a * b).sum(-1)
-  s2 = jnp.maximum(alpha * beta - gamma * gamma, 0.0)  # rounding can make it slightly < 0
-  u, v = (a * x).sum(-1), (b * x).sum(-1)
-  f1, f2 = rodrigues_coefficients(phase, s2)
-  lx = a * v[..., None] - b * u[..., None]
-  l2x = (gamma[..., None] * (a * v[..., None] + b * u[..., None])
-         - beta[..., None] * a * u[..., None] - alpha[..., None] * b * v[..., None])
-  return x + f1[..., None] * lx + f2[..., None] * l2x
+  alpha = (a * a).sum(-1, keepdims=True)
+  safe = jnp.where(alpha > 0, alpha, 1.0)
+  b = b - ((a * b).sum(-1, keepdims=True) / safe) * a
+  beta = (b * b).sum(-1, keepdims=True)
+  u, v = (a * x).sum(-1, keepdims=True), (b * x).sum(-1, keepdims=True)
+  f1, f2 = rodrigues_coefficients(jnp.asarray(phase)[..., None], alpha * beta)
+  lx = a * v - b * u
+  l2x = -(beta * u) * a - (alpha * v) * b
+  return x + f1 * lx + f2 * l2x
 
 
 def rank2_planes_apply(x_BTHD, a_HND, b_HND, phases_BTHN):

@@ -1,0 +1,267 @@
+"""posenc_jax.rotations and posenc_jax.grape_m: golden values, group laws, oracles (expm)."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posenc_jax import grape_m
+from posenc_jax import rotations
+from tests.util import assert_rel_rms
+from tests.util import assert_trees_rel_rms
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _logits(q_BTHD, k_BTHD):
+  return jnp.einsum("bihd,bjhd->bhij", q_BTHD, k_BTHD)
+
+
+def test_rotate_golden():
+  x = jnp.array([1.0, 2.0, 3.0, 4.0])
+  y = rotations.rotate(x, jnp.array([math.pi / 2, math.pi]))
+  np.testing.assert_allclose(y, [-2.0, 1.0, -3.0, -4.0], atol=1e-6)
+
+
+def test_rope_golden():
+  # base 100, D = 4: omega = (1, 0.1). Position 1 turns pair 0 by 1 rad and pair 1 by 0.1 rad.
+  x = jnp.array([1.0, 0.0, 0.0, 1.0]).reshape(1, 1, 1, 4)
+  x = jnp.concatenate([x, x], axis=1)
+  y = rotations.rope(x, jnp.array([[0, 1]]), base=100.0)
+  np.testing.assert_allclose(y[0, 0, 0], [1.0, 0.0, 0.0, 1.0], atol=1e-7)
+  np.testing.assert_allclose(y[0, 1, 0], [math.cos(1), math.sin(1), -math.sin(0.1), math.cos(0.1)],
+                             atol=1e-6)
+
+
+def test_rotate_rejects_bad_shapes():
+  with pytest.raises(ValueError, match="must be even"):
+    rotations.rotate(jnp.ones((2, 5)), jnp.ones((2, 2)))
+  with pytest.raises(ValueError, match="angles must have shape"):
+    rotations.rotate(jnp.ones((2, 6)), jnp.ones((2, 2)))
+  with pytest.raises(ValueError, match="do not broadcast"):
+    rotations.rotate(jnp.ones((2, 6)), jnp.ones((3, 3)))
+  with pytest.raises(ValueError, match="layout"):
+    rotations.rotate(jnp.ones((2, 6)), jnp.ones((2, 3)), layout="neox")
+
+
+def test_rotation_preserves_norm(key):
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (3, 7, 2, 16))
+  y = rotations.rotate(x, 10 * jax.random.normal(k2, (3, 7, 1, 8)))
+  np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_half_layout_is_a_channel_permutation(key):
+  k1, k2 = jax.random.split(key)
+  D = 12
+  x = jax.random.normal(k1, (2, 5, 3, D))
+  a = jax.random.normal(k2, (2, 5, 1, D // 2))
+  perm = np.concatenate([np.arange(0, D, 2), np.arange(1, D, 2)])   # half[m] = inter[2m] ...
+  np.testing.assert_allclose(rotations.rotate(x[..., perm], a, layout="half"),
+                             rotations.rotate(x, a)[..., perm], atol=1e-6)
+
+
+def test_rope_relative_law(key):
+  k1, k2, k3 = jax.random.split(key, 3)
+  q, k = jax.random.normal(k1, (2, 9, 2, 8)), jax.random.normal(k2, (2, 9, 2, 8))
+  pos = jax.random.randint(k3, (2, 9), 0, 50)
+  base = _logits(rotations.rope(q, pos), rotations.rope(k, pos))
+  shifted = _logits(rotations.rope(q, pos + 37), rotations.rope(k, pos + 37))
+  assert_rel_rms(shifted, base, 1e-5, "rope logits after a shift")
+
+
+def test_accumulated_phase_relative_law(key):
+  """A constant phase offset (what a shifted start does to phi) leaves the logits unchanged."""
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  q, k = jax.random.normal(k1, (2, 9, 2, 8)), jax.random.normal(k2, (2, 9, 2, 8))
+  steps = rotations.random_step_angles(k3, (2, 9), rotations.rope_frequencies(8))
+  phi = rotations.accumulate_phases(steps)[:, :, None, :]
+  c = jax.random.uniform(k4, (1, 1, 1, 4), maxval=100.0)
+  base = _logits(rotations.rotate(q, phi), rotations.rotate(k, phi))
+  shifted = _logits(rotations.rotate(q, phi + c), rotations.rotate(k, phi + c))
+  assert_rel_rms(shifted, base, 1e-5, "accumulated-rotation logits after a phase offset")
+
+
+def test_accumulate_phases_restart_at_segments(key):
+  steps = jax.random.uniform(key, (2, 10, 3))
+  seg = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 7, 7, 7, 7]])
+  s, sid = np.asarray(steps, np.float64), np.asarray(seg)
+  want_inc, want_exc = np.zeros_like(s), np.zeros_like(s)
+  for b in range(2):
+    acc = np.zeros(3)
+    for t in range(10):
+      if t == 0 or sid[b, t] != sid[b, t - 1]:
+        acc = np.zeros(3)
+      want_exc[b, t] = acc
+      acc = acc + s[b, t]
+      want_inc[b, t] = acc
+  np.testing.assert_allclose(rotations.accumulate_phases(steps, seg), want_inc, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(rotations.accumulate_phases(steps, seg, exclusive=True), want_exc,
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_random_step_angles_law(key):
+  freqs = rotations.rope_frequencies(8)
+  d = np.asarray(rotations.random_step_angles(key, (64, 256), freqs))
+  assert (d >= 0).all() and (d <= 2 * np.asarray(freqs)).all()
+  # U(0, 2w) has mean w and std w / sqrt(3); 16384 samples per plane: 6 sigma is 0.027 w.
+  np.testing.assert_allclose(d.reshape(-1, 4).mean(0) / freqs, 1.0, atol=0.03)
+
+
+def test_length_extension_frequencies():
+  D, s = 64, 4.0
+  omega = np.asarray(rotations.rope_frequencies(D))
+  ntk = np.asarray(rotations.rope_frequencies(D, base=rotations.ntk_base(D, scale=s)))
+  np.testing.assert_allclose([ntk[0], ntk[-1]], [omega[0], omega[-1] / s], rtol=1e-5)
+  yarn = np.asarray(rotations.yarn_frequencies(D, scale=s, train_len=2048))
+  turns = 2048 * omega / (2 * math.pi)
+  np.testing.assert_allclose(yarn[turns > 32], omega[turns > 32], rtol=1e-6)       # extrapolated
+  np.testing.assert_allclose(yarn[turns < 1], omega[turns < 1] / s, rtol=1e-6)     # interpolated
+  mid = (turns > 1) & (turns < 32)
+  assert mid.any() and (yarn[mid] < omega[mid]).all() and (yarn[mid] > omega[mid] / s).all()
+  assert rotations.yarn_attention_factor(s) == pytest.approx(0.1 * math.log(4.0) + 1.0)
+  assert rotations.yarn_attention_factor(1.0) == 1.0
+  np.testing.assert_allclose(rotations.pi_positions(jnp.arange(8), train_len=2, eval_len=8),
+                             np.arange(8) / 4.0)
+
+
+# ----------------------------------------------------------------------------------------
+# GRAPE-M
+
+
+def test_rope_is_grape_m_with_canonical_basis(key):
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (2, 7, 3, 8))
+  pos = jax.random.randint(k2, (2, 7), 0, 1000)
+  angles = rotations.rope_angles(pos, rotations.rope_frequencies(8))
+  y = grape_m.basis_rotate(x, jnp.broadcast_to(angles, (2, 7, 3, 4)), jnp.broadcast_to(jnp.eye(8), (3, 8, 8)))
+  np.testing.assert_allclose(y, rotations.rope(x, pos), atol=1e-5)
+
+
+def _random_basis_param(key, H, D, scale=0.5):
+  return scale * jax.random.normal(key, (H, D, D))
+
+
+def test_grape_m_relative_law(key):
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  H, D = 2, 8
+  q, k = jax.random.normal(k1, (2, 9, H, D)), jax.random.normal(k2, (2, 9, H, D))
+  basis = grape_m.orthogonal_from_param(_random_basis_param(k3, H, D))
+  theta = jnp.exp(jax.random.normal(k4, (H, D // 2)))
+  pos = jnp.broadcast_to(jnp.arange(9.0), (2, 9))
+
+  def logits(p):
+    a = p[:, :, None, None] * theta
+    return _logits(grape_m.basis_rotate(q, a, basis), grape_m.basis_rotate(k, a, basis))
+
+  assert_rel_rms(logits(pos + 23.0), logits(pos), 1e-5, "GRAPE-M logits after a shift")
+
+
+def test_learned_basis_stays_orthogonal_after_a_step(key):
+  k1, k2, k3 = jax.random.split(key, 3)
+  H, D = 2, 8
+  q, k = jax.random.normal(k1, (1, 6, H, D)), jax.random.normal(k2, (1, 6, H, D))
+  a = jnp.broadcast_to(jnp.arange(6.0)[None, :, None, None], (1, 6, H, D // 2))
+  target = jax.random.normal(k3, (1, H, 6, 6))
+
+  def loss(param):
+    b = grape_m.orthogonal_from_param(param)
+    return jnp.sum((_logits(grape_m.basis_rotate(q, a, b), grape_m.basis_rotate(k, a, b)) - target) ** 2)
+
+  param = jnp.zeros((H, D, D))
+  for _ in range(3):
+    g = jax.grad(loss)(param)
+    assert float(jnp.abs(g).max()) > 0
+    param = param - 0.05 * g / jnp.abs(g).max()
+  b = grape_m.orthogonal_from_param(param)
+  assert float(jnp.abs(b - jnp.eye(D)).max()) > 1e-2          # the basis did move
+  np.testing.assert_allclose(jnp.einsum("hdi,hdj->hij", b, b), jnp.broadcast_to(jnp.eye(D), (H, D, D)),
+                             atol=2e-6)
+  np.testing.assert_allclose(jnp.linalg.det(b), 1.0, atol=1e-5)
+
+
+def _expm_rank2(x, a, b, phase):
+  L = jnp.outer(a, b) - jnp.outer(b, a)
+  return jax.scipy.linalg.expm(phase * L) @ x
+
+
+@pytest.mark.parametrize("norm", [1.0, 0.3, 1e-2])
+def test_rodrigues_matches_expm(key, norm):
+  """norm 1: the exact branch; 0.3: z^2 near the series threshold; 1e-2: the series branch."""
+  k1, k2, k3, k4 = jax.random.split(key, 4)
+  D = 10
+  x = jax.random.normal(k1, (D,))
+  a = norm * jax.random.normal(k2, (D,)) / math.sqrt(D)
+  b = norm * jax.random.normal(k3, (D,)) / math.sqrt(D)
+  phase = 1.0 + jax.random.uniform(k4, ())
+  assert_rel_rms(grape_m.rank2_apply(x, a, b, phase), _expm_rank2(x, a, b, phase), 1e-5, "forward")
+  f = lambda *args: jnp.sum(jnp.sin(grape_m.rank2_apply(*args)))
+  g = lambda *args: jnp.sum(jnp.sin(_expm_rank2(*args)))
+  assert_trees_rel_rms(jax.grad(f, argnums=(0, 1, 2, 3))(x, a, b, phase),
+                       jax.grad(g, argnums=(0, 1, 2, 3))(x, a, b, phase), 1e-4, "grads")
+
+
+def test_rodrigues_is_finite_at_zero_s(key):
+  x = jax.random.normal(key, (6,))
+  a = jnp.arange(1.0, 7.0)
+  for b in (2.0 * a, jnp.zeros(6)):           # parallel vectors and a zero vector: s = 0
+    y = grape_m.rank2_apply(x, a, b, 3.0)
+    np.testing.assert_allclose(y, x, atol=1e-6)  # exp(0) = I
+    grads = jax.grad(lambda *p: jnp.sum(grape_m.rank2_apply(*p) ** 3), argnums=(0, 1, 2, 3))(x, a, b, 3.0)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  gz = jax.grad(lambda s: grape_m.rodrigues_coefficients(2.0, s)[1])(0.0)
+  assert np.isfinite(gz) and gz == pytest.approx(-2.0**4 / 24.0)   # d f2 / d s^2 = -phase^4 / 24
+
+
+def test_rank2_planes_compose_like_expm_products(key):
+  ks = jax.random.split(key, 4)
+  H, N, D = 2, 3, 8
+  x = jax.random.normal(ks[0], (1, 2, H, D))
+  a, b = jax.random.normal(ks[1], (H, N, D)), jax.random.normal(ks[2], (H, N, D))
+  ph = jax.random.normal(ks[3], (1, 2, H, N))
+  y = grape_m.rank2_planes_apply(x, a, b, ph)
+  for t in range(2):
+    for h in range(H):
+      want = x[0, t, h]
+      for n in range(N):
+        want = _expm_rank2(want, a[h, n], b[h, n], ph[0, t, h, n])
+      assert_rel_rms(y[0, t, h], want, 1e-5, f"t={t} h={h}")
+
+
+def test_canonical_rank2_planes_are_rope(key):
+  k1, k2 = jax.random.split(key)
+  D = 8
+  x = jax.random.normal(k1, (2, 5, 1, D))
+  pos = jax.random.randint(k2, (2, 5), 0, 100)
+  omega = rotations.rope_frequencies(D)
+  a, b = grape_m.canonical_planes(1, D, D // 2)
+  y = grape_m.rank2_planes_apply(x, a, b, pos[:, :, None, None] * omega)
+  assert_rel_rms(y, rotations.rope(x, pos), 1e-5)
+
+
+def test_thin_compression_matches_expm(key):
+  ks = jax.random.split(key, 5)
+  D, R = 8, 4
+  e = 0.5 * jax.random.normal(ks[0], (D, D))
+  t = 0.5 * jax.random.normal(ks[1], (R, R))
+  theta = jnp.exp(jax.random.normal(ks[2], (R // 2,)))
+  x = jax.random.normal(ks[3], (D,))
+  n = 1.0 + 5 * jax.random.uniform(ks[4], ())
+
+  def fast(e, t, theta, x):
+    frame = grape_m.thin_frame(e[None], t[None])
+    return grape_m.thin_apply(x.reshape(1, 1, 1, D), (n * theta).reshape(1, 1, 1, R // 2), frame).ravel()
+
+  def oracle(e, t, theta, x):
+    return jax.scipy.linalg.expm(n * grape_m.thin_generator(e, t, theta)) @ x
+
+  assert_rel_rms(fast(e, t, theta, x), oracle(e, t, theta, x), 1e-5, "forward")
+  loss = lambda f: (lambda *p: jnp.sum(jnp.cos(f(*p))))
+  assert_trees_rel_rms(jax.grad(loss(fast), argnums=(0, 1, 2, 3))(e, t, theta, x),
+                       jax.grad(loss(oracle), argnums=(0, 1, 2, 3))(e, t, theta, x), 1e-4, "grads")
+  # The generator is skew and genuinely couples channels beyond canonical pairs.
+  L = grape_m.thin_generator(e, t, theta)
+  np.testing.assert_allclose(L, -L.T, atol=1e-6)
