@@ -1,0 +1,134 @@
+"""TAPA: the dense reference against a loop-level oracle, the chunked form against the reference."""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import posenc_jax
+from posenc_jax import tapa
+from tests.util import assert_rel_rms
+from tests.util import assert_trees_rel_rms
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _inputs(key, B=2, T=37, H=4, K=2, D=8, scale=1.0):
+  kq, kk, kv = jax.random.split(key, 3)
+  return (scale * jax.random.normal(kq, (B, T, H, D)), scale * jax.random.normal(kk, (B, T, K, D)),
+          jax.random.normal(kv, (B, T, K, D)))
+
+
+def _loop_oracle(q, k, v, *, alpha, theta, linear_phase, segment_ids):
+  """SPEC.md's formula written out per (b, h, i, j) in float64 numpy."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  B, T, H, D = q.shape
+  G = H // k.shape[2]
+  A = round(theta * D)
+  seg = np.zeros((B, T), int) if segment_ids is None else np.asarray(segment_ids)
+  out = np.zeros((B, T, H, v.shape[-1]))
+  for b in range(B):
+    for h in range(H):
+      kh, vh = k[b, :, h // G], v[b, :, h // G]
+      for i in range(T):
+        js = [j for j in range(i + 1) if seg[b, j] == seg[b, i]]
+        logits = []
+        for j in js:
+          amp = q[b, i, h, :A] @ kh[j, :A] / math.sqrt(A)
+          if linear_phase:
+            ph = (q[b, i, h, A:].sum() + kh[j, A:].sum()) / math.sqrt(D - A)
+          else:
+            ph = q[b, i, h, A:] @ kh[j, A:] / math.sqrt(D - A)
+          dpow = float(abs(i - j)) ** alpha if i != j else float(alpha == 0)
+          logits.append(amp * math.cos(2 * math.pi * dpow * ph))
+        w = np.exp(np.array(logits) - max(logits))
+        out[b, i, h] = (w / w.sum()) @ vh[js]
+  return out
+
+
+@pytest.mark.parametrize("linear_phase", [False, True])
+def test_reference_matches_loop_oracle(key, linear_phase):
+  q, k, v = _inputs(key, B=1, T=9, H=2, K=1, D=6)
+  seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+  kw = dict(alpha=0.1, theta=0.5, linear_phase=linear_phase, segment_ids=seg)
+  assert_rel_rms(tapa.tapa_attention_reference(q, k, v, **kw), _loop_oracle(q, k, v, **kw), 1e-5)
+
+
+def test_uneven_split_and_large_alpha(key):
+  q, k, v = _inputs(key, B=1, T=7, H=2, K=2, D=10)
+  kw = dict(alpha=0.7, theta=0.3, linear_phase=False, segment_ids=None)   # A = 3, P = 7
+  assert_rel_rms(tapa.tapa_attention_reference(q, k, v, **kw), _loop_oracle(q, k, v, **kw), 1e-5)
+
+
+def _loss(fn, cot):
+  return lambda q, k, v: jnp.sum(fn(q, k, v) * cot)
+
+
+@pytest.mark.parametrize("linear_phase", [False, True])
+@pytest.mark.parametrize("segments", [False, True])
+def test_chunked_matches_reference(key, linear_phase, segments):
+  """Forward and gradients; GQA (H=4, K=2), T=37 with block 16 (a ragged last block)."""
+  k1, k2 = jax.random.split(key)
+  q, k, v = _inputs(k1)
+  seg = None
+  if segments:
+    seg = jnp.cumsum(jax.random.bernoulli(k2, 0.1, (2, 37)), axis=1).astype(jnp.int32)
+  kw = dict(alpha=0.1, theta=0.5, linear_phase=linear_phase, segment_ids=seg)
+  ref = jax.jit(functools.partial(tapa.tapa_attention_reference, **kw))
+  chk = jax.jit(functools.partial(tapa.tapa_attention_chunked, block_size=16, **kw))
+  assert_rel_rms(chk(q, k, v), ref(q, k, v), 1e-5, "forward")
+  cot = jax.random.normal(k2, (2, 37, 4, 8))
+  g_ref = jax.jit(jax.grad(_loss(ref, cot), argnums=(0, 1, 2)))(q, k, v)
+  g_chk = jax.jit(jax.grad(_loss(chk, cot), argnums=(0, 1, 2)))(q, k, v)
+  assert_trees_rel_rms(g_chk, g_ref, 1e-5, "grads (q, k, v)")
+
+
+def test_public_entry_point_dispatch(key):
+  q, k, v = _inputs(key, T=20)
+  ref = posenc_jax.tapa_attention(q, k, v, implementation="reference")
+  chk = posenc_jax.tapa_attention(q, k, v, implementation="chunked")
+  assert_rel_rms(chk, ref, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_causal_by_gradients(key, impl):
+  q, k, v = _inputs(key, B=1, T=21)
+  fn = tapa.tapa_attention_reference if impl == "reference" else functools.partial(
+      tapa.tapa_attention_chunked, block_size=8)
+  t = 12
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v, alpha=0.1, theta=0.5, linear_phase=False,
+                                    segment_ids=None)[:, t])
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  for name, g in zip("qkv", grads):
+    assert float(jnp.abs(g[:, t + 1:]).max()) == 0.0, f"d o_{t} / d {name}_(>{t}) != 0"
+    assert float(jnp.abs(g[:, : t + 1]).max()) > 0.0, f"d o_{t} / d {name} vanished"
+
+
+def test_segments_are_isolated(key):
+  """A packed document gives the same outputs as the document alone: |i - j| is relative."""
+  q, k, v = _inputs(key, B=1, T=30)
+  seg = jnp.array([[0] * 11 + [1] * 19])
+  kw = dict(alpha=0.1, theta=0.5, linear_phase=False)
+  packed = tapa.tapa_attention_chunked(q, k, v, segment_ids=seg, block_size=8, **kw)
+  alone = tapa.tapa_attention_chunked(q[:, 11:], k[:, 11:], v[:, 11:], segment_ids=None,
+                                      block_size=8, **kw)
+  assert_rel_rms(packed[:, 11:], alone, 1e-5)
+
+
+def test_distance_power_diagonal_and_gradient():
+  d = jnp.arange(5)
+  np.testing.assert_allclose(tapa.distance_power(d, 0.5), [0, 1, 2**0.5, 3**0.5, 2], rtol=1e-6)
+  np.testing.assert_allclose(tapa.distance_power(d, 0.0), np.ones(5))
+  g = jax.grad(lambda a: tapa.distance_power(d, a).sum())(0.1)
+  want = sum(math.log(n) * n**0.1 for n in range(1, 5))
+  assert np.isfinite(g) and g == pytest.approx(want, rel=1e-5)
+
+
+def test_theta_split_errors(key):
+  q, k, v = _inputs(key, T=4, D=4)
+  with pytest.raises(ValueError, match="theta"):
+    posenc_jax.tapa_attention(q, k, v, theta=0.1)   # round(0.4) = 0 amplitude channels
