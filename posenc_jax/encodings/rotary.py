@@ -12,6 +12,10 @@ GRAPE-M parameters live per kv head: the query heads of a GQA group share their 
 map, so keys are transformed once, at K heads. Hyperparameters (defaults in HPARAMS) are
 keyword-only; an unknown one raises ValueError.
 
+acc_rot_random draws its step angles from `rng` when train=True and from
+jax.random.key(eval_seed) otherwise; the paper samples each layer independently, so a model
+should hand each layer its own rng (and its own eval_seed if evaluation must differ by layer).
+
 Shape letters: B batch, T time, C d_model, H query heads, K kv heads, D head dim, P = D/2.
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ from posenc_jax.encodings import Prepared
 from posenc_jax.encodings import register
 
 _LAYER_ARGS = frozenset({"x", "q", "k", "v", "positions", "segment_ids", "tokens", "rng", "train"})
+# PI / NTK / YaRN default to a 4x extension (train 2048 -> evaluate 8192); s = eval / train.
 _EXTENSION = dict(base=10000.0, layout="interleaved", train_len=2048, eval_len=8192)
 
 HPARAMS = {
