@@ -23,7 +23,7 @@ class BlockSizes:
   block_q: int = 64
   block_k: int = 64
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int | None = None  # None: 2 for head_dim <= 64, else 1 (shared memory)
   bwd_num_warps: int = 4
 
   def validate(self, head_dim: int) -> None:
@@ -36,14 +36,15 @@ class BlockSizes:
       raise ValueError(f"head_dim={head_dim} must be a power of two >= 16")
 
 
-def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool):
+def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, head_dim: int):
   if backend == "gpu":
     try:
       from jax.experimental.pallas import triton as pltriton
       cls = pltriton.CompilerParams
     except (ImportError, AttributeError):  # older spellings
       cls = getattr(pl, "GPUCompilerParams", None) or getattr(pl, "TritonCompilerParams")
-    return cls(num_warps=bs.bwd_num_warps if bwd else bs.num_warps, num_stages=bs.num_stages)
+    stages = bs.num_stages or (2 if head_dim * bs.block_k <= 64 * 64 else 1)
+    return cls(num_warps=bs.bwd_num_warps if bwd else bs.num_warps, num_stages=stages)
   if backend in ("tpu", "tpu_interpret"):
     from jax.experimental.pallas import tpu as pltpu
     return pltpu.CompilerParams(dimension_semantics=("parallel",) * num_axes,
@@ -62,7 +63,7 @@ def _interpret(backend: str):
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, backend, bs, *, bwd):
   kwargs = {}
-  params = _compiler_params(backend, bs, len(grid), bwd=bwd)
+  params = _compiler_params(backend, bs, len(grid), bwd=bwd, head_dim=in_specs[0].block_shape[-1])
   if params is not None:
     kwargs["compiler_params"] = params
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,

@@ -1,0 +1,197 @@
+"""PaTH kernel benchmark on one GPU: this repo's Pallas kernel vs cuDNN flash attention (JAX) and
+flash-linear-attention's Triton PaTH kernel (PyTorch, fla-core 0.6.0), at the anchor shapes.
+
+  python experiments/benchmarks/path_kernel.py --part check        # GPU correctness vs dense oracle
+  python experiments/benchmarks/path_kernel.py --part jax --cases 0,1,2,3,4
+  python experiments/benchmarks/path_kernel.py --part fla --cases 0,1,2,3,4
+
+Times: median ms of repeated runs after warm-up (JAX: wall clock around block_until_ready;
+torch: triton.testing.do_bench). Memory: JAX compiled memory_analysis (arguments + outputs +
+temporaries) of the whole step; torch max_memory_allocated. One JSON line per case; a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+CASES = [(32, 2048, 32, 64), (32, 4096, 32, 64), (8, 8192, 32, 64), (8, 4096, 16, 128),
+         (4, 16384, 16, 128)]
+OUT = os.environ.get("OUT", ".")
+
+
+def _median_ms(f, *a, n=10):
+  import jax
+  jax.block_until_ready(f(*a))
+  ts = []
+  for _ in range(n):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*a))
+    ts.append((time.perf_counter() - t) * 1e3)
+  return sorted(ts)[len(ts) // 2]
+
+
+def _gib(compiled):
+  m = compiled.memory_analysis()
+  return round((m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes) / 2**30, 2)
+
+
+def _inputs(B, T, H, D, key=0, dtype=None):
+  import jax
+  import jax.numpy as jnp
+  dtype = dtype or jnp.bfloat16
+  ks = jax.random.split(jax.random.key(key), 7)
+  q, k, v = (jax.random.normal(x, (B, T, H, D), dtype) for x in ks[:3])
+  w = jax.random.normal(ks[3], (B, T, H, D), jnp.float32)
+  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+  beta = 2 * jax.random.uniform(ks[4], (B, T, H), jnp.float32)
+  g = jnp.log(jax.random.uniform(ks[5], (B, T, H), jnp.float32, 0.95, 1.0))
+  do = jax.random.normal(ks[6], (B, T, H, D), dtype)
+  return q, k, v, w, beta, g, do
+
+
+def part_check():
+  """Forward and every gradient vs the dense oracle on the GPU; bitwise determinism."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import kernels_pallas as kp
+  from posenc_jax import householder
+
+  def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+  rows = []
+  for dtype, (B, T, H, K, D), gate, seg in [
+      (jnp.float32, (2, 300, 4, 2, 64), True, True), (jnp.bfloat16, (2, 1024, 4, 4, 64), True, False),
+      (jnp.bfloat16, (1, 1000, 4, 2, 128), False, True)]:
+    q, k, v, w, beta, g, do = _inputs(B, T, H, D, dtype=dtype)
+    k, v, w, beta = k[:, :, :K], v[:, :, :K], w[:, :, :K], beta[:, :, :K]
+    g = g if gate else None
+    segs = (jnp.arange(T)[None] * 3 // T).astype(jnp.int32).repeat(B, 0) if seg else None
+    f = lambda *a: kp.path_attention(*a, segment_ids=segs)
+    r = lambda *a: householder.path_attention_reference(*a[:5], log_forget=a[5], segment_ids=segs,
+                                                        scale=D ** -0.5)
+    args = (q, k, v, w, beta, g)
+    n = 6 if gate else 5
+    loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
+                                       argnums=tuple(range(n))))
+    o, orf = jax.jit(f)(*args), jax.jit(r)(*args)
+    g1, g2 = loss(f)(*args), loss(r)(*args)
+    g3 = loss(f)(*args)
+    same = all(bool(jnp.array_equal(a, b)) for a, b in zip(g1, g3))
+    row = dict(dtype=jnp.dtype(dtype).name, shape=(B, T, H, K, D), gate=gate, seg=seg,
+               fwd=f"{rel(o, orf):.1e}", grads=[f"{rel(a, b):.1e}" for a, b in zip(g1, g2)],
+               bitwise_deterministic=same)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+  return rows
+
+
+def part_jax(cases, variants):
+  import jax
+  import jax.numpy as jnp
+  import kernels_pallas as kp
+  rows = []
+  for ci in cases:
+    B, T, H, D = CASES[ci]
+    q, k, v, w, beta, g, do = _inputs(B, T, H, D)
+    res = {"case": ci, "B": B, "T": T, "H": H, "D": D}
+    fns = {
+        "cudnn": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                               implementation="cudnn"), (q, k, v)),
+        "path": (lambda q, k, v, w, beta: kp.path_attention(q, k, v, w, beta), (q, k, v, w, beta)),
+        "path_fox": (lambda q, k, v, w, beta, g: kp.path_attention(q, k, v, w, beta, g),
+                     (q, k, v, w, beta, g)),
+        "fox": (lambda q, k, v, g: kp.forgetting_attention(q, k, v, g), (q, k, v, g)),
+    }
+    for name in variants:
+      base, _, spec = name.partition("@")  # e.g. path@b128w8s1: block 128, 8 warps, 1 stage
+      fn, args = fns[base]
+      if spec:
+        import re
+        b, w, s = (re.search(p, spec) for p in (r"b(\d+)", r"w(\d+)", r"s(\d+)"))
+        bs = kp.BlockSizes(block_q=int(b[1]) if b else 64, block_k=int(b[1]) if b else 64,
+                           num_warps=int(w[1]) if w else 4, num_stages=int(s[1]) if s else None)
+        fn = (lambda f0, bs: lambda *a: f0(*a, bs))(
+            {"path": lambda q, k, v, w, beta, bs: kp.path_attention(q, k, v, w, beta, block_sizes=bs),
+             "path_fox": lambda q, k, v, w, beta, g, bs: kp.path_attention(q, k, v, w, beta, g,
+                                                                             block_sizes=bs)}[base], bs)
+      try:
+        fwd = jax.jit(fn)
+        fb = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
+                              argnums=tuple(range(len(args)))))
+        t0 = time.time()
+        f_ms = _median_ms(fwd, *args)
+        f_gib = _gib(fwd.lower(*args).compile())
+        fb_ms = _median_ms(fb, *args, n=5)
+        fb_gib = _gib(fb.lower(*args).compile())
+        res[name] = dict(fwd_ms=round(f_ms, 2), fwdbwd_ms=round(fb_ms, 2), fwd_gib=f_gib,
+                         fwdbwd_gib=fb_gib, wall_s=round(time.time() - t0, 1))
+      except Exception as e:  # record and go on
+        res[name] = "ERR " + type(e).__name__ + ": " + str(e).splitlines()[0][:200]
+    rows.append(res)
+    print(json.dumps(res), flush=True)
+  return rows
+
+
+def part_fla(cases):
+  import torch
+  import torch.nn.functional as F
+  from triton.testing import do_bench
+  from fla.ops.path_attn.parallel import parallel_path_attn
+  rows = []
+  for ci in cases:
+    B, T, H, D = CASES[ci]
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    q, k, v = (torch.randn(B, T, H, D, device=dev, dtype=bf, requires_grad=True) for _ in range(3))
+    w = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).requires_grad_(True)
+    beta = (2 * torch.rand(B, T, H, device=dev)).requires_grad_(True)
+    g = torch.log(torch.empty(B, T, H, device=dev).uniform_(0.95, 1.0)).requires_grad_(True)
+    res = {"case": ci, "B": B, "T": T, "H": H, "D": D}
+    for name, args in (("fla_path", (q, k, v, w, beta)), ("fla_path_fox", (q, k, v, w, beta, g))):
+      try:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        fn = lambda: parallel_path_attn(*args)[0]
+        f_ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        do = torch.randn_like(fn())
+
+        def fb():
+          torch.autograd.grad(parallel_path_attn(*args)[0], args, do)
+
+        fb_ms = do_bench(fb, warmup=25, rep=100, return_mode="median")
+        res[name] = dict(fwd_ms=round(f_ms, 2), fwdbwd_ms=round(fb_ms, 2),
+                         fwdbwd_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+      except Exception as e:
+        res[name] = "ERR " + type(e).__name__ + ": " + str(e).splitlines()[0][:200]
+    rows.append(res)
+    print(json.dumps(res), flush=True)
+  return rows
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--part", choices=["check", "jax", "fla"], required=True)
+  p.add_argument("--cases", default="0,1,2,3,4")
+  p.add_argument("--variants", default="cudnn,path,path_fox")
+  a = p.parse_args()
+  cases = [int(c) for c in a.cases.split(",") if c]
+  if a.part == "check":
+    rows = part_check()
+  elif a.part == "jax":
+    rows = part_jax(cases, a.variants.split(","))
+  else:
+    rows = part_fla(cases)
+  with open(os.path.join(OUT, f"path_kernel_{a.part}.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,131 @@
+"""PaTH / FoX Pallas kernels against the dense oracles: forward, every gradient, determinism,
+TPU lowering. The base class runs on whatever backend its subclass names; the interpret
+subclass runs on CPU at small shapes, the GPU subclass only where jax.default_backend() == "gpu".
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kernels_pallas as kp
+from posenc_jax import householder
+from posenc_jax import unipotent
+from tests.util import assert_rel_rms
+
+
+def _inputs(key, B, T, H, K, D, dtype, *, gate, segments):
+  ks = jax.random.split(key, 8)
+  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+  k = jax.random.normal(ks[1], (B, T, K, D), dtype)
+  v = jax.random.normal(ks[2], (B, T, K, D), dtype)
+  w = jax.random.normal(ks[3], (B, T, K, D), jnp.float32)
+  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+  beta = 2 * jax.random.uniform(ks[4], (B, T, K), jnp.float32)
+  lf = jax.nn.log_sigmoid(jax.random.normal(ks[5], (B, T, H)) + 2.0) if gate else None
+  seg = None
+  if segments:  # random packing: 2-4 segments per row, never attended across
+    seg = jnp.cumsum(jax.random.uniform(ks[6], (B, T)) < 3.0 / T, axis=1).astype(jnp.int32)
+  do = jax.random.normal(ks[7], (B, T, H, D), dtype)
+  return q, k, v, w, beta, lf, seg, do
+
+
+class PathKernelBase:
+  backend: str = "interpret"
+  block: int = 16
+  T: int = 37          # not a multiple of the block: exercises the internal padding
+  D: int = 16
+  tol = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
+
+  def _check(self, key, *, H, K, dtype, gate, segments, fox=False, determinism=False):
+    B, T, D = 2, self.T, self.D
+    q, k, v, w, beta, lf, seg, do = _inputs(key, B, T, H, K, D, dtype, gate=gate, segments=segments)
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block)
+    scale = D ** -0.5
+    if fox:
+      args = (q, k, v, lf)
+      fast = lambda q, k, v, lf: kp.forgetting_attention(q, k, v, lf, segment_ids=seg,
+                                                         block_sizes=bs, backend=self.backend)
+      ref = lambda q, k, v, lf: unipotent.forgetting_attention_reference(
+          q, k, v, lf, segment_ids=seg, scale=scale)
+    else:
+      args = (q, k, v, w, beta) + ((lf,) if gate else ())
+      fast = lambda *a: kp.path_attention(*a, segment_ids=seg, block_sizes=bs, backend=self.backend)
+      ref = lambda *a: householder.path_attention_reference(
+          *a[:5], log_forget=a[5] if gate else None, segment_ids=seg, scale=scale)
+    with jax.default_matmul_precision("highest"):
+      o_ref = ref(*args)
+      grad = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
+                                 argnums=tuple(range(len(args))))
+      g_ref = grad(ref)(*args)
+    tol = self.tol[dtype]
+    assert_rel_rms(fast(*args), o_ref, tol, "forward")
+    g_fast = grad(fast)(*args)
+    names = ("q", "k", "v", "log_forget") if fox else ("q", "k", "v", "w", "beta", "log_forget")
+    for name, a, b in zip(names, g_fast, g_ref):
+      assert_rel_rms(a, b, tol, f"d{name}")
+    if determinism:
+      again = grad(fast)(*args)
+      for name, a, b in zip(names, g_fast, again):
+        assert bool(jnp.array_equal(a, b)), f"d{name} differs between two runs"
+
+  def test_path_gate_segments_gqa_f32(self, key):
+    self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True)
+
+  def test_path_plain_f32_deterministic(self, key):
+    self._check(key, H=2, K=2, dtype=jnp.float32, gate=False, segments=False, determinism=True)
+
+  def test_path_gate_bf16(self, key):
+    self._check(key, H=2, K=1, dtype=jnp.bfloat16, gate=True, segments=False)
+
+  def test_fox_segments_gqa_f32(self, key):
+    self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True, fox=True)
+
+
+class TestInterpret(PathKernelBase):
+  backend = "interpret"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+class TestGPU(PathKernelBase):
+  backend = "gpu"
+  block = 64
+  T = 300
+  D = 64
+
+
+def _tpu_mesh():
+  from jax._src import mesh as mesh_lib  # abstract TPU device: lower for TPU on a CPU host
+  device = mesh_lib.AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
+@pytest.mark.parametrize("gate", [False, True])
+def test_lowers_for_tpu(gate):
+  """Forward and backward go through Mosaic lowering (interpret mode would accept more)."""
+  B, T, H, K, D = 1, 200, 2, 1, 64
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
+          sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
+  if gate:
+    args.append(sd((B, T, H), jnp.float32))
+  seg = sd((B, T), jnp.int32)
+  f = lambda *a: kp.path_attention(*a[:-1], segment_ids=a[-1], backend="tpu")
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
+  with _tpu_mesh():
+    for fn in (f, g):
+      exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args, seg)
+      assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_argument_errors():
+  x = jnp.zeros((1, 8, 2, 16))
+  w, beta = jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2))
+  with pytest.raises(ValueError, match="beta must have shape"):
+    kp.path_attention(x, x, x, w, beta[:, :4], interpret=True)
+  with pytest.raises(ValueError, match="block_q=32 must equal block_k=64"):
+    kp.path_attention(x, x, x, w, beta, block_sizes=kp.BlockSizes(block_q=32), interpret=True)
+  with pytest.raises(ValueError, match="head_dim=24"):
+    y = jnp.zeros((1, 8, 2, 24))
+    kp.path_attention(y, y, y, y, beta, interpret=True)
