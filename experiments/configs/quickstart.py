@@ -26,13 +26,14 @@ def get_config(arg: str | None = None):
   c.data.task = "flipflop"
   c.data.seq_len = 128
   c.model.update(num_layers=1, d_model=64, num_heads=2, head_dim=32, block="llama")
-  c.train.update(steps=a.steps or 600, batch_size=16, learning_rate=3e-3, warmup_steps=50,
+  steps = a.steps or (10 if a.runlocal else 600)
+  c.train.update(steps=steps, batch_size=16, learning_rate=3e-3, warmup_steps=steps // 10,
                  weight_decay=0.1, checkpoint_every=200, log_every=25)
   c.eval.update(num_batches=4, batch_size=32)
   if a.runlocal:
     c.data.seq_len = 32
     c.model.update(d_model=16, head_dim=8)
-    c.train.update(steps=a.steps or 10, batch_size=4, warmup_steps=2, checkpoint_every=5, log_every=5)
+    c.train.update(batch_size=4, checkpoint_every=5, log_every=5)
     c.eval.update(num_batches=1, batch_size=4)
   if a.encoding:
     c.model.encoding = a.encoding
