@@ -1,0 +1,35 @@
+r"""Distance bias of RoPE vs TAPA (TAPA App. 15): see experiments/probes/distance_bias.py.
+
+  python -m experiments.probes.distance_bias --config=experiments/configs/distance_bias.py \
+      --results=experiments/results/distance_bias
+
+Random-vector histograms need nothing; the trained ones read the length_extrapolation
+checkpoints of rope and tapa (WORKDIR/<encoding>/seed0 of that sweep).
+`arg`: runlocal, encodings=A+B, source_workdir=DIR ("" skips the trained part), source_arg=ARG (the
+length_extrapolation config arg those checkpoints were trained with).
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from experiments.configs import base
+
+
+def get_config(arg: str | None = None):
+  a = base.parse_arg(arg, runlocal=False, source_workdir="workdirs/length_extrapolation",
+                     source_arg="", encodings="rope+tapa")
+  c = ml_collections.ConfigDict()
+  c.runlocal = a.runlocal
+  c.encodings = tuple(a.encodings.split("+"))
+  c.short, c.long = (0, 100), (10000, 10100)   # the paper's intervals
+  c.num_pairs = 10000
+  c.rhos = (0.0, 0.5)
+  c.head_dim = 32            # the length_extrapolation models' head_dim
+  c.seed = 0
+  c.source_workdir = a.source_workdir
+  c.source_config = "length_extrapolation"
+  c.source_arg = a.source_arg
+  c.text_len, c.text_batch = 512, 4
+  if a.runlocal:
+    c.num_pairs, c.text_len, c.text_batch = 500, 64, 2
+  return c

@@ -1,0 +1,43 @@
+r"""A5 (or S5) word problems (PaTH Fig. 2 bottom): accuracy vs number of layers.
+
+The model tags every prefix of a random word with its running product (see
+experiments/tasks/word_problem.py); accuracy is per token over all positions. PaTH's
+criterion: the minimum depth reaching 90% accuracy. Each encoding trains the same model
+at 1, 2, 3 and 4 layers on the same data stream and seeds.
+
+  python -m experiments.sweeps --config=experiments/configs/word_problem.py \
+      --workdir=workdirs/word_problem --results=experiments/results/word_problem
+
+`arg`: runlocal, group=A5|S5, encodings=A+B, seeds=N (default 1), steps=N, seq_len=T.
+Scale gap vs the paper (Merrill et al. setup, words of up to hundreds of elements, long
+GPU training): words of 16 elements and 1500 steps of batch 32 on a shared CPU.
+"""
+from __future__ import annotations
+
+from experiments.configs import base
+
+
+def get_config(arg: str | None = None):
+  a = base.parse_arg(arg, runlocal=False, group="A5", encodings="rope+fox+path", seeds=1,
+                     steps=0, seq_len=16, layers="1+2+3+4")
+  c = base.get_config()
+  c.data.task = "word_problem"
+  c.data.group = a.group
+  c.data.seq_len = a.seq_len
+  c.model.update(num_layers=1, d_model=128, num_heads=4, head_dim=32, block="llama")
+  c.train.update(steps=a.steps or 1500, batch_size=32, learning_rate=1e-3, warmup_steps=100,
+                 weight_decay=0.1, checkpoint_every=100000, log_every=50)
+  c.eval.update(num_batches=4, batch_size=64)
+  c.sweep.encodings = tuple(a.encodings.split("+"))
+  c.sweep.seeds = tuple(range(a.seeds))
+  c.sweep.axis = "model.num_layers"
+  c.sweep.axis_values = tuple(int(x) for x in a.layers.split("+"))
+  c.sweep.experiment = "word_problem"
+  if a.runlocal:
+    c.data.seq_len = 8
+    c.model.update(d_model=16, num_heads=2, head_dim=8)
+    c.train.update(steps=a.steps or 6, batch_size=4, warmup_steps=2, log_every=3)
+    c.eval.update(num_batches=1, batch_size=4)
+    c.sweep.seeds = (0,)
+    c.sweep.axis_values = (1,)
+  return c

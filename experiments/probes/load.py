@@ -1,0 +1,74 @@
+"""Loads a trained run's parameters and exposes each layer's prepared attention inputs.
+
+`restore(config, workdir)` rebuilds the run's model from its config (the same Trainer the
+run used) and restores only the parameters of the latest checkpoint. `layer_inputs` walks
+the model on a batch and yields, per layer, the attention's Prepared (the family's
+q/k/v and inputs, exactly what the model attends with) and the raw pre-encoding q/k, so
+probes can re-apply an encoding at chosen positions or read its transports.
+
+Shape letters: B batch, T time, C d_model, H heads, K kv heads, D head dim.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from experiments import checkpoint
+from experiments import config_checks
+from experiments import data
+from experiments import sharding
+from experiments import train
+from posenc_jax import model as model_lib
+
+
+def restore(config, workdir: str):
+  """(trainer, params) of the latest checkpoint in workdir, trained from `config`."""
+  mcfg = config_checks.model_config(config, data.vocab_size(config.data))
+  step = checkpoint.latest_step(workdir)
+  if step is None:
+    raise ValueError(f"workdir={workdir!r} holds no checkpoint; train it first")
+  mesh = sharding.make_mesh(data=1, fsdp=1)
+  trainer = train.Trainer(mcfg, config.train, mesh, rules=config.mesh.rules)
+  mngr = ocp.CheckpointManager(checkpoint._directory(workdir),
+                               options=ocp.CheckpointManagerOptions(create=False))
+  try:
+    with jax.set_mesh(mesh):
+      state = mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(trainer.abstract_state())))["state"]
+  finally:
+    mngr.close()
+  return trainer, state["params"]
+
+
+def layer_inputs(model: model_lib.Transformer, tokens_BT) -> list[dict]:
+  """Per layer: {"prep": Prepared, "q": raw q [B,T,H,D], "k": raw k [B,T,K,D], "enc", "params"}.
+
+  One unpacked sequence per row (positions 0..T-1, no segments); inference mode.
+  """
+  cfg = model.cfg
+  if cfg.kv_shift or cfg.qk_norm:
+    raise ValueError("layer_inputs covers models without kv_shift / qk_norm")
+  B, T = tokens_BT.shape
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  layer = dict(tokens_BT=tokens_BT, positions_BT=pos, segment_ids_BT=None)
+  x, out = model.embed(tokens_BT), []
+  for block in model.blocks:
+    attn, h = block.attn, block.attn_norm(x)
+    q = attn.q_proj(h).reshape(B, T, cfg.num_heads, cfg.head_dim)
+    k = attn.k_proj(h).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+    v = attn.v_proj(h).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+    params = model_lib._values(attn.enc_params)
+    prep = attn.enc.prepare(params, x=h, q=q, k=k, v=v, positions=pos, segment_ids=None,
+                            tokens=tokens_BT, rng=None, train=False)
+    out.append({"prep": prep, "q": q, "k": k, "v": v, "enc": attn.enc, "params": params})
+    x = block(x, rngs=None, train=False, **layer)
+  return out
+
+
+def eval_tokens(config, *, seq_len: int, batch_size: int) -> np.ndarray:
+  """The first held-out batch of the run's eval set at seq_len: tokens [B, T]."""
+  sets = data.make_eval_sets(config.data, seq_len=seq_len, batch_size=batch_size,
+                             num_batches=1, seed=config.eval.seed)
+  return next(iter(sets.values()))[0]["tokens"]

@@ -1,0 +1,277 @@
+r"""Mixing window of accumulated transports (accumulated_rotations §8.3 future work).
+
+For a trained model (length_extrapolation checkpoints) and each layer and kv head, on
+held-out text rows of T bytes. The per-token transport G_t is the encoding's own:
+  accumulated rotations  G_t = R(delta_t), block-diagonal 2x2 rotations by the step angles
+                         (read back from the encoding: phi_t = angle of the rotated unit
+                         pair, delta_t = phi_t - phi_{t-1}); T(j -> i) = R(phi_i - phi_j)
+  PaTH                   G_t = H_t = I - beta_t w_t w_t^T; T(j -> i) = H_i ... H_{j+1}
+Three statistics, each averaged over layers and kv heads (per layer in results.json):
+
+  first moment    m(r) = || E_routes[T(j -> j + r)] ||_2, the spectral norm of the mean
+                  transport over all routes of length r in the rows (every start j), and
+                  the bulk version f(r) = ||E[T]||_F / sqrt(D) (rms over directions). A
+                  geometric decay m(r) ~ rho^r is the "spectral gap"; m stays 1 for a
+                  route-independent transport such as RoPE (it is a fixed rotation).
+  attention mass  mass(bin) = mean over query positions i >= T/2 of sum_{j: i - j in bin} a_ij,
+                  distance bins {0}, [1,2), [2,4), ..., per query head (a_ij the model's own
+                  attention weights, read by attending to one-hot values).
+  cancellation    c_transported = E_i || sum_j a_ij T(j -> i) v_j || / sum_j a_ij ||v_j||,
+                  c_plain = the same without T: how much of the attended value mass survives
+                  averaging (1 = aligned values, ~1/sqrt(#attended) = random directions).
+                  The _v encodings apply T to values; the plain ones attend c_plain.
+
+  python -m experiments.probes.mixing_window --config=experiments/configs/mixing_window.py \
+      --results=experiments/results/mixing_window
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from posenc_jax import encodings as enc_lib
+
+
+
+def rotation_phases(layer: dict) -> np.ndarray:
+  """phi [B, T, 1 or H, P] of a rotary encoding, read from its rotated unit pairs."""
+  q = layer["q"]
+  B, T, H, D = q.shape
+  unit = jnp.zeros_like(q).at[..., 0::2].set(1.0)
+  kw = {k: layer["prep_kwargs"][k] for k in layer["prep_kwargs"]}
+  prep = layer["enc"].prepare(layer["params"], q=unit, **kw)
+  r = np.asarray(prep.q, np.float64)
+  return np.arctan2(r[..., 1::2], r[..., 0::2])
+
+
+class _Transport:
+  """Route transports P_j(r) = T(j -> j + r) for all starts j, advanced one step at a time."""
+
+  def __init__(self, layer: dict):
+    prep = layer["prep"]
+    if prep.family == "path":
+      w = np.asarray(prep.inputs["w"], np.float64)            # [B, T, K, D]
+      self.beta = np.asarray(prep.inputs["beta"], np.float64)  # [B, T, K]
+      self.w = w
+      B, T, K, D = w.shape
+      self.kind, self.P = "matrix", np.broadcast_to(np.eye(D), (B, T, K, D, D)).copy()
+    elif prep.family == "softmax":
+      phi = rotation_phases(layer)[:, :, :1]                  # shared over heads
+      self.phi = phi
+      self.kind, self.P = "phase", np.ones(phi.shape, np.complex128)
+    else:
+      raise ValueError(f"mixing_window covers rotary and path encodings, not {prep.family!r}")
+    self.r = 0
+
+  def step(self):
+    """Advances every route by one token; P_j now is T(j -> j + r); rows j + r >= T are junk."""
+    self.r += 1
+    r = self.r
+    if self.kind == "phase":
+      d = np.zeros_like(self.phi)
+      d[:, :-r] = self.phi[:, r:] - self.phi[:, :-r]
+      self.P = np.exp(1j * d)
+    else:
+      w = np.zeros_like(self.w)
+      b = np.zeros_like(self.beta)
+      w[:, :-r], b[:, :-r] = self.w[:, r:], self.beta[:, r:]   # the token at j + r
+      wP = np.einsum("btkd,btkde->btke", w, self.P)
+      self.P = self.P - b[..., None, None] * w[..., :, None] * wP[..., None, :]
+
+  def first_moment(self) -> tuple[float, float]:
+    """(spectral norm, ||.||_F / sqrt(D)) of the mean transport over valid routes, per kv head."""
+    r = self.r
+    if self.kind == "phase":
+      M = self.P[:, :-r].mean(axis=(0, 1)) if r else np.ones(self.P.shape[2:])   # [K, P]
+      return np.abs(M).max(-1), np.sqrt((np.abs(M) ** 2).mean(-1))
+    M = self.P[:, :-r].mean(axis=(0, 1)) if r else self.P.mean(axis=(0, 1))      # [K, D, D]
+    D = M.shape[-1]
+    return np.linalg.norm(M, 2, axis=(-2, -1)), np.linalg.norm(M, axis=(-2, -1)) / np.sqrt(D)
+
+  def apply(self, v_BTKD):
+    """T(j -> j + r) v_j for every start j: [B, T, K, D] (rows j + r >= T junk)."""
+    if self.kind == "phase":
+      z = v_BTKD[..., 0::2] + 1j * v_BTKD[..., 1::2]
+      z = z * self.P
+      out = np.empty_like(v_BTKD)
+      out[..., 0::2], out[..., 1::2] = z.real, z.imag
+      return out
+    return np.einsum("btkde,btke->btkd", self.P, v_BTKD)
+
+
+def attention_weights(layer: dict) -> np.ndarray:
+  """The layer's attention weights a [B, H, T(query), T(key)], via one-hot values."""
+  prep = layer["prep"]
+  B, T, K, _ = prep.k.shape
+  eye = jnp.broadcast_to(jnp.eye(T, dtype=prep.q.dtype)[None, :, None, :], (B, T, K, T))
+  o = enc_lib.attend(prep._replace(v=eye, out_angles=None), implementation="reference")
+  return np.asarray(o, np.float64).transpose(0, 2, 1, 3)
+
+
+def layer_stats(layer: dict, radii: list[int]) -> dict:
+  a = attention_weights(layer)                                    # [B, H, T, T]
+  B, H, T, _ = a.shape
+  v = np.asarray(layer["v"], np.float64)                          # raw values [B, T, K, D]
+  K = v.shape[2]
+  group = H // K
+  tr = _Transport(layer)
+  spec, frob = {}, {}
+  num_t = np.zeros((B, T, H, v.shape[-1]))                        # sum_j a_ij T(j->i) v_j
+  num_p = np.einsum("bhij,bjkd->bihkd", a, v)[:, :, np.arange(H), np.arange(H) // group]
+  vnorm = np.linalg.norm(v, axis=-1)                              # [B, T, K]
+  den = np.einsum("bhij,bjh->bih", a, vnorm[:, :, np.arange(H) // group])
+  # r = 0: the diagonal term, no transport.
+  diag = np.einsum("bhii->bih", a)
+  num_t += diag[..., None] * np.repeat(v, group, axis=2)
+  for r in range(1, T):
+    tr.step()
+    if r in radii:
+      s, f = tr.first_moment()
+      spec[r], frob[r] = float(np.mean(s)), float(np.mean(f))
+    moved = np.repeat(tr.apply(v), group, axis=2)[:, :T - r]      # T(j -> j+r) v_j, j < T - r
+    a_r = np.stack([np.diagonal(a[:, h], offset=-r, axis1=1, axis2=2) for h in range(H)], -1)
+    num_t[:, r:] += a_r[..., None] * moved                         # a_{j+r, j}
+  q_lo = T // 2
+  c_t = np.linalg.norm(num_t, axis=-1)[:, q_lo:] / den[:, q_lo:]
+  c_p = np.linalg.norm(num_p, axis=-1)[:, q_lo:] / den[:, q_lo:]
+  # Attention mass per distance bin, queries i >= T/2.
+  i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  dist = np.where(j <= i, i - j, -1)
+  edges = [0, 1] + [2**k for k in range(1, int(np.log2(T)) + 1)]
+  mass = {}
+  for lo, hi in zip(edges[:-1], edges[1:]):
+    sel = (dist >= lo) & (dist < hi)
+    mass[f"[{lo},{hi})"] = float((a[:, :, q_lo:] * sel[q_lo:]).sum(-1).mean())
+  return {"first_moment_spectral": spec, "first_moment_frobenius": frob, "attention_mass": mass,
+          "cancellation_transported": float(c_t.mean()), "cancellation_plain": float(c_p.mean())}
+
+
+def run(c) -> dict:
+  from experiments.probes import load
+
+  src_mod = __import__(f"experiments.configs.{c.source_config}", fromlist=["get_config"])
+  radii = sorted({r for r in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if r < c.text_len})
+  results = {}
+  for name in c.encodings:
+    scfg = src_mod.get_config(c.source_arg)
+    with scfg.unlocked():
+      scfg.model.encoding = name
+    trainer, params = load.restore(scfg, os.path.join(c.source_workdir, name, "seed0"))
+    tokens = jnp.asarray(load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch))
+    layers = load.layer_inputs(trainer.model(params), tokens)
+    per_layer = []
+    for layer in layers:
+      T = tokens.shape[1]
+      layer["prep_kwargs"] = dict(
+          k=layer["k"], v=layer["v"], x=jnp.zeros(tokens.shape + (1,)), tokens=tokens,
+          positions=jnp.broadcast_to(jnp.arange(T), tokens.shape), segment_ids=None, rng=None,
+          train=False)
+      per_layer.append(layer_stats(layer, radii))
+    avg = lambda key: {k: float(np.mean([p[key][k] for p in per_layer]))
+                       for k in per_layer[0][key]}
+    results[name] = {
+        "first_moment_spectral": {str(k): v for k, v in avg("first_moment_spectral").items()},
+        "first_moment_frobenius": {str(k): v for k, v in avg("first_moment_frobenius").items()},
+        "attention_mass": avg("attention_mass"),
+        "cancellation_transported": float(np.mean([p["cancellation_transported"]
+                                                   for p in per_layer])),
+        "cancellation_plain": float(np.mean([p["cancellation_plain"] for p in per_layer])),
+        "per_layer": [{k: ({str(a): b for a, b in v.items()} if isinstance(v, dict) else v)
+                       for k, v in p.items()} for p in per_layer]}
+  return results
+
+
+def write(c, results: dict, out_dir: str, prov: dict) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from experiments import report
+
+  os.makedirs(out_dir, exist_ok=True)
+  fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+  for name, r in results.items():
+    rs = [int(k) for k in r["first_moment_spectral"]]
+    axes[0].plot(rs, list(r["first_moment_spectral"].values()), "o-", label=f"{name} ||.||_2")
+    axes[0].plot(rs, list(r["first_moment_frobenius"].values()), "s--",
+                 label=f"{name} ||.||_F/sqrt(D)")
+    bins = list(r["attention_mass"])
+    axes[1].plot(range(len(bins)), list(r["attention_mass"].values()), "o-", label=name)
+    axes[1].set_xticks(range(len(bins)), bins, rotation=45, fontsize=7)
+  axes[0].set(xscale="log", yscale="log", xlabel="route length r", ylabel="||E[T_route]||",
+              title="first moment of the route transport")
+  axes[1].set(yscale="log", xlabel="distance bin", ylabel="attention mass",
+              title="attention mass vs distance (queries i >= T/2)")
+  names = list(results)
+  axes[2].bar(np.arange(len(names)) - 0.2, [results[n]["cancellation_plain"] for n in names],
+              0.4, label="plain values")
+  axes[2].bar(np.arange(len(names)) + 0.2,
+              [results[n]["cancellation_transported"] for n in names], 0.4, label="transported")
+  axes[2].set_xticks(np.arange(len(names)), names, rotation=20)
+  axes[2].set(ylabel="||sum a T v|| / sum a ||v||", title="value-side cancellation")
+  for ax in axes:
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "mixing_window.png"), dpi=100)
+  plt.close(fig)
+  rs = list(next(iter(results.values()))["first_moment_spectral"])
+  rows = [[n] + [f"{results[n]['first_moment_spectral'][k]:.3f} / "
+                 f"{results[n]['first_moment_frobenius'][k]:.3f}" for k in rs] for n in names]
+  bins = list(next(iter(results.values()))["attention_mass"])
+  mrows = [[n] + [f"{results[n]['attention_mass'][b]:.3f}" for b in bins] for n in names]
+  crows = [[n, f"{results[n]['cancellation_plain']:.3f}",
+            f"{results[n]['cancellation_transported']:.3f}"] for n in names]
+  doc = sys.modules[__name__].__doc__.split("\n\n")[1:3]
+  lines = ["# Mixing window of accumulated transports (accumulated_rotations §8.3)", "",
+           f"- command: `{prov['command']}`",
+           f"- setting: {'runlocal (smoke test only)' if c.runlocal else 'full'}",
+           f"- checkpoints: `{c.source_config}` ({c.source_arg or 'full setting'}) in "
+           f"`{c.source_workdir}`; {c.text_batch} held-out rows of {c.text_len} bytes",
+           f"- machine: {prov['machine']}, jax {prov['jax']}; date {prov['date']}; wall time "
+           f"{prov['wall_time_s']} s", "", "## Definitions", "", *doc, "",
+           "## First moment of the route transport: spectral / Frobenius-rms norm vs r", "",
+           report.markdown_table(["encoding"] + [f"r={k}" for k in rs], rows), "",
+           "## Attention mass per distance bin", "",
+           report.markdown_table(["encoding"] + bins, mrows), "",
+           "## Value-side cancellation", "",
+           report.markdown_table(["encoding", "c_plain", "c_transported"], crows), "",
+           "![mixing window](mixing_window.png)", ""]
+  notes = os.path.join(out_dir, "NOTES.md")
+  if os.path.exists(notes):
+    with open(notes) as f:
+      lines += [f.read()]
+  with open(os.path.join(out_dir, "README.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  with open(os.path.join(out_dir, "results.json"), "w") as f:
+    json.dump(results, f, indent=1)
+
+
+def main(argv) -> None:
+  del argv
+  from experiments import results_writers
+
+  started = time.time()
+  c = _CONFIG.value
+  results = run(c)
+  print(json.dumps({n: {k: v for k, v in r.items() if k != "per_layer"}
+                    for n, r in results.items()}, indent=1))
+  if _RESULTS.value:
+    write(c, results, _RESULTS.value, results_writers.provenance(
+        sys.argv, time.time() - started, module="experiments.probes.mixing_window"))
+
+
+if __name__ == "__main__":
+  # Flags are defined only when run as a program, so the modules import side-effect free.
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "Probe config file[:arg].")
+  _RESULTS = flags.DEFINE_string("results", None, "Write results.json/README.md/plots here.")
+  flags.mark_flags_as_required(["config"])
+  app.run(main)

@@ -1,0 +1,129 @@
+r"""Paper-reproduction sweeps: encodings x seeds (x one more axis), then results files.
+
+  python -m experiments.sweeps --config=experiments/configs/flipflop.py[:arg] \
+      --workdir=DIR [--results=experiments/results/flipflop]
+
+Extends experiments/main.py (which sweeps encodings only) with three config fields:
+
+  sweep.encodings   encodings to compare (required here)
+  sweep.seeds       train.seed values; every encoding gets the same seeds (same data order
+                    and the same initialisation key, so encodings differ only by encoding)
+  sweep.axis        optional dotted config field to vary as well (e.g. "model.num_layers",
+                    "data.n_back"), with sweep.axis_values
+  sweep.experiment  the name of the results builder in experiments/results_writers.py
+
+Each run trains with experiments.train.run into DIR/[<axis>=<v>/]<encoding>/seed<s>/ (a
+second invocation resumes or skips finished runs) and DIR/summaries.json collects every
+run's summary. With --results, the experiment's writer turns the summaries into
+results.json, README.md (a markdown table) and PNG plots there; the README records the
+command, machine, date and total wall time.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+
+
+def _set(config, dotted: str, value) -> None:
+  *parents, leaf = dotted.split(".")
+  node = config
+  for p in parents:
+    node = node[p]
+  if leaf not in node:
+    raise ValueError(f"config.sweep.axis={dotted!r} names no config field")
+  node[leaf] = value
+
+
+def plan_runs(config, workdir: str) -> list[dict]:
+  """[{config, workdir, encoding, seed, axis_value}] for every run of the sweep."""
+  encodings = tuple(config.sweep.encodings)
+  if not encodings:
+    raise ValueError("config.sweep.encodings is empty; an experiment compares encodings")
+  seeds = tuple(config.sweep.get("seeds", ()) or (config.train.seed,))
+  axis = config.sweep.get("axis", "") or ""
+  values = tuple(config.sweep.get("axis_values", ())) if axis else (None,)
+  runs = []
+  for v in values:
+    for name in encodings:
+      for s in seeds:
+        c = copy.deepcopy(config)
+        with c.unlocked():
+          c.sweep.encodings = ()
+          c.model.encoding = name
+          c.train.seed = int(s)
+          if axis:
+            _set(c, axis, v)
+        sub = os.path.join(*([f"{axis.split('.')[-1]}={v}"] if axis else []), name, f"seed{s}")
+        runs.append({"config": c, "workdir": os.path.join(workdir, sub), "encoding": name,
+                     "seed": int(s), "axis_value": v})
+  return runs
+
+
+def run_sweep(config, workdir: str, *, log=print) -> list[dict]:
+  """Trains every run of the sweep (skipping finished ones); returns their summaries."""
+  import jax
+
+  from experiments import config_checks
+  from experiments import data
+  from experiments import train
+
+  runs = plan_runs(config, workdir)
+  checked = [config_checks.check(r["config"], workdir=r["workdir"], data_module=data,
+                                 num_devices=jax.device_count()) for r in runs]
+  summaries = []
+  for r, mcfg in zip(runs, checked):
+    done = os.path.join(r["workdir"], "summary.json")
+    if os.path.exists(done):
+      with open(done) as f:
+        summary = json.load(f)
+    else:
+      summary = train.run(r["config"], r["workdir"], data_module=data, mcfg=mcfg)
+      if summary["interrupted"]:
+        raise SystemExit(143)
+    summary.update(seed=r["seed"], axis_value=r["axis_value"], workdir=r["workdir"])
+    log(f"{r['workdir']}: final loss {summary['final_loss']:.4f} "
+        f"({summary['wall_time_s']:.0f} s)")
+    summaries.append(summary)
+  with open(os.path.join(workdir, "summaries.json"), "w") as f:
+    json.dump(summaries, f, indent=1)
+  return summaries
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  from experiments import results_writers
+
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  started = time.time()
+  try:
+    summaries = run_sweep(config, workdir)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if _RESULTS.value:
+    prov = results_writers.provenance(sys.argv, time.time() - started)
+    prov["train_time_s"] = round(sum(s["wall_time_s"] for s in summaries))
+    results_writers.write(config.sweep.experiment, summaries, config, _RESULTS.value, prov)
+    print(f"results: {_RESULTS.value}")
+
+
+if __name__ == "__main__":
+  # Flags are defined only when run as a program, so the modules import side-effect free.
+  _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
+                                            lock_config=False)
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Directory holding one sub-directory per run.")
+  _RESULTS = flags.DEFINE_string("results", None, "Write results.json/README.md/plots here.")
+  flags.mark_flags_as_required(["config", "workdir"])
+  app.run(main)
