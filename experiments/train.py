@@ -194,8 +194,7 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
       pending.append(metrics)
       bar.update(1)
       if step % t.log_every == 0 or step == t.steps:
-        tok_s = tokens_per_step * len(pending) / max(time.time() - window_start, 1e-9)
-        final_loss = _flush(log, pending, step, tok_s, bar)
+        final_loss = _flush(log, pending, step, tokens_per_step, window_start, bar)
         pending, window_start = [], time.time()
       if config.eval.every and step % config.eval.every == 0 and step < t.steps and eval_sets:
         log.eval(step, evaluate.evaluate_all(trainer.eval_step, state["params"], eval_sets,
@@ -204,7 +203,7 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
         ckpt.save(step, state, train_iter, stored)
     bar.close()
     if pending:
-      final_loss = _flush(log, pending, step, None, None)
+      final_loss = _flush(log, pending, step, tokens_per_step, window_start, None)
     if step < t.steps:  # interrupted (SIGTERM or stop_after): save and leave
       ckpt.save(step, state, train_iter, stored)
       ckpt.close()
@@ -226,9 +225,11 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
   return summary
 
 
-def _flush(log, pending: list, step: int, tok_s, bar) -> float:
+def _flush(log, pending: list, step: int, tokens_per_step: int, window_start: float,
+           bar) -> float:
   """Writes the metrics of the steps in `pending` (ending at `step`); stops on NaN/inf."""
-  host = jax.device_get(pending)
+  host = jax.device_get(pending)  # waits for the steps: only now is the window's time known
+  tok_s = tokens_per_step * len(host) / max(time.time() - window_start, 1e-9)
   losses = np.array([m["loss"] for m in host], np.float64)
   bad = evaluate.first_nonfinite(losses)
   if bad is not None:
@@ -238,9 +239,8 @@ def _flush(log, pending: list, step: int, tok_s, bar) -> float:
   # plus the window's mean loss.
   record = {k: float(v) for k, v in host[-1].items()}
   record["loss_window_mean"] = float(losses.mean())
-  if tok_s is not None:
-    record["tokens_per_s"] = tok_s
+  record["tokens_per_s"] = tok_s
   log.train(step, record)
   if bar is not None:
-    bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tok_s:,.0f}" if tok_s else "-")
+    bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tok_s:,.0f}")
   return float(losses[-1])
