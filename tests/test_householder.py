@@ -37,18 +37,26 @@ def _inputs(key, *, B=2, T=37, H=4, K=2, D=8, forget=True, segments=True):
 
 
 def _call(fn, args, seg, **kw):
-  return fn(args["q"], args["k"], args["v"], args["w"], args["beta"],
-            log_forget=args["log_forget"], segment_ids=seg, scale=args["q"].shape[-1] ** -0.5, **kw)
+  """fn on args, jit-compiled (one compile instead of many eager op dispatches)."""
+  scale = args["q"].shape[-1] ** -0.5
+  run = jax.jit(lambda a, s: fn(a["q"], a["k"], a["v"], a["w"], a["beta"],
+                                log_forget=a["log_forget"], segment_ids=s, scale=scale, **kw))
+  return run(args, seg)
 
 
 def _loss_grads(fn, args, seg, cot, **kw):
+  """d/d(inputs) of sum(fn(inputs) * cot), jit-compiled."""
   names = [n for n in ("q", "k", "v", "w", "beta", "log_forget") if args[n] is not None]
+  scale = args["q"].shape[-1] ** -0.5
 
-  def loss(diff):
-    out = _call(fn, {**args, **diff}, seg, **kw)
+  def loss(diff, rest, s):
+    a = {**rest, **diff}
+    out = fn(a["q"], a["k"], a["v"], a["w"], a["beta"], log_forget=a["log_forget"],
+             segment_ids=s, scale=scale, **kw)
     return jnp.sum(out * cot)
 
-  return jax.grad(loss)({n: args[n] for n in names})
+  rest = {n: a for n, a in args.items() if n not in names}
+  return jax.jit(jax.grad(loss))({n: args[n] for n in names}, rest, seg)
 
 
 @pytest.mark.parametrize("impl", ["scan", "chunked"])
@@ -80,14 +88,14 @@ def test_chunked_single_chunk_and_bf16(key):
   assert_rel_rms(out, ref_low, 1e-2, "bf16 chunked")
 
 
-@pytest.mark.parametrize("implementation", ["reference", "scan", "chunked"])
-def test_public_entry_point(key, implementation):
+def test_public_entry_point(key):
   args, seg = _inputs(key, T=19)
   ref = _call(householder.path_attention_reference, args, seg)
-  out = posenc_jax.path_attention(args["q"], args["k"], args["v"], args["w"], args["beta"],
-                                  log_forget=args["log_forget"], segment_ids=seg,
-                                  implementation=implementation)
-  assert_rel_rms(out, ref, 1e-5, implementation)
+  for implementation in ("reference", "scan", "chunked"):
+    fn = functools.partial(posenc_jax.path_attention, implementation=implementation)
+    out = jax.jit(lambda a, s: fn(a["q"], a["k"], a["v"], a["w"], a["beta"],  # noqa: B023
+                                  log_forget=a["log_forget"], segment_ids=s))(args, seg)
+    assert_rel_rms(out, ref, 1e-5, implementation)
 
 
 def test_householder_product_matches_loop(key):
@@ -170,10 +178,10 @@ def test_s5_permutation_tracking(key, implementation):
   q = np.broadcast_to(n * (ranks + 54.5 * np.eye(6)[5]), (1, T, 1, 6)).astype(np.float32)
   v = np.zeros((1, T, 1, 6), np.float32)
   v[0, 0, 0, 0] = 1.0
-  o = posenc_jax.path_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                jnp.asarray(_swap_w(pairs, 6))[None, :, None],
-                                jnp.full((1, T, 1), 2.0), scale=1.0,
-                                implementation=implementation)
+  attend = jax.jit(functools.partial(posenc_jax.path_attention, scale=1.0,
+                                     implementation=implementation))
+  o = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+             jnp.asarray(_swap_w(pairs, 6))[None, :, None], jnp.full((1, T, 1), 2.0))
   lst = list(range(5))
   for t in range(1, T):
     x, y = pairs[t]
@@ -235,15 +243,20 @@ def test_value_errors(key):
 
 
 def test_decoding_matches_full_attention(key):
+  """Token-by-token decoding with in-place key transport equals full attention; the prefill
+  cache equals the decoded one."""
   args, _ = _inputs(key, B=1, T=27, forget=False, segments=False)
   q, k, v, w, beta = (args[n] for n in ("q", "k", "v", "w", "beta"))
+  T = q.shape[1]
   full = householder.path_attention_reference(q, k, v, w, beta, scale=8**-0.5)
-  cache = k[:, :0]
-  for t in range(q.shape[1]):
-    cache = householder.transport_keys(cache, w[:, t], beta[:, t])
-    cache = jnp.concatenate([cache, k[:, t:t + 1]], axis=1)
-    # Decoding is plain attention of the new query over the whole (transported) cache.
+
+  def step(cache, t):
+    cache = householder.transport_keys(cache, w[:, t], beta[:, t]).at[:, t].set(k[:, t])
+    # Plain attention of the new query over the cache filled so far.
     logits = jnp.einsum("bhd,bshd->bhs", q[:, t], jnp.repeat(cache, 2, axis=2)) * 8**-0.5
-    o = jnp.einsum("bhs,bshd->bhd", jax.nn.softmax(logits, -1), jnp.repeat(v[:, :t + 1], 2, axis=2))
-    assert_rel_rms(o, full[:, t], 1e-5, f"step {t}")
+    a = jax.nn.softmax(jnp.where(jnp.arange(T) <= t, logits, -jnp.inf), -1)
+    return cache, jnp.einsum("bhs,bshd->bhd", a, jnp.repeat(v, 2, axis=2))
+
+  cache, o = jax.jit(lambda: jax.lax.scan(step, jnp.zeros_like(k), jnp.arange(T)))()
+  assert_rel_rms(jnp.moveaxis(o, 0, 1), full, 1e-5, "decoding")
   assert_rel_rms(householder.prefill_keys(k, w, beta, chunk_size=8), cache, 1e-5, "prefill")

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts a researcher runs by hand (not tests)."""
