@@ -25,6 +25,11 @@ import jax.numpy as jnp
 from posenc_jax import rotations
 
 
+def _compute_dtype(x):
+  """float32 at least (bf16 inputs are promoted; float64 stays float64)."""
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def skew(a):
   """A - A^T over the last two axes."""
   return a - jnp.swapaxes(a, -1, -2)
@@ -32,7 +37,7 @@ def skew(a):
 
 def orthogonal_from_param(a_HDD):
   """B = expm(A - A^T) in SO(D), per leading index; A = 0 gives the identity."""
-  flat = a_HDD.reshape((-1,) + a_HDD.shape[-2:]).astype(jnp.float32)
+  flat = a_HDD.reshape((-1,) + a_HDD.shape[-2:]).astype(_compute_dtype(a_HDD))
   b = jax.vmap(jax.scipy.linalg.expm)(skew(flat))
   return b.reshape(a_HDD.shape)
 
@@ -45,7 +50,7 @@ def per_query_head(p, num_heads: int):
 
 def basis_rotate(x_BTHD, angles_BTHP, basis_HDD):
   """B R(angles) B^T x per head: express x in the basis, rotate its planes, map back."""
-  z = jnp.einsum("bthd,hde->bthe", x_BTHD.astype(jnp.float32), basis_HDD)
+  z = jnp.einsum("bthd,hde->bthe", x_BTHD.astype(_compute_dtype(x_BTHD)), basis_HDD)
   z = rotations.rotate(z, angles_BTHP)
   return jnp.einsum("bthe,hde->bthd", z, basis_HDD).astype(x_BTHD.dtype)
 
@@ -109,7 +114,7 @@ def rank2_planes_apply(x_BTHD, a_HND, b_HND, phases_BTHN):
     a, b, ph = plane
     return rank2_apply(y, a, b, ph), None
 
-  y, _ = jax.lax.scan(step, x_BTHD.astype(jnp.float32), xs)
+  y, _ = jax.lax.scan(step, x_BTHD.astype(_compute_dtype(x_BTHD)), xs)
   return y.astype(x_BTHD.dtype)
 
 
@@ -137,7 +142,7 @@ def thin_frame(e_param_HDD, t_param_HRR):
 
 def thin_apply(x_BTHD, angles_BTHQ, frame_HDR):
   """exp(t L) x = x + F (R(t theta) - I) F^T x, Q = R/2 planes of the Schur form."""
-  x = x_BTHD.astype(jnp.float32)
+  x = x_BTHD.astype(_compute_dtype(x_BTHD))
   z = jnp.einsum("bthd,hdr->bthr", x, frame_HDR)
   dz = rotations.rotate(z, angles_BTHQ) - z
   return (x + jnp.einsum("bthr,hdr->bthd", dz, frame_HDR)).astype(x_BTHD.dtype)
@@ -145,7 +150,7 @@ def thin_apply(x_BTHD, angles_BTHQ, frame_HDR):
 
 def thin_generator(e_param_DD, t_param_RR, theta_Q):
   """Dense L = E T (+)_k theta_k J T^T E^T [D, D] (an oracle for tests, one head)."""
-  j = jnp.array([[0.0, -1.0], [1.0, 0.0]], jnp.float32)
+  j = jnp.array([[0.0, -1.0], [1.0, 0.0]], theta_Q.dtype)
   block = jnp.kron(jnp.diag(theta_Q), j)            # (+)_k theta_k J, [R, R]
   f = thin_frame(e_param_DD[None], t_param_RR[None])[0]
   return f @ block @ f.T
