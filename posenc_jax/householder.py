@@ -123,8 +123,6 @@ def _right_to_left(ch: _Chunks, apply: Callable, v_nBCKD, gate_nBHC, *, T: int, 
     state = blockwise.update_state(blockwise.init_state(B, H, C, Dv), diag,
                                    blockwise.tile_mask(s0, s0, C, C, T, seg_BTp), v_nBCKD[a])
 
-    # Rematerialised in the backward pass: only the carry is stored per visited chunk.
-    @jax.checkpoint
     def visit(carry, b):
       state, q_t, g_t = carry
       s = jnp.einsum("bqkgd,bckd->bkgqc", q_t, ch.k_hat[b]).reshape(B, H, C, C)
@@ -137,6 +135,9 @@ def _right_to_left(ch: _Chunks, apply: Callable, v_nBCKD, gate_nBHC, *, T: int, 
       q_t = apply(q_t, jax.tree.map(lambda x: x[b], ch.transport))
       return state, q_t, g_t
 
+    # Rematerialised in the backward pass: only the carry is stored per step. (Checkpointing
+    # inside the cond instead makes the cond emit the chunk operands as per-step residuals.)
+    @jax.checkpoint
     def step(carry, i):
       b = a - 1 - i
       return jax.lax.cond(b >= 0, visit, lambda c, _: c, carry, b), None
