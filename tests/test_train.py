@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 
 import jax
 import numpy as np
 import pytest
 
+from experiments import checkpoint
 from experiments import evaluate
 from experiments import report
 from experiments import sharding
@@ -109,6 +112,31 @@ def test_resume_reproduces_losses(tmp_path):
   assert len(a) == len(b) == 8
   np.testing.assert_array_equal(b, a)
   assert [r["loss"] for r in resumed["eval"]] == [r["loss"] for r in straight["eval"]]
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers can only be installed in the main thread")
+def test_sigterm_saves_then_resume_finishes(tmp_path, monkeypatch):
+  put = train.Trainer.put
+  calls = []
+
+  def put_then_sigterm(self, batch):  # SIGTERM arrives while step 3 runs
+    calls.append(1)
+    if len(calls) == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return put(self, batch)
+
+  monkeypatch.setattr(train.Trainer, "put", put_then_sigterm)
+  handler = signal.getsignal(signal.SIGTERM)
+  stopped = train.run(_config(), str(tmp_path))
+  monkeypatch.undo()
+  assert stopped["interrupted"] and stopped["step"] == 3
+  assert checkpoint.latest_step(str(tmp_path)) == 3  # not a periodic step (every 2)
+  assert signal.getsignal(signal.SIGTERM) is handler  # the run restored the caller's handler
+  finished = train.run(_config(), str(tmp_path))
+  assert not finished["interrupted"] and finished["step"] == 8
+  assert [r["step"] for r in report.read_metrics(str(tmp_path)) if r["kind"] == "train"] == list(
+      range(1, 9))
 
 
 def test_workdir_outputs(tmp_path):
