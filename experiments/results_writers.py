@@ -156,9 +156,9 @@ def length_extrapolation(summaries, config, out_dir, prov) -> tuple[dict, list[s
   lines = _header("Length extrapolation on the code corpus (acc_rot Table 1, TAPA Tables 1-2)",
                   config, prov, _setting(config))
   lines += [report.markdown_table(header, rows), "",
-            "Perplexity per byte-level token on held-out stdlib files (the same files at every "
-            f"length, packed into rows of that length; {config.eval.num_batches} batches of "
-            f"{config.eval.batch_size} rows per length). Ratio columns: perplexity at 8x / 32x "
+            "Perplexity per byte-level token on held-out stdlib files: at every length the same "
+            f"first {config.sweep.get('eval_tokens', 0)} held-out tokens, packed into rows of "
+            "that length (experiments/probes/length_eval.py). Ratio columns: perplexity at 8x / 32x "
             "the training length over perplexity at the training length (acc_rot Table 1's "
             "8K/512 and 65K/512 columns, at our scale 8x and 32x).", "",
             "![perplexity vs length](perplexity_vs_length.png)", ""]

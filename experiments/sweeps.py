@@ -11,6 +11,10 @@ Extends experiments/main.py (which sweeps encodings only) with three config fiel
   sweep.axis        optional dotted config field to vary as well (e.g. "model.num_layers",
                     "data.n_back"), with sweep.axis_values
   sweep.experiment  the name of the results builder in experiments/results_writers.py
+  sweep.eval_tokens optional: after training, evaluate each checkpoint at sweep.eval_lengths
+                    on the same eval_tokens held-out tokens per length (batches of
+                    sweep.eval_batch_tokens tokens; experiments/probes/length_eval.py);
+                    these records replace the run's own final evaluation
 
 Each run trains with experiments.train.run into DIR/[<axis>=<v>/]<encoding>/seed<s>/ (a
 second invocation resumes or skips finished runs) and DIR/summaries.json collects every
@@ -89,6 +93,11 @@ def run_sweep(config, workdir: str, *, log=print) -> list[dict]:
       summary = train.run(r["config"], r["workdir"], data_module=data, mcfg=mcfg)
       if summary["interrupted"]:
         raise SystemExit(143)
+    if config.sweep.get("eval_tokens"):  # equal-token evaluation at every length
+      from experiments.probes import length_eval
+      summary["eval"] = length_eval.evaluate_lengths(
+          r["config"], r["workdir"], lengths=tuple(config.sweep.eval_lengths),
+          tokens=config.sweep.eval_tokens, batch_tokens=config.sweep.eval_batch_tokens)
     summary.update(seed=r["seed"], axis_value=r["axis_value"], workdir=r["workdir"])
     log(f"{r['workdir']}: final loss {summary['final_loss']:.4f} "
         f"({summary['wall_time_s']:.0f} s)")

@@ -73,3 +73,57 @@ def test_length_extrapolation_and_probes(tmp_path):
   # RoPE transports every route of length r by the same rotation: ||E[T]|| = 1.
   np.testing.assert_allclose(list(res["rope"]["first_moment_spectral"].values()), 1.0, atol=1e-6)
   assert all(0 < v <= 1 + 1e-6 for v in res["path"]["first_moment_spectral"].values())
+
+
+@pytest.mark.parametrize("name", ["rope", "tapa"])
+def test_pair_logits_match_the_attention_logits(name, key):
+  """distance_bias.pair_logits(q_i, k_0, d=i) equals the logit the encoding attends with."""
+  import jax
+  import jax.numpy as jnp
+
+  from experiments.probes import distance_bias
+  from posenc_jax import encodings
+  from posenc_jax import tapa
+
+  T, D = 37, 16
+  kq, kk = jax.random.split(key)
+  q, k = jax.random.normal(kq, (1, T, 1, D)), jax.random.normal(kk, (1, T, 1, D))
+  enc = encodings.get(name)
+  params = enc.init(jax.random.key(0), encodings.Dims(D, 1, 1, D))
+  pos = jnp.arange(T)[None]
+  prep = enc.prepare(params, x=jnp.zeros((1, T, 1)), q=q, k=k, v=k, positions=pos,
+                     segment_ids=None, tokens=jnp.zeros((1, T), jnp.int32), rng=None, train=False)
+  if name == "rope":
+    full = jnp.einsum("bqhd,bkhd->bhqk", prep.q, prep.k)[0, 0] / np.sqrt(D)
+  else:
+    i = prep.inputs
+    parts = tapa._parts(q, k, i["theta"])
+    dpow = tapa.distance_power(tapa._dist(jnp.arange(T), jnp.arange(T)), i["alpha"])
+    full = tapa._logits(*parts, dpow, i["linear_phase"])[0, 0]
+  d = jnp.arange(T)
+  got = distance_bias.pair_logits(enc, params, q[0], jnp.broadcast_to(k[0, 0], (T, 1, D)), d)
+  np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(full[:, 0]), rtol=1e-4, atol=1e-5)
+
+
+def test_path_route_transport_is_the_householder_product():
+  """mixing_window's P_j(r) = H_{j+r} ... H_{j+1}, from an explicit product."""
+  from experiments.probes import mixing_window
+  from posenc_jax import encodings
+
+  r_ = np.random.default_rng(0)
+  B, T, K, D = 1, 9, 2, 4
+  w = r_.standard_normal((B, T, K, D))
+  w /= np.linalg.norm(w, axis=-1, keepdims=True)
+  beta = 2 * r_.random((B, T, K))
+  z = np.zeros((B, T, K, D))
+  prep = encodings.Prepared("path", z, z, z, {"w": w, "beta": beta})
+  tr = mixing_window._Transport({"prep": prep})
+  for _ in range(4):
+    tr.step()
+  j, k = 2, 1
+  want = np.eye(D)
+  for t in range(j + 1, j + 5):
+    want = (np.eye(D) - beta[0, t, k] * np.outer(w[0, t, k], w[0, t, k])) @ want
+  np.testing.assert_allclose(tr.P[0, j, k], want, atol=1e-12)
+  v = r_.standard_normal((B, T, K, D))
+  np.testing.assert_allclose(tr.apply(v)[0, j, k], want @ v[0, j, k], atol=1e-12)

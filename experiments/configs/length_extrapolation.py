@@ -33,9 +33,12 @@ def get_config(arg: str | None = None):
   c.model.update(num_layers=2, d_model=64, num_heads=2, head_dim=32, block="llama")
   c.train.update(steps=a.steps or 500, batch_size=16, learning_rate=3e-3, warmup_steps=50,
                  weight_decay=0.1, checkpoint_every=100000, log_every=50)
-  # factors=6: 1x .. 32x the training length.
-  c.eval.update(lengths=tuple(a.train_len * 2**i for i in range(a.factors)), num_batches=2,
-                batch_size=4)
+  # Training evaluates only at L; afterwards every checkpoint is evaluated at 1x .. 32x L
+  # (factors=6) on the same 32768 held-out tokens per length (experiments/probes/length_eval.py).
+  c.eval.update(num_batches=2, batch_size=16)
+  c.sweep.eval_lengths = tuple(a.train_len * 2**i for i in range(a.factors))
+  c.sweep.eval_tokens = 32768
+  c.sweep.eval_batch_tokens = 8192
   c.sweep.encodings = tuple(a.encodings.split("+"))
   c.sweep.seeds = tuple(range(a.seeds))
   c.sweep.experiment = "length_extrapolation"
@@ -44,6 +47,8 @@ def get_config(arg: str | None = None):
     c.data.max_files = 20
     c.model.update(d_model=16, num_heads=2, head_dim=8)
     c.train.update(steps=a.steps or 6, batch_size=4, warmup_steps=2, log_every=3)
-    c.eval.update(lengths=(16, 32, 64), num_batches=1, batch_size=4)
+    c.eval.update(num_batches=1, batch_size=4)
+    c.sweep.eval_lengths = (16, 32, 64)
+    c.sweep.eval_tokens, c.sweep.eval_batch_tokens = 256, 128
     c.sweep.seeds = (0,)
   return c
