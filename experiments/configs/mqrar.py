@@ -8,9 +8,9 @@ model per N, as in the paper); accuracy is over the answer tokens of held-out st
       --workdir=workdirs/mqrar --results=experiments/results/mqrar
 
 `arg`: runlocal, encodings=A+B, seeds=N (default 1), steps=N, num_pairs=P, seq_len=T.
-Scale gap (CPU): hidden size 128 (2 heads of 64), length 192 with 8 keys (the paper's
-768 / 32 keep ~7 assignments per key at our query rate; 8 keys at 192 keep the same
-density), 1500 steps of batch 32.
+Scale gap (CPU): hidden size 128 (2 heads of 64), length 128 with 6 keys (the paper's
+768 / 32 keep ~7 assignments per key at our query rate; 6 keys at 128 keep ~6), 1000
+steps of batch 16.
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from experiments.configs import base
 
 def get_config(arg: str | None = None):
   a = base.parse_arg(arg, runlocal=False, encodings="rope+fox+path", seeds=1, steps=0,
-                     num_pairs=8, seq_len=192, n_backs="1+2+3+4")
+                     num_pairs=6, seq_len=128, n_backs="1+2+3+4")
   c = base.get_config()
   c.data.task = "mqrar"
   c.data.seq_len = a.seq_len
   c.data.update(num_pairs=a.num_pairs, num_values=32, query_prob=0.3)
   c.model.update(num_layers=2, d_model=128, num_heads=2, head_dim=64, block="llama")
-  c.train.update(steps=a.steps or 1500, batch_size=32, learning_rate=1e-3, warmup_steps=100,
+  c.train.update(steps=a.steps or 1000, batch_size=16, learning_rate=1e-3, warmup_steps=100,
                  weight_decay=0.1, checkpoint_every=100000, log_every=50)
   c.eval.update(num_batches=4, batch_size=64)
   c.sweep.encodings = tuple(a.encodings.split("+"))
