@@ -25,6 +25,7 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int | None = None  # None: 2 for head_dim <= 64, else 1 (shared memory)
   bwd_num_warps: int = 4
+  bwd_lanes: int | None = None   # programs per head in the backward; None: fill the GPU (TPU: 1)
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -116,8 +117,13 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]
   f = _flags(ops)
-  qh = lambda x: _full(x, lambda b, h: h)
-  kv = lambda x: _full(x, lambda b, h: h // G)
+  L = bs.bwd_lanes or (min(8, max(1, -(-264 // (B * H)))) if backend == "gpu" else 1)
+  L = max(1, min(L, n))
+  if L > 1 and backend != "gpu":
+    raise ValueError(f"bwd_lanes={L} needs the GPU backend (TPU output blocks are written whole)")
+  qh = lambda x: _full(x, lambda b, h, l: h)
+  kv = lambda x: _full(x, lambda b, h, l: h // G)
+  lane = lambda x: _full(x, lambda b, h, l: h * L + l)  # per-lane accumulators
   args, specs = [ops.q, ops.k, ops.v], [qh(ops.q), kv(ops.k), kv(ops.v)]
   if f["transport"]:
     args += [ops.w, ops.u]
@@ -129,23 +135,27 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
     specs += [qh(ops.fq), qh(ops.fk)]
   if f["segments"]:
     args += [ops.sq, ops.sk]
-    specs += [_full(ops.sq, lambda b, h: 0), _full(ops.sk, lambda b, h: 0)]
+    specs += [_full(ops.sq, lambda b, h, l: 0), _full(ops.sk, lambda b, h, l: 0)]
   if f["transport"]:
     args.append(ops.diag)
     specs.append(qh(ops.diag))
   f32 = jnp.float32
+  HL = H * L
   names = ["q", "k", "v"]
-  shapes = [(B, H, n, C, D)] * 3
+  shapes = [(B, H, n, C, D), (B, HL, n, C, D), (B, HL, n, C, D)]
   if f["transport"]:
     names += ["w", "u", "diag", "states"]
-    shapes += [(B, H, n, C, D)] * 2 + [(B, H, n, C, C), (B, H, n, C, D)]
+    shapes += [(B, HL, n, C, D)] * 2 + [(B, H, n, C, C), (B, HL, n, C, D)]
   if f["gate"]:
     names += ["fq", "fk"]
-    shapes += [(B, H, n, C, 1), (B, H, n, 1, C)]
+    shapes += [(B, H, n, C, 1), (B, HL, n, 1, C)]
   out_shape = [jax.ShapeDtypeStruct(s, f32) for s in shapes]
-  kernel = functools.partial(kernels.bwd_kernel, scale=scale, precision=precision, **f)
-  outs = _call(kernel, (B, H), specs, [qh(s) for s in out_shape], out_shape, backend, bs,
-               bwd=True)(*args)
+  out_specs = [lane(s) if s.shape[1] == HL and L > 1 else qh(s) for s in out_shape]
+  kernel = functools.partial(kernels.bwd_kernel, scale=scale, precision=precision, lanes=L, **f)
+  outs = _call(kernel, (B, H, L), specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
   grads = dict(zip(names, outs))
   grads.pop("states", None)
+  for name in ("k", "v", "w", "u", "fk"):  # lanes summed in a fixed order: deterministic
+    if name in grads and L > 1:
+      grads[name] = grads[name].reshape(B, H, L, *grads[name].shape[2:]).sum(2)
   return grads

@@ -108,7 +108,7 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision):
   lse_ref[...] = m_i + jnp.log(l_i)
 
 
-def bwd_kernel(*refs, scale, transport, gate, segments, precision):
+def bwd_kernel(*refs, scale, transport, gate, segments, precision, lanes=1):
   """One (batch, query head): refs = q, k, v, (w, u), do, lse, delta, (fq, fk), (sq, sk) [n, ...]
   -> dq, dk, dv, (dw, du, ddiag, states), (dfq, dfk), all float32 [n, ...]."""
   refs = list(refs)
@@ -216,4 +216,16 @@ def bwd_kernel(*refs, scale, transport, gate, segments, precision):
       dfq_ref[c] = dfq
     return 0
 
-  lax.fori_loop(0, n, query_chunk, 0)
+  # Lane l of `lanes` programs takes query chunks l, l + lanes, ...; its accumulators are its own.
+  if lanes == 1:
+    lax.fori_loop(0, n, query_chunk, 0)
+  else:
+    lane = pl.program_id(2)
+
+    def lane_chunk(i, carry):  # static trip count (Triton lowering); the tail lane skips
+      @pl.when(lane + i * lanes < n)
+      def _():
+        query_chunk(lane + i * lanes, 0)
+      return carry
+
+    lax.fori_loop(0, -(-n // lanes), lane_chunk, 0)

@@ -75,6 +75,17 @@ def segment_prefix_sum(x_BTH, seg_BT):
   return jax.lax.associative_scan(combine, (x_BTH, start), axis=1)[0]
 
 
+_HI = jax.lax.Precision.HIGHEST  # float32 pre-pass: no TF32 on GPU
+
+
+def _ein(spec, *xs):
+  return jnp.einsum(spec, *xs, precision=_HI)
+
+
+def _mm(a, b):
+  return jnp.matmul(a, b, precision=_HI)
+
+
 def _tril(x, k=0):
   C = x.shape[-1]
   return jnp.where(jnp.arange(C)[:, None] - jnp.arange(C)[None, :] >= -k, x, 0.0)
@@ -83,7 +94,7 @@ def _tril(x, k=0):
 def ut_transform(w_c, beta_c):
   """X = (I + strictLower(diag(beta) W W^T))^{-1} diag(beta); w_c [..., C, D], beta_c [..., C]."""
   C = w_c.shape[-2]
-  a = _tril(beta_c[..., :, None] * jnp.einsum("...id,...jd->...ij", w_c, w_c), -1)
+  a = _tril(beta_c[..., :, None] * _ein("...id,...jd->...ij", w_c, w_c), -1)
   eye = jnp.eye(C, dtype=w_c.dtype)
   rhs = jnp.broadcast_to(eye * beta_c[..., None, :], a.shape)
   return jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True)
@@ -111,13 +122,13 @@ def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype):
     wb = blocked(pad_time(w, Tp), C).astype(f32)
     bb = jnp.moveaxis(pad_time(beta, Tp).astype(f32).reshape(B, n, C, K), 3, 1)  # [B, K, n, C]
     x = ut_transform(wb, bb)                                        # [B, K, n, C, C]
-    u = x @ wb
-    wk = _tril(jnp.einsum("bkncd,bknjd->bkncj", wb, kb), -1)       # w_r . k_j, r > j
-    khat = kb - jnp.einsum("bknrj,bknrd->bknjd", x @ wk, wb)
+    u = _mm(x, wb)
+    wk = _tril(_ein("bkncd,bknjd->bkncj", wb, kb), -1)             # w_r . k_j, r > j
+    khat = kb - _ein("bknrj,bknrd->bknjd", _mm(x, wk), wb)
     qg = qb.reshape(B, K, G, n, C, D)
-    gm = _tril(jnp.einsum("bkgnid,bknrd->bkgnir", qg, wb)) @ x[:, :, None]   # lower(Q W^T) X
-    qhat = qg - gm @ wb[:, :, None]
-    diag = jnp.einsum("bkgnid,bknjd->bkgnij", qg, kb) - gm @ wk[:, :, None]
+    gm = _mm(_tril(_ein("bkgnid,bknrd->bkgnir", qg, wb)), x[:, :, None])   # lower(Q W^T) X
+    qhat = qg - _mm(gm, wb[:, :, None])
+    diag = _ein("bkgnid,bknjd->bkgnij", qg, kb) - _mm(gm, wk[:, :, None])
     ops.update(q=qhat.reshape(B, H, n, C, D).astype(dtype), k=khat.astype(dtype),
                w=wb.astype(dtype), u=u.astype(dtype),
                diag=(scale * diag).reshape(B, H, n, C, C))
