@@ -103,19 +103,22 @@ def blockwise_attention(tile_logits: Callable, v_BTKD, *, num_heads: int, segmen
   def query_block(qi):
     q_start = qi * Q
 
-    @jax.checkpoint
     def visit(state, ki):
       k_start = ki * Q
       s = tile_logits(q_start, k_start).astype(jnp.float32)
       mask = tile_mask(q_start, k_start, Q, Q, T, seg)
       return update_state(state, s, mask, jax.lax.dynamic_slice_in_dim(v, k_start, Q, axis=1))
 
+    # Checkpoint the whole step, cond included: a checkpoint inside the cond still makes the
+    # cond save its operands' tiles at every step (gradient memory quadratic in T).
+    @jax.checkpoint
     def step(state, ki):
       return jax.lax.cond(ki <= qi, visit, lambda s, _: s, state, ki), None
 
     state, _ = jax.lax.scan(step, init_state(B, H, Q, Dv), jnp.arange(n))
     return finalize(state)
 
-  out = jax.lax.map(query_block, jnp.arange(n))             # [n, B, Q, H, Dv]
+  # Rematerialise each query block's scan in the backward pass too: only its inputs are kept.
+  out = jax.lax.map(jax.checkpoint(query_block), jnp.arange(n))   # [n, B, Q, H, Dv]
   out = jnp.moveaxis(out, 0, 1).reshape(B, Tp, H, Dv)
   return out[:, :T].astype(v_BTKD.dtype)
