@@ -21,5 +21,5 @@ setuptools.setup(
         "matplotlib",
         "tqdm",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-xdist", "nbformat", "nbclient", "ipykernel"]},
+    extras_require={"test": ["pytest>=8", "pytest-xdist"]},
 )
