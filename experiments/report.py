@@ -70,6 +70,7 @@ class MetricsLog:
   def close(self) -> None:
     if self._tb is not None:
       self._tb.close()
+      self._tb = None
 
 
 def headline_metric(task: str) -> str:

@@ -35,6 +35,7 @@ from experiments import report
 from experiments import sharding
 from posenc_jax import model as model_lib
 
+SUMMARY = "summary.json"
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 
 
@@ -155,6 +156,7 @@ def _eval_sets(config, data_module, process_count: int) -> dict:
 def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | None = None) -> dict:
   """Trains config's model in workdir (resuming if it holds a checkpoint); returns a summary.
 
+  A workdir whose run already finished is not trained again: its summary is returned.
   stop_after: stop (saving a checkpoint) once this many steps are done, as if interrupted.
   """
   if data_module is None:
@@ -163,6 +165,9 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
   if mcfg is None:
     mcfg = config_checks.check(config, workdir=workdir, data_module=data_module,
                                num_devices=jax.device_count())
+  finished = _finished_summary(workdir, config.train.steps)
+  if finished is not None:
+    return finished
   os.makedirs(workdir, exist_ok=True)
   t = config.train
   data_n, fsdp_n = config_checks.check_mesh(config, jax.device_count())
@@ -173,56 +178,63 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
                                            seed=t.seed, process_index=jax.process_index(),
                                            process_count=pc)
   eval_sets = _eval_sets(config, data_module, pc)
+  evaluate_now = lambda params: evaluate.evaluate_all(trainer.eval_step, params, eval_sets,
+                                                      trainer.put)
   ckpt = checkpoint.Checkpointer(workdir, every=t.checkpoint_every)
   stored = config_checks.stored_form(mcfg)
   primary = jax.process_index() == 0
   log = report.MetricsLog(workdir, enabled=primary)
-  with jax.set_mesh(mesh), _sigterm_flag() as sigterm:
-    if ckpt.latest_step() is not None:
-      step, state = ckpt.restore(trainer.abstract_state(), train_iter)
-      log.truncate_after(step)  # drop records an interrupted run wrote past its checkpoint
-    else:
-      step, state = 0, trainer.init_state(t.seed)
-    tokens_per_step = t.batch_size * config.data.seq_len
-    last = stop_after if stop_after is not None else t.steps
-    bar = tqdm.tqdm(total=t.steps, initial=step, desc=mcfg.encoding, unit="step",
-                    dynamic_ncols=True, mininterval=0.5)
-    pending, window_start, final_loss = [], time.time(), None
-    while step < last and not sigterm["set"]:
-      state, metrics = trainer.train_step(state, trainer.put(next(train_iter)))
-      step += 1
-      pending.append(metrics)
-      bar.update(1)
-      if step % t.log_every == 0 or step == t.steps:
-        final_loss = _flush(log, pending, step, tokens_per_step, window_start, bar)
-        pending, window_start = [], time.time()
-      if config.eval.every and step % config.eval.every == 0 and step < t.steps and eval_sets:
-        log.eval(step, evaluate.evaluate_all(trainer.eval_step, state["params"], eval_sets,
-                                             trainer.put))
-      if ckpt.should_save(step) or step == t.steps:
-        ckpt.save(step, state, train_iter, stored)
-    bar.close()
-    if pending:
-      final_loss = _flush(log, pending, step, tokens_per_step, window_start, None)
-    if step < t.steps:  # interrupted (SIGTERM or stop_after): save and leave
-      ckpt.save(step, state, train_iter, stored)
-      ckpt.close()
-      log.close()
-      return {"encoding": mcfg.encoding, "step": step, "interrupted": True}
-    final_eval = (evaluate.evaluate_all(trainer.eval_step, state["params"], eval_sets, trainer.put)
-                  if eval_sets else [])
-  ckpt.close()
-  log.eval(step, final_eval)
-  log.close()
+  try:
+    with jax.set_mesh(mesh), _sigterm_flag() as sigterm:
+      if ckpt.latest_step() is not None:
+        step, state = ckpt.restore(trainer.abstract_state(), train_iter)
+        log.truncate_after(step)  # drop records an interrupted run wrote past its checkpoint
+      else:
+        step, state = 0, trainer.init_state(t.seed)
+      tokens_per_step = t.batch_size * config.data.seq_len
+      last = min(t.steps, stop_after) if stop_after is not None else t.steps
+      bar = tqdm.tqdm(total=t.steps, initial=step, desc=mcfg.encoding, unit="step",
+                      dynamic_ncols=True, mininterval=0.5)
+      pending, window_start = [], time.time()
+      while step < last and not sigterm["set"]:
+        state, metrics = trainer.train_step(state, trainer.put(next(train_iter)))
+        step += 1
+        pending.append(metrics)
+        bar.update(1)
+        if step % t.log_every == 0 or step == last or sigterm["set"]:
+          _flush(log, pending, step, tokens_per_step, window_start, bar)
+          pending, window_start = [], time.time()
+        if config.eval.every and step % config.eval.every == 0 and step < t.steps and eval_sets:
+          log.eval(step, evaluate_now(state["params"]))
+        if ckpt.should_save(step) or step == last or sigterm["set"]:
+          ckpt.save(step, state, train_iter, stored)
+      bar.close()
+      if step < t.steps:  # interrupted (SIGTERM or stop_after), checkpoint saved
+        return {"encoding": mcfg.encoding, "step": step, "interrupted": True}
+      final_eval = evaluate_now(state["params"]) if eval_sets else []
+      log.eval(step, final_eval)
+  finally:
+    ckpt.close()  # waits for the asynchronous save
+    log.close()
   summary = {"encoding": mcfg.encoding, "kv_shift": mcfg.kv_shift, "step": step,
-             "final_loss": final_loss if final_loss is not None else log.last_loss(),
-             "eval": final_eval, "wall_time_s": time.time() - started,
-             "task": config.data.task, "seq_len": config.data.seq_len, "interrupted": False}
+             "final_loss": log.last_loss(), "eval": final_eval,
+             "wall_time_s": time.time() - started, "task": config.data.task,
+             "seq_len": config.data.seq_len, "interrupted": False}
   if primary:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
+    with open(os.path.join(workdir, SUMMARY), "w") as f:
       json.dump(summary, f, indent=1)
     report.write_run_report(workdir, summary)
   return summary
+
+
+def _finished_summary(workdir: str, steps: int) -> dict | None:
+  """The summary of a run in `workdir` that already trained `steps` steps, or None."""
+  path = os.path.join(workdir, SUMMARY)
+  if not os.path.exists(path) or checkpoint.latest_step(workdir) != steps:
+    return None
+  with open(path) as f:
+    summary = json.load(f)
+  return summary if summary.get("step") == steps else None
 
 
 def _flush(log, pending: list, step: int, tokens_per_step: int, window_start: float,

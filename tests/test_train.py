@@ -155,6 +155,10 @@ def test_workdir_outputs(tmp_path):
     assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
   assert os.listdir(tmp_path / "tensorboard")
   assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == summary["final_loss"]
+  # Running a finished workdir again re-reports it without training or logging twice.
+  assert train.run(_config(steps=3), str(tmp_path)) == json.loads(
+      (tmp_path / "summary.json").read_text())
+  assert report.read_metrics(str(tmp_path)) == records
 
 
 def test_nonfinite_loss_names_the_step(tmp_path):
