@@ -72,8 +72,6 @@ def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
 def _attend_bwd(cfg, res, do):
   q, k, v, w, beta, log_forget, seg, o, lse = res
   C = cfg.block_sizes.block_q
-  B, _, H, D = q.shape
-  K = k.shape[2]
   n = o.shape[2]
   do_b = prepass.blocked(prepass.pad_time(do, n * C), C).astype(q.dtype)
   delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
@@ -82,12 +80,14 @@ def _attend_bwd(cfg, res, do):
       lambda *a: _prepare(cfg, *a, seg, jnp.float32), q, k, v, w, beta, log_forget)
   g = calls.backward(_cast(ops32, q.dtype), do_b, lse, delta, scale=cfg.scale,
                      precision=_precision(q.dtype), backend=cfg.backend, bs=cfg.block_sizes)
-  group_sum = lambda x: x.reshape(B, K, H // K, *x.shape[2:]).sum(2)  # GQA: fixed-order sum
+  dw = du = None
+  if w is not None:  # P_m = I - W_m^T U_m:  dW = -U dP^T, dU = -W dP
+    hi = lax.Precision.HIGHEST
+    dw = -jnp.einsum("bkncd,bkned->bknce", ops32.u, g["dp"], precision=hi)
+    du = -jnp.einsum("bkncd,bknde->bknce", ops32.w, g["dp"], precision=hi)
   ct = ops32._replace(
-      q=g["q"], k=group_sum(g["k"]), v=group_sum(g["v"]),
-      w=None if w is None else group_sum(g["w"]), u=None if w is None else group_sum(g["u"]),
-      diag=g.get("diag"), fq=g.get("fq"), fk=g.get("fk"),
-      sq=None if seg is None else jnp.zeros_like(ops32.sq),
+      q=g["q"], k=g["k"], v=g["v"], w=dw, u=du, diag=g.get("diag"), fq=g.get("fq"),
+      fk=g.get("fk"), sq=None if seg is None else jnp.zeros_like(ops32.sq),
       sk=None if seg is None else jnp.zeros_like(ops32.sk))
   grads = pullback(ct)
   grads = tuple(None if x is None else gx.astype(x.dtype)

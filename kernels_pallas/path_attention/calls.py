@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from kernels_pallas.path_attention import bwd_kernels
 from kernels_pallas.path_attention import kernels
 from kernels_pallas.path_attention.prepass import Operands
 
@@ -25,7 +26,8 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int | None = None  # None: 2 for head_dim <= 64, else 1 (shared memory)
   bwd_num_warps: int = 4
-  bwd_lanes: int | None = None   # programs per head in the backward; None: fill the GPU (TPU: 1)
+  bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
+                                 # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -37,7 +39,8 @@ class BlockSizes:
       raise ValueError(f"head_dim={head_dim} must be a power of two >= 16")
 
 
-def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, head_dim: int):
+def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, head_dim: int,
+                     kv_axis: bool = False):
   if backend == "gpu":
     try:
       from jax.experimental.pallas import triton as pltriton
@@ -48,7 +51,8 @@ def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, 
     return cls(num_warps=bs.bwd_num_warps if bwd else bs.num_warps, num_stages=stages)
   if backend in ("tpu", "tpu_interpret"):
     from jax.experimental.pallas import tpu as pltpu
-    return pltpu.CompilerParams(dimension_semantics=("parallel",) * num_axes,
+    sem = ("parallel",) * (num_axes - 1) + ("arbitrary" if kv_axis else "parallel",)
+    return pltpu.CompilerParams(dimension_semantics=sem,
                                 vmem_limit_bytes=100 * 2**20)
   return None
 
@@ -62,13 +66,15 @@ def _interpret(backend: str):
   return False
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, backend, bs, *, bwd):
+def _call(kernel, grid, in_specs, out_specs, out_shape, backend, bs, *, bwd, scratch=()):
   kwargs = {}
-  params = _compiler_params(backend, bs, len(grid), bwd=bwd, head_dim=in_specs[0].block_shape[-1])
+  params = _compiler_params(backend, bs, len(grid), bwd=bwd, head_dim=in_specs[0].block_shape[-1],
+                            kv_axis=bool(scratch))
   if params is not None:
     kwargs["compiler_params"] = params
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
-                        out_shape=out_shape, interpret=_interpret(backend), **kwargs)
+                        out_shape=out_shape, interpret=_interpret(backend), scratch_shapes=scratch,
+                        **kwargs)
 
 
 def _full(x, head_of):
@@ -84,6 +90,8 @@ def _flags(ops: Operands):
 
 def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
   """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32."""
+  if backend in ("tpu", "tpu_interpret"):
+    return _forward_kv(ops, scale=scale, precision=precision, backend=backend, bs=bs)
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]
   f = _flags(ops)
@@ -110,52 +118,112 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
   return _call(kernel, (B, H, n), specs, out_specs, out_shape, backend, bs, bwd=False)(*args)
 
 
-def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
-             bs: BlockSizes):
-  """Gradients w.r.t. the operands, per query head, float32:
-  dict(q, k, v, w?, u?, diag?, fq?, fk?) with k, v, w, u still [B, H, ...] (sum over GQA groups)."""
+def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
+  """TPU form: grid (B, H, n, n) with the key-chunk axis j last ("arbitrary"); step j reads key
+  chunk max(c - j, 0), so skipped steps (j > c) keep the block index and fetch nothing."""
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]
   f = _flags(ops)
-  L = bs.bwd_lanes or (min(8, max(1, -(-264 // (B * H)))) if backend == "gpu" else 1)
-  L = max(1, min(L, n))
-  if L > 1 and backend != "gpu":
-    raise ValueError(f"bwd_lanes={L} needs the GPU backend (TPU output blocks are written whole)")
-  qh = lambda x: _full(x, lambda b, h, l: h)
-  kv = lambda x: _full(x, lambda b, h, l: h // G)
-  lane = lambda x: _full(x, lambda b, h, l: h * L + l)  # per-lane accumulators
-  args, specs = [ops.q, ops.k, ops.v], [qh(ops.q), kv(ops.k), kv(ops.v)]
+  blk = lambda x: (None, None, None) + x.shape[3:]
+  qspec = lambda x: pl.BlockSpec(blk(x), lambda b, h, c, j: (b, h, c, 0, 0))
+  kspec = lambda x, head: pl.BlockSpec(
+      blk(x), lambda b, h, c, j: (b, head(h), jnp.maximum(c - j, 0), 0, 0))
+  kv = lambda x: kspec(x, lambda h: h // G)
+  args, specs = [ops.q, ops.k, ops.v], [qspec(ops.q), kv(ops.k), kv(ops.v)]
   if f["transport"]:
-    args += [ops.w, ops.u]
-    specs += [kv(ops.w), kv(ops.u)]
-  args += [do, lse, delta]
-  specs += [qh(do), qh(lse), qh(delta)]
+    args += [ops.w, ops.u, ops.diag]
+    specs += [kv(ops.w), kv(ops.u), qspec(ops.diag)]
   if f["gate"]:
     args += [ops.fq, ops.fk]
-    specs += [qh(ops.fq), qh(ops.fk)]
+    specs += [qspec(ops.fq), kspec(ops.fk, lambda h: h)]
   if f["segments"]:
     args += [ops.sq, ops.sk]
-    specs += [_full(ops.sq, lambda b, h, l: 0), _full(ops.sk, lambda b, h, l: 0)]
-  if f["transport"]:
-    args.append(ops.diag)
-    specs.append(qh(ops.diag))
+    specs += [pl.BlockSpec(blk(ops.sq), lambda b, h, c, j: (b, 0, c, 0, 0)),
+              kspec(ops.sk, lambda h: 0)]
+  out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
+               jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
+  out_specs = [qspec(out_shape[0]), qspec(out_shape[1])]
+  from jax.experimental.pallas import tpu as pltpu
   f32 = jnp.float32
-  HL = H * L
-  names = ["q", "k", "v"]
-  shapes = [(B, H, n, C, D), (B, HL, n, C, D), (B, HL, n, C, D)]
-  if f["transport"]:
-    names += ["w", "u", "diag", "states"]
-    shapes += [(B, HL, n, C, D)] * 2 + [(B, H, n, C, C), (B, HL, n, C, D)]
+  scratch = [pltpu.VMEM((C, D), f32), pltpu.VMEM((C, 1), f32), pltpu.VMEM((C, 1), f32),
+             pltpu.VMEM((C, D), f32)]
+  kernel = functools.partial(kernels.fwd_kv_kernel, scale=scale, precision=precision, **f)
+  return _call(kernel, (B, H, n, n), specs, out_specs, out_shape, backend, bs, bwd=False,
+               scratch=scratch)(*args)
+
+
+def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
+             bs: BlockSizes):
+  """Gradients w.r.t. the operands, float32: dict(q [B,H,..], k, v [B,K,..], dp [B,K,n,D,D]?
+  (dL/dP per chunk), diag?, fq?, fk?). Two kernels: dk/dv parallel over key chunks, dq/dP
+  sequential per (batch, kv head, lane)."""
+  B, H, n, C, D = ops.q.shape
+  K = ops.k.shape[1]
+  G = H // K
+  f = _flags(ops)
+  L = max(1, min(bs.bwd_lanes or 1, n))
+  if L > 1 and backend != "gpu":
+    raise ValueError(f"bwd_lanes={L} needs the GPU backend (TPU output blocks are written whole)")
+  f32 = jnp.float32
+
+  def inputs(grid_kv):  # grid_kv maps program ids to (b, kv head)
+    grp = lambda x: pl.BlockSpec((None, G) + x.shape[2:],
+                                 lambda *i: (grid_kv(*i)[0], grid_kv(*i)[1]) + (0,) * (x.ndim - 2))
+    kvh = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
+                                 lambda *i: grid_kv(*i) + (0,) * (x.ndim - 2))
+    seg = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
+                                 lambda *i: (grid_kv(*i)[0], 0) + (0,) * (x.ndim - 2))
+    args, specs = [ops.q, ops.k, ops.v], [grp(ops.q), kvh(ops.k), kvh(ops.v)]
+    if f["transport"]:
+      args += [ops.w, ops.u]
+      specs += [kvh(ops.w), kvh(ops.u)]
+    args += [do, lse, delta]
+    specs += [grp(do), grp(lse), grp(delta)]
+    if f["gate"]:
+      args += [ops.fq, ops.fk]
+      specs += [grp(ops.fq), grp(ops.fk)]
+    if f["segments"]:
+      args += [ops.sq, ops.sk]
+      specs += [seg(ops.sq), seg(ops.sk)]
+    if f["transport"]:
+      args.append(ops.diag)
+      specs.append(grp(ops.diag))
+    return args, specs, grp
+
+  # dk, dv (and dfk): grid (B, K, key chunk), every program independent.
+  args, specs, _ = inputs(lambda b, kh, m: (b, kh))
+  chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda b, kh, m: (b, kh, m, 0, 0))
+  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), f32)] * 2
+  out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
   if f["gate"]:
-    names += ["fq", "fk"]
-    shapes += [(B, H, n, C, 1), (B, HL, n, 1, C)]
-  out_shape = [jax.ShapeDtypeStruct(s, f32) for s in shapes]
-  out_specs = [lane(s) if s.shape[1] == HL and L > 1 else qh(s) for s in out_shape]
-  kernel = functools.partial(kernels.bwd_kernel, scale=scale, precision=precision, lanes=L, **f)
-  outs = _call(kernel, (B, H, L), specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
-  grads = dict(zip(names, outs))
-  grads.pop("states", None)
-  for name in ("k", "v", "w", "u", "fk"):  # lanes summed in a fixed order: deterministic
-    if name in grads and L > 1:
-      grads[name] = grads[name].reshape(B, H, L, *grads[name].shape[2:]).sum(2)
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
+    out_specs.append(pl.BlockSpec((None, G, None, 1, C), lambda b, kh, m: (b, kh, m, 0, 0)))
+  kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision, **f)
+  outs = _call(kernel, (B, K, n), specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
+  grads = dict(k=outs[0], v=outs[1])
+  if f["gate"]:
+    grads["fk"] = outs[2]
+
+  # dq, d diag, dfq and dL/dP: grid (B, K, lane), sequential inside.
+  args, specs, grp = inputs(lambda b, kh, l: (b, kh))
+  lane = lambda s: pl.BlockSpec((None, None) + s.shape[2:],
+                                lambda b, kh, l: (b, kh * L + l) + (0,) * (len(s.shape) - 2))
+  names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n, C, D), f32)]
+  if f["transport"]:
+    names += ["diag", "dp", "states"]
+    out_shape += [jax.ShapeDtypeStruct((B, H, n, C, C), f32),
+                  jax.ShapeDtypeStruct((B, K * L, n, D, D), f32),
+                  jax.ShapeDtypeStruct((B, K * L, n, C, D), ops.q.dtype)]
+  if f["gate"]:
+    names.append("fq")
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n, C, 1), f32))
+  out_specs = [lane(s) if s.shape[1] == K * L and n_ in ("dp", "states") else grp(s)
+               for n_, s in zip(names, out_shape)]
+  kernel = functools.partial(bwd_kernels.dq_kernel, scale=scale, precision=precision, lanes=L, **f)
+  outs = _call(kernel, (B, K, L), specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
+  more = dict(zip(names, outs))
+  more.pop("states", None)
+  if "dp" in more and L > 1:  # lanes summed in a fixed order: deterministic
+    more["dp"] = more["dp"].reshape(B, K, L, n, D, D).sum(2)
+  grads.update(more)
   return grads
