@@ -99,38 +99,38 @@ def stats(d: np.ndarray) -> dict:
 
 
 def run(c) -> tuple[dict, dict]:
-  """(results, histograms): results[source][encoding] = stats; histograms hold the raw deltas."""
+  """(results, histograms): results[interval][source][encoding] = stats; hists hold the deltas."""
   from experiments.probes import load
 
-  short, long = tuple(c.short), tuple(c.long)
-  results, hists = {}, {}
+  pairs = {}   # source -> encoding -> (enc, params, q, k)
   for rho in c.rhos:
-    key = f"random_rho{rho}"
-    results[key], hists[key] = {}, {}
     for name in c.encodings:
       enc = enc_lib.get(name)
       params = enc.init(jax.random.key(0), enc_lib.Dims(c.head_dim, 1, 1, c.head_dim))
-      q, k = random_pairs(c.num_pairs, c.head_dim, rho, c.seed)
-      d = deltas(enc, params, q, k, short=short, long=long, seed=c.seed + 1)
-      results[key][name], hists[key][name] = stats(d), d
+      pairs.setdefault(f"random_rho{rho}", {})[name] = (
+          enc, params, *random_pairs(c.num_pairs, c.head_dim, rho, c.seed))
   if c.source_workdir:
     src_mod = __import__(f"experiments.configs.{c.source_config}", fromlist=["get_config"])
     for name in c.encodings:
       scfg = src_mod.get_config(c.source_arg)
       with scfg.unlocked():
         scfg.model.encoding = name
-      wd = os.path.join(c.source_workdir, name, "seed0")
-      trainer, params = load.restore(scfg, wd)
+      trainer, params = load.restore(scfg, os.path.join(c.source_workdir, name, "seed0"))
       tokens = load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch)
       layers = load.layer_inputs(trainer.model(params), jnp.asarray(tokens))
       for li, layer in enumerate(layers):
-        key = f"trained_layer{li}"
-        results.setdefault(key, {})
-        hists.setdefault(key, {})
         per_head = max(1, c.num_pairs // layer["q"].shape[2])
-        q, k = trained_pairs(layer, per_head, c.seed + li)
-        d = deltas(layer["enc"], layer["params"], q, k, short=short, long=long, seed=c.seed + 7)
-        results[key][name], hists[key][name] = stats(d), d
+        pairs.setdefault(f"trained_layer{li}", {})[name] = (
+            layer["enc"], layer["params"], *trained_pairs(layer, per_head, c.seed + li))
+  results, hists = {}, {}
+  for label, short, long in c.intervals:
+    iv = f"{label} [{short[0]},{short[1]}] vs [{long[0]},{long[1]}]"
+    results[iv], hists[iv] = {}, {}
+    for source, by_name in pairs.items():
+      results[iv][source], hists[iv][source] = {}, {}
+      for name, (enc, params, q, k) in by_name.items():
+        d = deltas(enc, params, q, k, short=tuple(short), long=tuple(long), seed=c.seed + 1)
+        results[iv][source][name], hists[iv][source][name] = stats(d), d
   return results, hists
 
 
@@ -142,34 +142,38 @@ def write(c, results, hists, out_dir: str, prov: dict) -> None:
   from experiments import report
 
   os.makedirs(out_dir, exist_ok=True)
-  keys = list(results)
-  fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
-  for ax, key in zip(axes[0], keys):
-    for name, d in hists[key].items():
-      ax.hist(d, bins=80, alpha=0.55, density=True,
-              label=f"{name} (mu {d.mean():.2f}, sd {d.std():.2f})")
-    ax.axvline(0, color="k", lw=0.6)
-    ax.set(title=key, xlabel="Delta = s(short) - s(long)")
-    ax.legend(fontsize=7)
+  ivs = list(results)
+  sources = list(results[ivs[0]])
+  fig, axes = plt.subplots(len(ivs), len(sources), figsize=(4.2 * len(sources), 3.4 * len(ivs)),
+                           squeeze=False)
+  for row, iv in zip(axes, ivs):
+    for ax, source in zip(row, sources):
+      for name, d in hists[iv][source].items():
+        ax.hist(d, bins=80, alpha=0.55, density=True,
+                label=f"{name} (mu {d.mean():.2f}, sd {d.std():.2f})")
+      ax.axvline(0, color="k", lw=0.6)
+      ax.set_title(f"{source}\n{iv}", fontsize=8)
+      ax.set_xlabel("Delta = s(short) - s(long)", fontsize=8)
+      ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "histograms.png"), dpi=100)
   plt.close(fig)
-  rows = [[key, name, f"{s['mean']:.3f}", f"{s['std']:.3f}", f"{100 * s['frac_positive']:.1f}%",
-           s["n"]] for key in keys for name, s in results[key].items()]
+  rows = [[iv, source, name, f"{s['mean']:.3f}", f"{s['std']:.3f}",
+           f"{100 * s['frac_positive']:.1f}%", s["n"]]
+          for iv in ivs for source in sources for name, s in results[iv][source].items()]
   lines = [
       "# Distance bias (TAPA App. 15)", "",
       f"- command: `{prov['command']}`",
       f"- setting: {'runlocal (smoke test only)' if c.runlocal else 'full'}",
-      f"- short range [{c.short[0]}, {c.short[1]}], long range [{c.long[0]}, {c.long[1]}]; "
-      f"{c.num_pairs} pairs per source (trained: split over the heads of each layer); random "
-      f"content in head_dim {c.head_dim}",
+      f"- intervals: {', '.join(ivs)}; {c.num_pairs} pairs per source (trained: split over the "
+      f"heads of each layer); random content in head_dim {c.head_dim}",
       f"- trained q/k: checkpoints of `{c.source_config}` ({c.source_arg or 'full setting'}) in "
       f"`{c.source_workdir}`, held-out text rows of {c.text_len} bytes" if c.source_workdir
       else "- trained q/k: not run",
       f"- machine: {prov['machine']}, jax {prov['jax']}; date {prov['date']}; wall time "
       f"{prov['wall_time_s']} s", "",
-      report.markdown_table(["source", "encoding", "mean Delta", "std Delta", "Delta > 0", "n"],
-                            rows), "",
+      report.markdown_table(["intervals", "source", "encoding", "mean Delta", "std Delta",
+                             "Delta > 0", "n"], rows), "",
       "Delta = s(q, k; lambda) - s(q, k; Lambda) with s the encoding's attention logit for key "
       "at position 0 and query at position lambda ~ U(short) or Lambda ~ U(long) (the same "
       "content pair at both distances). Paper (trained 8K models, PG19): RoPE mean 4.1 / std "
