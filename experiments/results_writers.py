@@ -143,8 +143,9 @@ def length_extrapolation(summaries, config, out_dir, prov) -> tuple[dict, list[s
   rows = [[name] + [f"{enc[name][str(n)]:.3f}" for n in lengths]
           + [f"{ratio(name, 8):.2f}", f"{ratio(name, 32):.2f}"] for name in enc]
   fig, ax = plt.subplots(figsize=(7, 5))
-  for name in enc:
-    ax.plot(lengths, [enc[name][str(n)] for n in lengths], marker="o", label=name,
+  colors = plt.get_cmap("tab20")(np.linspace(0, 1, max(len(enc), 2)))  # 13+ distinct lines
+  for color, name in zip(colors, enc):
+    ax.plot(lengths, [enc[name][str(n)] for n in lengths], marker="o", label=name, color=color,
             linestyle="--" if name.endswith("_v") else "-")
   ax.axvline(L, color="gray", lw=0.8)
   ax.set(xscale="log", yscale="log", xlabel="evaluation length (bytes)", ylabel="perplexity",
