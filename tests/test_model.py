@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posenc_jax import encodings
 from posenc_jax import model as model_lib
 from tests.util import assert_rel_rms
 
@@ -15,8 +14,6 @@ V = 17
 
 
 def _model(key, encoding="rope", **kw):
-  if encoding not in encodings._REGISTRY:  # TODO(lead): remove once every encoding has landed
-    pytest.skip(f"encoding {encoding!r} is not registered yet")
   kw = {"num_layers": 2, "d_model": 16, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, **kw}
   cfg = model_lib.ModelConfig(vocab_size=V, encoding=encoding, **kw)
   return model_lib.Transformer(cfg, rngs=nnx.Rngs(params=key))

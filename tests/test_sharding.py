@@ -55,7 +55,7 @@ from experiments.configs import base
 from posenc_jax import model as model_lib
 
 assert jax.device_count() == 8, jax.devices()
-mcfg = model_lib.ModelConfig(vocab_size=11, encoding="fox", num_layers=2, d_model=32,
+mcfg = model_lib.ModelConfig(vocab_size=11, encoding="fox", num_layers=1, d_model=32,
                              num_heads=4, num_kv_heads=2, head_dim=8, block="acc_rot",
                              dropout=0.1)
 t = base.get_config().train

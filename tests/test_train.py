@@ -63,8 +63,6 @@ def _two_steps(trainer, key):
 
 @pytest.mark.parametrize("encoding", STANDALONE)
 def test_two_step_smoke(encoding, key):
-  if encoding not in encodings._REGISTRY:  # TODO(lead): remove once every encoding has landed
-    pytest.skip(f"encoding {encoding!r} is not registered yet")
   trainer = _trainer(encoding)
   losses, p0, p1 = _two_steps(trainer, key)
   assert np.all(np.isfinite(losses)), losses
@@ -88,13 +86,13 @@ def test_kv_shift_trains_its_gate(key):
     assert not np.array_equal(a, b)
 
 
-def _config(steps=8, **model_kw):
+def _config(steps=8, lengths=(24,), **model_kw):
   c = base.get_config()
   c.data.task, c.data.seq_len = "flipflop", 24
   c.model.update(encoding="rope", num_layers=1, d_model=16, num_heads=2, head_dim=8,
                  block="acc_rot", dropout=0.1, **model_kw)
   c.train.update(steps=steps, batch_size=4, warmup_steps=2, checkpoint_every=2, log_every=1)
-  c.eval.update(num_batches=1, lengths=(24, 40))
+  c.eval.update(num_batches=1, lengths=lengths)
   return c
 
 
@@ -140,7 +138,7 @@ def test_sigterm_saves_then_resume_finishes(tmp_path, monkeypatch):
 
 
 def test_workdir_outputs(tmp_path):
-  summary = train.run(_config(steps=3), str(tmp_path))
+  summary = train.run(_config(steps=3, lengths=(24, 40)), str(tmp_path))
   records = report.read_metrics(str(tmp_path))
   assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]
   evals = [r for r in records if r["kind"] == "eval"]
@@ -156,7 +154,7 @@ def test_workdir_outputs(tmp_path):
   assert os.listdir(tmp_path / "tensorboard")
   assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == summary["final_loss"]
   # Running a finished workdir again re-reports it without training or logging twice.
-  assert train.run(_config(steps=3), str(tmp_path)) == json.loads(
+  assert train.run(_config(steps=3, lengths=(24, 40)), str(tmp_path)) == json.loads(
       (tmp_path / "summary.json").read_text())
   assert report.read_metrics(str(tmp_path)) == records
 
