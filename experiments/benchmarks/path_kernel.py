@@ -121,7 +121,7 @@ def part_jax(cases, variants):
         bs = kp.BlockSizes(block_q=int(b[1]) if b else 64, block_k=int(b[1]) if b else 64,
                            num_warps=int(w[1]) if w else 4, num_stages=int(s[1]) if s else None,
                            bwd_lanes=int(l[1]) if l else None,
-                           bwd_num_warps=int(bw[1]) if bw else 4)
+                           bwd_num_warps=int(bw[1]) if bw else None)
         fn = (lambda f0, bs: lambda *a: f0(*a, bs))(
             {"path": lambda q, k, v, w, beta, bs: kp.path_attention(q, k, v, w, beta, block_sizes=bs),
              "path_fox": lambda q, k, v, w, beta, g, bs: kp.path_attention(q, k, v, w, beta, g,

@@ -75,20 +75,24 @@ def _attend_bwd(cfg, res, do):
   n = o.shape[2]
   do_b = prepass.blocked(prepass.pad_time(do, n * C), C).astype(q.dtype)
   delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
-  # Recompute the pre-pass under jax.vjp (float32), run the backward kernel on its outputs.
-  ops32, pullback = jax.vjp(
-      lambda *a: _prepare(cfg, *a, seg, jnp.float32), q, k, v, w, beta, log_forget)
-  g = calls.backward(_cast(ops32, q.dtype), do_b, lse, delta, scale=cfg.scale,
-                     precision=_precision(q.dtype), backend=cfg.backend, bs=cfg.block_sizes)
+  # Recompute the pre-pass under jax.vjp (float32 inside, matmul operands out in the kernel
+  # dtype, so no float32 copies of q^, k^, W, U stay alive), run the backward kernels on it.
+  ops, pullback = jax.vjp(
+      lambda *a: _cast(_prepare(cfg, *a, seg, jnp.float32), q.dtype), q, k, v, w, beta, log_forget)
+  g = calls.backward(ops, do_b, lse, delta, scale=cfg.scale, precision=_precision(q.dtype),
+                     backend=cfg.backend, bs=cfg.block_sizes)
   dw = du = None
   if w is not None:  # P_m = I - W_m^T U_m:  dW = -U dP^T, dU = -W dP
     hi = lax.Precision.HIGHEST
-    dw = -jnp.einsum("bkncd,bkned->bknce", ops32.u, g["dp"], precision=hi)
-    du = -jnp.einsum("bkncd,bknde->bknce", ops32.w, g["dp"], precision=hi)
-  ct = ops32._replace(
-      q=g["q"], k=g["k"], v=g["v"], w=dw, u=du, diag=g.get("diag"), fq=g.get("fq"),
-      fk=g.get("fk"), sq=None if seg is None else jnp.zeros_like(ops32.sq),
-      sk=None if seg is None else jnp.zeros_like(ops32.sk))
+    f32 = jnp.float32
+    dw = -jnp.einsum("bkncd,bkned->bknce", ops.u.astype(f32), g["dp"], precision=hi)
+    du = -jnp.einsum("bkncd,bknde->bknce", ops.w.astype(f32), g["dp"], precision=hi)
+    dw, du = dw.astype(q.dtype), du.astype(q.dtype)
+  ct = ops._replace(
+      q=g["q"], k=g["k"], v=g["v"], w=dw, u=du,
+      diag=None if w is None else g["diag"].astype(jnp.float32), fq=g.get("fq"),
+      fk=g.get("fk"), sq=None if seg is None else jnp.zeros_like(ops.sq),
+      sk=None if seg is None else jnp.zeros_like(ops.sk))
   grads = pullback(ct)
   grads = tuple(None if x is None else gx.astype(x.dtype)
                 for x, gx in zip((q, k, v, w, beta, log_forget), grads))

@@ -106,8 +106,8 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision):
 
   mop = _eye(D) if transport else jnp.zeros((1, 1), f32)
   _, dk, dv, dfk = lax.fori_loop(m + 1, n, body, (mop, dk, dv, tuple(dfk)))
-  r["dk"][...] = dk
-  r["dv"][...] = dv
+  r["dk"][...] = dk.astype(r["dk"].dtype)
+  r["dv"][...] = dv.astype(r["dv"].dtype)
   if gate:
     for g in range(G):
       r["dfk"][g] = dfk[g]
@@ -115,7 +115,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision):
 
 def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1):
   """In: as dkv_kernel. Out: dq [G, n, C, D], (ddiag [G, n, C, C], dP [n, D, D] of this lane,
-  states [n, C, D] scratch), (dfq [G, n, C, 1]); float32 except the states (kernel dtype)."""
+  states [n, C, D] scratch), (dfq [G, n, C, 1]); dP and dfq float32, the rest kernel dtype."""
   r = _unpack(refs, _in_spec(transport, gate, segments)
               + [("dq", True), ("ddiag", transport), ("dp", transport), ("st", transport),
                  ("dfq", gate)])
@@ -143,7 +143,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1):
 
     if transport:
       ds = softmax_grad(r["diag"][g, c], c, True)
-      r["ddiag"][g, c] = ds
+      r["ddiag"][g, c] = ds.astype(r["ddiag"].dtype)
       dq = jnp.zeros((C, D), f32)
 
       def store_state(i, qt):  # the state used against key chunk m, for m = c-1 .. 0
@@ -173,7 +173,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1):
       return gk + adj - dot(ru.astype(dt), r["w"][m], precision=precision), dfq
 
     dq, dfq = lax.fori_loop(0, c, key_chunk, (dq, dfq))
-    r["dq"][g, c] = dq
+    r["dq"][g, c] = dq.astype(r["dq"].dtype)
     if gate:
       r["dfq"][g, c] = dfq
 

@@ -25,7 +25,7 @@ class BlockSizes:
   block_k: int = 64
   num_warps: int = 4
   num_stages: int | None = None  # None: 2 for head_dim <= 64, else 1 (shared memory)
-  bwd_num_warps: int = 4
+  bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
   bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
                                  # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
 
@@ -48,7 +48,8 @@ def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, 
     except (ImportError, AttributeError):  # older spellings
       cls = getattr(pl, "GPUCompilerParams", None) or getattr(pl, "TritonCompilerParams")
     stages = bs.num_stages or (2 if head_dim * bs.block_k <= 64 * 64 else 1)
-    return cls(num_warps=bs.bwd_num_warps if bwd else bs.num_warps, num_stages=stages)
+    bwd_warps = bs.bwd_num_warps or (4 if head_dim <= 64 else 8)
+    return cls(num_warps=bwd_warps if bwd else bs.num_warps, num_stages=stages)
   if backend in ("tpu", "tpu_interpret"):
     from jax.experimental.pallas import tpu as pltpu
     sem = ("parallel",) * (num_axes - 1) + ("arbitrary" if kv_axis else "parallel",)
@@ -154,8 +155,8 @@ def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: Blo
 
 def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
              bs: BlockSizes):
-  """Gradients w.r.t. the operands, float32: dict(q [B,H,..], k, v [B,K,..], dp [B,K,n,D,D]?
-  (dL/dP per chunk), diag?, fq?, fk?). Two kernels: dk/dv parallel over key chunks, dq/dP
+  """Gradients w.r.t. the operands: dict(q [B,H,..], k, v [B,K,..], diag? in the kernel dtype;
+  dp [B,K,n,D,D]? (dL/dP per chunk), fq?, fk? float32). Two kernels: dk/dv parallel over key chunks, dq/dP
   sequential per (batch, kv head, lane)."""
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
@@ -193,7 +194,8 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   # dk, dv (and dfk): grid (B, K, key chunk), every program independent.
   args, specs, _ = inputs(lambda b, kh, m: (b, kh))
   chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda b, kh, m: (b, kh, m, 0, 0))
-  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), f32)] * 2
+  gdt = ops.q.dtype  # gradients leave in the kernel dtype (accumulated in float32 on chip)
+  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt)] * 2
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
   if f["gate"]:
     out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
@@ -208,10 +210,10 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   args, specs, grp = inputs(lambda b, kh, l: (b, kh))
   lane = lambda s: pl.BlockSpec((None, None) + s.shape[2:],
                                 lambda b, kh, l: (b, kh * L + l) + (0,) * (len(s.shape) - 2))
-  names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n, C, D), f32)]
+  names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n, C, D), gdt)]
   if f["transport"]:
     names += ["diag", "dp", "states"]
-    out_shape += [jax.ShapeDtypeStruct((B, H, n, C, C), f32),
+    out_shape += [jax.ShapeDtypeStruct((B, H, n, C, C), gdt),
                   jax.ShapeDtypeStruct((B, K * L, n, D, D), f32),
                   jax.ShapeDtypeStruct((B, K * L, n, C, D), ops.q.dtype)]
   if f["gate"]:
