@@ -95,6 +95,24 @@ class _Entry(NamedTuple):
 
 _REGISTRY: dict[str, _Entry] = {}
 
+# The per-layer keywords of `prepare`; everything else it receives is a hyperparameter.
+LAYER_ARGS = frozenset({"x", "q", "k", "v", "positions", "segment_ids", "tokens", "rng", "train"})
+
+
+def resolve_hparams(name: str, hparams: dict, defaults: dict) -> dict:
+  """`defaults` updated by `hparams`; an unknown hyperparameter is a ValueError naming it."""
+  unknown = sorted(set(hparams) - set(defaults))
+  if unknown:
+    raise ValueError(f"unknown hyperparameters {unknown} for encoding {name!r}; "
+                     f"expected some of {sorted(defaults)}")
+  return {**defaults, **hparams}
+
+
+def split_layer_args(kwargs: dict) -> tuple[dict, dict]:
+  """Splits `prepare`'s keywords into (layer inputs, hyperparameters)."""
+  layer = {a: v for a, v in kwargs.items() if a in LAYER_ARGS}
+  return layer, {a: v for a, v in kwargs.items() if a not in LAYER_ARGS}
+
 
 def _no_check(dims: Dims) -> None:
   del dims

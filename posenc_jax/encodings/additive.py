@@ -40,8 +40,9 @@ from posenc_jax import masking
 from posenc_jax import unipotent
 from posenc_jax.encodings import Prepared
 from posenc_jax.encodings import register
+from posenc_jax.encodings import resolve_hparams
+from posenc_jax.encodings import split_layer_args
 
-_LAYER_ARGS = frozenset({"x", "q", "k", "v", "positions", "segment_ids", "tokens", "rng", "train"})
 _GATE_STD = 0.02  # FoX's initializer_range for gate projections
 
 HPARAMS = {
@@ -54,23 +55,17 @@ HPARAMS = {
 }
 
 
-def _resolve(name, hp):
-  unknown = sorted(set(hp) - set(HPARAMS[name]))
-  if unknown:
-    raise ValueError(f"unknown hyperparameters {unknown} for encoding {name!r}; "
-                     f"expected some of {sorted(HPARAMS[name])}")
-  return {**HPARAMS[name], **hp}
 
 
 def _add(name, family, init_fn, prepare_fn):
   """Registers `name`: hyperparameters are validated and defaulted from HPARAMS."""
 
   def init(key, dims, **hp):
-    return init_fn(key, dims, **_resolve(name, hp))
+    return init_fn(key, dims, **resolve_hparams(name, hp, HPARAMS[name]))
 
   def prepare(params, **kw):
-    layer = {a: kw.pop(a) for a in list(kw) if a in _LAYER_ARGS}
-    return prepare_fn(params, layer, **_resolve(name, kw))
+    layer, hp = split_layer_args(kw)
+    return prepare_fn(params, layer, **resolve_hparams(name, hp, HPARAMS[name]))
 
   register(name, family=family, init=init, prepare=prepare)
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from posenc_jax.encodings import Prepared
 from posenc_jax.encodings import register
+from posenc_jax.encodings import resolve_hparams
+from posenc_jax.encodings import split_layer_args
 
 HPARAMS = {"alpha": 0.1, "theta": 0.5}
-_LAYER_ARGS = frozenset({"x", "q", "k", "v", "positions", "segment_ids", "tokens", "rng", "train"})
 
 
 def _check_dims(name, *, theta):
@@ -22,24 +23,18 @@ def _check_dims(name, *, theta):
   return check
 
 
-def _resolve(name, hp):
-  unknown = sorted(set(hp) - set(HPARAMS))
-  if unknown:
-    raise ValueError(f"unknown hyperparameters {unknown} for encoding {name!r}; "
-                     f"expected some of {sorted(HPARAMS)}")
-  return {**HPARAMS, **hp}
 
 
 def _add(name: str, linear_phase: bool):
   def init(key, dims, **hp):
     del key
-    _check_dims(name, theta=_resolve(name, hp)["theta"])(dims)
+    _check_dims(name, theta=resolve_hparams(name, hp, HPARAMS)["theta"])(dims)
     return {}
 
   def prepare(params, **kw):
     del params
-    layer = {a: kw.pop(a) for a in list(kw) if a in _LAYER_ARGS}
-    hp = _resolve(name, kw)
+    layer, hp = split_layer_args(kw)
+    hp = resolve_hparams(name, hp, HPARAMS)
     return Prepared("tapa", layer["q"], layer["k"], layer["v"],
                     {"alpha": hp["alpha"], "theta": hp["theta"], "linear_phase": linear_phase})
 

@@ -29,8 +29,9 @@ from posenc_jax import grape_m
 from posenc_jax import rotations
 from posenc_jax.encodings import Prepared
 from posenc_jax.encodings import register
+from posenc_jax.encodings import resolve_hparams
+from posenc_jax.encodings import split_layer_args
 
-_LAYER_ARGS = frozenset({"x", "q", "k", "v", "positions", "segment_ids", "tokens", "rng", "train"})
 # PI / NTK / YaRN default to a 4x extension (train 2048 -> evaluate 8192); s = eval / train.
 _EXTENSION = dict(base=10000.0, layout="interleaved", train_len=2048, eval_len=8192)
 
@@ -58,12 +59,6 @@ def _even_head_dim(name):
   return check
 
 
-def _resolve(name, hp):
-  unknown = sorted(set(hp) - set(HPARAMS[name]))
-  if unknown:
-    raise ValueError(f"unknown hyperparameters {unknown} for encoding {name!r}; "
-                     f"expected some of {sorted(HPARAMS[name])}")
-  return {**HPARAMS[name], **hp}
 
 
 def _add(name, init_fn, prepare_fn):
@@ -72,11 +67,11 @@ def _add(name, init_fn, prepare_fn):
 
   def init(key, dims, **hp):
     check(dims)
-    return init_fn(key, dims, **_resolve(name, hp))
+    return init_fn(key, dims, **resolve_hparams(name, hp, HPARAMS[name]))
 
   def prepare(params, **kw):
-    layer = {a: kw.pop(a) for a in list(kw) if a in _LAYER_ARGS}
-    return prepare_fn(params, layer, **_resolve(name, kw))
+    layer, hp = split_layer_args(kw)
+    return prepare_fn(params, layer, **resolve_hparams(name, hp, HPARAMS[name]))
 
   register(name, family="softmax", init=init, prepare=prepare, check=check)
 

@@ -23,6 +23,8 @@ import numpy as np
 from posenc_jax import masking
 from posenc_jax.encodings import Prepared
 from posenc_jax.encodings import register
+from posenc_jax.encodings import resolve_hparams
+from posenc_jax.encodings import split_layer_args
 
 HPARAMS = {
     "path": dict(rank=32, conv_width=3),
@@ -31,11 +33,7 @@ HPARAMS = {
 
 
 def _resolve(name: str, hp: dict) -> dict:
-  unknown = sorted(set(hp) - set(HPARAMS[name]))
-  if unknown:
-    raise ValueError(f"unknown hyperparameters {unknown} for encoding {name!r}; "
-                     f"expected some of {sorted(HPARAMS[name])}")
-  hp = {**HPARAMS[name], **hp}
+  hp = resolve_hparams(name, hp, HPARAMS[name])
   if hp["rank"] < 1 or hp["conv_width"] < 1:
     raise ValueError(f"rank={hp['rank']} and conv_width={hp['conv_width']} must be >= 1")
   if "forget_time_min" in hp and not 1.0 < hp["forget_time_min"] <= hp["forget_time_max"]:
@@ -122,9 +120,9 @@ def _register(name: str, init_fn, *, fox: bool) -> None:
     return init_fn(key, dims, **_resolve(name, hp))
 
   def prepare(params, **kw):
-    hp = {n: kw.pop(n) for n in list(kw) if n in HPARAMS[name]}
-    _resolve(name, hp)
-    return _prepare(params, fox=fox, **kw)
+    layer, hp = split_layer_args(kw)
+    _resolve(name, hp)  # validates; the transport's inputs need no hyperparameter
+    return _prepare(params, fox=fox, **layer)
 
   register(name, family="path", init=init, prepare=prepare, check=_check)
 
