@@ -8,7 +8,7 @@ causal softmax; segments never attend across each other. Shapes: q [B, T, H, D];
 [B, T, K, D] (query head h reads kv head h // (H // K)); beta [B, T, K]; log_forget [B, T, H];
 segment_ids [B, T] int. Any T (padded inside to whole chunks with identity transport).
 
-The VJP is a jax.custom_vjp: the backward kernel (kernels.py) gives gradients of the kernel's
+The VJP is a jax.custom_vjp: the backward kernels (bwd_kernels.py) give gradients of the kernel's
 operands and jax.vjp of the jnp pre-pass (prepass.py) carries them to q, k, v, w, beta, log_forget.
 Residuals are the inputs, the output and the log-sum-exp: O(T) memory.
 """
