@@ -11,6 +11,7 @@ import pytest
 from posenc_jax import grape_m
 from posenc_jax import rotations
 from tests.util import assert_rel_rms
+from tests.util import in_float64
 from tests.util import assert_trees_rel_rms
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -188,13 +189,6 @@ def _expm_rank2(x, a, b, phase):
   return jax.scipy.linalg.expm(phase * L) @ x
 
 
-def _in_float64(fn, *args):
-  """Runs an oracle in float64 on the float32 test inputs: float32 expm of a generator with
-  norm ~40 is itself only ~1e-5 accurate, so it cannot judge a 1e-5 tolerance."""
-  with jax.enable_x64(True):
-    return jax.tree.map(np.asarray, fn(*(jnp.asarray(np.asarray(a), jnp.float64) for a in args)))
-
-
 @pytest.mark.parametrize("norm", [1.0, 0.3, 1e-2])
 def test_rodrigues_matches_expm(key, norm):
   """norm 1: the exact branch; 0.3: z^2 near the series threshold; 1e-2: the series branch."""
@@ -204,12 +198,12 @@ def test_rodrigues_matches_expm(key, norm):
   a = norm * jax.random.normal(k2, (D,)) / math.sqrt(D)
   b = norm * jax.random.normal(k3, (D,)) / math.sqrt(D)
   phase = 1.0 + jax.random.uniform(k4, ())
-  assert_rel_rms(grape_m.rank2_apply(x, a, b, phase), _in_float64(_expm_rank2, x, a, b, phase),
+  assert_rel_rms(grape_m.rank2_apply(x, a, b, phase), in_float64(_expm_rank2, x, a, b, phase),
                  1e-5, "forward")
   f = lambda *args: jnp.sum(jnp.sin(grape_m.rank2_apply(*args)))
   g = lambda *args: jnp.sum(jnp.sin(_expm_rank2(*args)))
   assert_trees_rel_rms(jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(x, a, b, phase),
-                       _in_float64(jax.grad(g, argnums=(0, 1, 2, 3)), x, a, b, phase), 1e-5, "grads")
+                       in_float64(jax.grad(g, argnums=(0, 1, 2, 3)), x, a, b, phase), 1e-5, "grads")
 
 
 def test_rodrigues_is_finite_at_zero_s(key):
@@ -239,7 +233,7 @@ def test_rank2_planes_compose_like_expm_products(key):
 
   for t in range(2):
     for h in range(H):
-      assert_rel_rms(y[0, t, h], _in_float64(product, x[0, t, h], a[h], b[h], ph[0, t, h]), 1e-5,
+      assert_rel_rms(y[0, t, h], in_float64(product, x[0, t, h], a[h], b[h], ph[0, t, h]), 1e-5,
                      f"t={t} h={h}")
 
 
@@ -274,10 +268,10 @@ def test_thin_compression_matches_expm(key):
     J = jnp.kron(jnp.diag(theta), jnp.array([[0.0, -1.0], [1.0, 0.0]], theta.dtype))
     return expm(n.astype(theta.dtype) * (E @ Tm @ J @ Tm.T @ E.T)) @ x
 
-  assert_rel_rms(fast(e, t, theta, x), _in_float64(oracle, e, t, theta, x), 1e-5, "forward")
+  assert_rel_rms(fast(e, t, theta, x), in_float64(oracle, e, t, theta, x), 1e-5, "forward")
   loss = lambda f: (lambda *p: jnp.sum(jnp.cos(f(*p))))
   assert_trees_rel_rms(jax.jit(jax.grad(loss(fast), argnums=(0, 1, 2, 3)))(e, t, theta, x),
-                       _in_float64(jax.grad(loss(oracle), argnums=(0, 1, 2, 3)), e, t, theta, x),
+                       in_float64(jax.grad(loss(oracle), argnums=(0, 1, 2, 3)), e, t, theta, x),
                        1e-5, "grads")
   # The generator is skew and genuinely couples channels beyond canonical pairs.
   L = grape_m.thin_generator(e, t, theta)
