@@ -181,7 +181,8 @@ def _accuracy_vs_axis(summaries, config, out_dir, *, axis_label: str, title: str
   values = [str(v) for v in config.sweep.axis_values]
   fig, ax = plt.subplots(figsize=(6, 4))
   for name, accs in enc.items():
-    ax.plot([int(v) for v in values], [100 * accs[v] for v in values], marker="o", label=name)
+    have = [v for v in values if v in accs]  # a run still missing is left out, not faked
+    ax.plot([int(v) for v in have], [100 * accs[v] for v in have], marker="o", label=name)
   ax.axhline(90, color="gray", lw=0.8, ls="--")
   ax.set(xlabel=axis_label, ylabel="accuracy (%)", title=title, ylim=(0, 101))
   ax.set_xticks([int(v) for v in values])
@@ -189,7 +190,8 @@ def _accuracy_vs_axis(summaries, config, out_dir, *, axis_label: str, title: str
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, plot), dpi=100)
   plt.close(fig)
-  rows = [[name] + [_pct(table[name][v]) for v in values] for name in enc]
+  rows = [[name] + [_pct(table[name][v]) if v in table[name] else "not run" for v in values]
+          for name in enc]
   return enc, table, values, rows
 
 
@@ -197,7 +199,8 @@ def word_problem(summaries, config, out_dir, prov):
   enc, table, values, rows = _accuracy_vs_axis(
       summaries, config, out_dir, axis_label="layers", plot="accuracy_vs_layers.png",
       title=f"{config.data.group} word problem, length {config.data.seq_len}")
-  min_depth = {n: next((int(v) for v in values if a[v] >= 0.9), None) for n, a in enc.items()}
+  min_depth = {n: next((int(v) for v in values if a.get(v, 0) >= 0.9), None)
+               for n, a in enc.items()}
   results = {config.data.group: {"accuracy": enc, "min_layers_90": min_depth,
                                  "per_seed": {n: {v: t["per_seed"] for v, t in a.items()}
                                               for n, a in table.items()}}}
