@@ -145,6 +145,8 @@ class Attention(nnx.Module):
       k, v = kv_shift_apply(_values(self.kv_shift_params), x=x_BTC, k=k, v=v,
                             segment_ids=segment_ids_BT)
     # Encodings that sample (acc_rot_random) draw a fresh key per layer and step in training.
+    # At evaluation rng is None and they use their fixed eval_seed, which is the same in every
+    # layer: layers then share one draw of angles (known gap; a per-layer eval key would fix it).
     rng = rngs.encoding() if (train and rngs is not None) else None
     o = self.enc.apply(_values(self.enc_params), x=x_BTC, q=q, k=k, v=v,
                        positions=positions_BT, segment_ids=segment_ids_BT, tokens=tokens_BT,
