@@ -241,9 +241,14 @@ def write(experiment: str, summaries: list[dict], config, out_dir: str, prov: di
     raise ValueError(f"config.sweep.experiment={experiment!r} must be one of {tuple(WRITERS)}")
   os.makedirs(out_dir, exist_ok=True)
   results, lines = WRITERS[experiment](summaries, config, out_dir, prov)
+  save_with_notes(out_dir, results, list(lines) + list(extra_lines))
+  return results
+
+
+def save_with_notes(out_dir: str, results: dict, lines: list[str]) -> None:
+  """Writes results.json and README.md = the generated lines + the hand-written NOTES.md."""
   notes = os.path.join(out_dir, "NOTES.md")
   if os.path.exists(notes):  # hand-written discussion, kept across regenerations
     with open(notes) as f:
-      lines += ["", f.read()]
-  _save(out_dir, results, list(lines) + list(extra_lines))
-  return results
+      lines = list(lines) + ["", f.read()]
+  _save(out_dir, results, lines)

@@ -178,14 +178,8 @@ def write(c, results, hists, out_dir: str, prov: dict) -> None:
       "at position 0 and query at position lambda ~ U(short) or Lambda ~ U(long) (the same "
       "content pair at both distances). Paper (trained 8K models, PG19): RoPE mean 4.1 / std "
       "0.85, TAPA mean 0.03 / std 3.3.", "", "![histograms](histograms.png)", ""]
-  notes = os.path.join(out_dir, "NOTES.md")
-  if os.path.exists(notes):
-    with open(notes) as f:
-      lines += [f.read()]
-  with open(os.path.join(out_dir, "README.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  from experiments import results_writers
+  results_writers.save_with_notes(out_dir, results, lines)
 
 
 def main(argv) -> None:

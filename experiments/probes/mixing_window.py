@@ -245,14 +245,8 @@ def write(c, results: dict, out_dir: str, prov: dict) -> None:
            "## Value-side cancellation", "",
            report.markdown_table(["encoding", "c_plain", "c_transported"], crows), "",
            "![mixing window](mixing_window.png)", ""]
-  notes = os.path.join(out_dir, "NOTES.md")
-  if os.path.exists(notes):
-    with open(notes) as f:
-      lines += [f.read()]
-  with open(os.path.join(out_dir, "README.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  from experiments import results_writers
+  results_writers.save_with_notes(out_dir, results, lines)
 
 
 def main(argv) -> None:
