@@ -10,12 +10,9 @@ from posenc_jax.attention import path_integral_attention
 from posenc_jax.attention import softmax_attention
 from posenc_jax.attention import tapa_attention
 
-try:  # filled in as the family modules land
-  from posenc_jax.householder import householder_product
-  from posenc_jax.rotations import rope
-  from posenc_jax.rotations import rotate
-except ImportError:  # pragma: no cover
-  pass
+from posenc_jax.householder import householder_product
+from posenc_jax.rotations import rope
+from posenc_jax.rotations import rotate
 
 from posenc_jax import encodings
 

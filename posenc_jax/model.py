@@ -23,11 +23,9 @@ from flax import nnx
 
 from posenc_jax import encodings
 
-try:  # the kv_shift modifier lives with the additive encodings
-  from posenc_jax.encodings.additive import kv_shift_apply
-  from posenc_jax.encodings.additive import kv_shift_init
-except ImportError:  # pragma: no cover - before it lands
-  kv_shift_apply = kv_shift_init = None
+# The kv_shift modifier lives with the additive encodings.
+from posenc_jax.encodings.additive import kv_shift_apply
+from posenc_jax.encodings.additive import kv_shift_init
 
 BLOCKS = ("llama", "acc_rot")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -127,8 +125,6 @@ class Attention(nnx.Module):
     self.enc = cfg.encoding_fn()
     self.enc_params = _as_params(self.enc.init(rngs.params(), cfg.dims))
     if cfg.kv_shift:
-      if kv_shift_init is None:
-        raise ValueError("model.kv_shift=True needs posenc_jax.encodings.additive.kv_shift_init")
       self.kv_shift_params = _as_params(kv_shift_init(rngs.params(), cfg.dims))
 
   def __call__(self, x_BTC, *, tokens_BT, positions_BT, segment_ids_BT, rngs, train):
