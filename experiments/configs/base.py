@@ -66,3 +66,14 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     out[key] = True if not eq and kind is bool else (value.lower() in ("1", "true", "yes")
                                                       if kind is bool else kind(value))
   return out
+
+
+def shrink_for_local(c: ml_collections.ConfigDict, *, steps: int) -> None:
+  """The paper experiments' shared `runlocal` size: a 16-wide model, a few steps, one seed.
+
+  Sequence lengths and task sizes stay with each experiment (they differ per task).
+  """
+  c.model.update(d_model=16, num_heads=2, head_dim=8)
+  c.train.update(steps=steps, batch_size=4, warmup_steps=2, log_every=3)
+  c.eval.update(num_batches=1, batch_size=4)
+  c.sweep.seeds = (0,)

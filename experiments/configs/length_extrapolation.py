@@ -45,10 +45,7 @@ def get_config(arg: str | None = None):
   if a.runlocal:
     c.data.seq_len = 16
     c.data.max_files = 20
-    c.model.update(d_model=16, num_heads=2, head_dim=8)
-    c.train.update(steps=a.steps or 6, batch_size=4, warmup_steps=2, log_every=3)
-    c.eval.update(num_batches=1, batch_size=4)
+    base.shrink_for_local(c, steps=a.steps or 6)
     c.sweep.eval_lengths = (16, 32, 64)
     c.sweep.eval_tokens, c.sweep.eval_batch_tokens = 256, 128
-    c.sweep.seeds = (0,)
   return c

@@ -38,9 +38,6 @@ def get_config(arg: str | None = None):
   c.sweep.experiment = "mqrar"
   if a.runlocal:
     c.data.seq_len = 32
-    c.model.update(d_model=16, num_heads=2, head_dim=8)
-    c.train.update(steps=a.steps or 6, batch_size=4, warmup_steps=2, log_every=3)
-    c.eval.update(num_batches=1, batch_size=4)
-    c.sweep.seeds = (0,)
+    base.shrink_for_local(c, steps=a.steps or 6)
     c.sweep.axis_values = (2,)
   return c
