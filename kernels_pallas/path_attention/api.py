@@ -9,7 +9,9 @@ causal softmax; segments never attend across each other. Shapes: q [B, T, H, D];
 segment_ids [B, T] int. Any T (padded inside to whole chunks with identity transport).
 
 The VJP is a jax.custom_vjp: the backward kernels (bwd_kernels.py) give gradients of the kernel's
-operands and jax.vjp of the jnp pre-pass (prepass.py) carries them to q, k, v, w, beta, log_forget.
+operands, and the pre-pass's own VJP (the Pallas kernel of prepass_kernel.py for the transport
+operands, jax.vjp for padding, layout and gate prefix sums) carries them to q, k, v, w, beta,
+log_forget.
 Residuals are the inputs, the output and the log-sum-exp: O(T) memory.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jax import lax
 
 from kernels_pallas.path_attention import calls
 from kernels_pallas.path_attention import prepass
+from kernels_pallas.path_attention import prepass_kernel
 from kernels_pallas.path_attention.calls import BlockSizes
 
 BACKENDS = ("gpu", "tpu", "interpret", "tpu_interpret")
@@ -40,19 +43,15 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _prepare(cfg, q, k, v, w, beta, log_forget, seg, dtype):
+def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
+  """Kernel operands; the transport part (q^, k^, E, diag) comes from the Pallas pre-pass."""
+  transport = functools.partial(prepass_kernel.transport_pallas, backend=cfg.backend)
   return prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale,
-                         C=cfg.block_sizes.block_q, dtype=dtype)
-
-
-def _cast(ops: prepass.Operands, dtype):
-  """Matmul operands to the kernel dtype; logits, gates and ids stay as they are."""
-  return ops._replace(**{f: getattr(ops, f).astype(dtype) for f in ("q", "k", "v", "w", "u")
-                         if getattr(ops, f) is not None})
+                         C=cfg.block_sizes.block_q, dtype=q.dtype, transport=transport)
 
 
 def _forward(cfg, q, k, v, w, beta, log_forget, seg):
-  ops = _cast(_prepare(cfg, q, k, v, w, beta, log_forget, seg, jnp.float32), q.dtype)
+  ops = _prepare(cfg, q, k, v, w, beta, log_forget, seg)
   o, lse = calls.forward(ops, scale=cfg.scale, precision=_precision(q.dtype),
                          backend=cfg.backend, bs=cfg.block_sizes)
   return o, lse
@@ -75,21 +74,15 @@ def _attend_bwd(cfg, res, do):
   n = o.shape[2]
   do_b = prepass.blocked(prepass.pad_time(do, n * C), C).astype(q.dtype)
   delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
-  # Recompute the pre-pass under jax.vjp (float32 inside, matmul operands out in the kernel
-  # dtype, so no float32 copies of q^, k^, W, U stay alive), run the backward kernels on it.
-  ops, pullback = jax.vjp(
-      lambda *a: _cast(_prepare(cfg, *a, seg, jnp.float32), q.dtype), q, k, v, w, beta, log_forget)
+  # Recompute the pre-pass under jax.vjp (its residuals are only the inputs), run the backward
+  # kernels on it, then pull the operand gradients back.
+  ops, pullback = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget)
   g = calls.backward(ops, do_b, lse, delta, scale=cfg.scale, precision=_precision(q.dtype),
                      backend=cfg.backend, bs=cfg.block_sizes)
-  dw = du = None
-  if w is not None:  # P_m = I - W_m^T U_m:  dW = -U dP^T, dU = -W dP
-    hi = lax.Precision.HIGHEST
-    f32 = jnp.float32
-    dw = -jnp.einsum("bkncd,bkned->bknce", ops.u.astype(f32), g["dp"], precision=hi)
-    du = -jnp.einsum("bkncd,bknde->bknce", ops.w.astype(f32), g["dp"], precision=hi)
-    dw, du = dw.astype(q.dtype), du.astype(q.dtype)
+  # P_m = I - E_m, so dL/dE_m = -dL/dP_m (float32, as the kernel accumulated it).
+  de = None if w is None else (-g["dp"]).astype(ops.e.dtype)
   ct = ops._replace(
-      q=g["q"], k=g["k"], v=g["v"], w=dw, u=du,
+      q=g["q"], k=g["k"], v=g["v"], e=de,
       diag=None if w is None else g["diag"].astype(jnp.float32), fq=g.get("fq"),
       fk=g.get("fk"), sq=None if seg is None else jnp.zeros_like(ops.sq),
       sk=None if seg is None else jnp.zeros_like(ops.sk))

@@ -1,7 +1,7 @@
 """Backward kernel bodies (GPU Triton lowering and TPU Mosaic share them).
 
-Notation (NOTES_kernel.md has the derivation): chunk transport P_m = I - W_m^T U_m acting on row
-vectors, M_cm = P_{c-1} ... P_{m+1} (D x D), logits of query chunk c against key chunk m < c
+Notation (NOTES_kernel.md has the derivation): chunk transport P_m = I - E_m (E_m = W_m^T U_m,
+D x D, from the pre-pass) acting on row vectors, M_cm = P_{c-1} ... P_{m+1} (D x D), logits of query chunk c against key chunk m < c
 l = scale q^_c M_cm k^_m^T, dS = p (dO V^T - Delta). Two kernels:
 
 dkv_kernel, one program per (batch, kv head, key chunk m), fully parallel: walks query chunks
@@ -13,7 +13,7 @@ dq_kernel, one program per (batch, kv head, lane), sequential over (group head, 
   for query chunk c the states s_m = q^_c M_cm are stored right to left, then a left-to-right
   sweep carries the adjoint R of the state (R <- R P_m^T + scale dS k^_m); what is left after the
   last key chunk is dq^_c, and dL/dP_m = s_m^T R accumulates in a D x D buffer per chunk (dW, dU
-  follow outside: dW = -U G^T, dU = -W G). The sum over c of state-adjoint pairs at m is what
+  follows outside: dL/dE = -G, through the pre-pass's VJP). The sum over c of state-adjoint pairs at m is what
   prevents a parallel form without per-query-chunk copies; every accumulation has one fixed
   order: deterministic, no atomics.
 """
@@ -37,7 +37,7 @@ def _unpack(refs, spec):
 
 
 def _in_spec(transport, gate, segments):
-  return [("q", True), ("k", True), ("v", True), ("w", transport), ("u", transport),
+  return [("q", True), ("k", True), ("v", True), ("e", transport),
           ("do", True), ("lse", True), ("delta", True), ("fq", gate), ("fk", gate),
           ("sq", segments), ("sk", segments), ("diag", transport)]
 
@@ -48,7 +48,7 @@ def _eye(D):
 
 
 def dkv_kernel(*refs, scale, transport, gate, segments, precision):
-  """In: q, do [G, n, C, D]; k, v, (w, u) [n, C, D]; lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
+  """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
   (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C])."""
   r = _unpack(refs, _in_spec(transport, gate, segments)
               + [("dk", True), ("dv", True), ("dfk", gate)])
@@ -98,8 +98,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision):
         dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
     if transport:
       dk += scale * dot(a.astype(dt), mop.astype(dt), precision=precision)
-      um = dot(r["u"][c], mop.astype(dt), precision=precision)       # U_c M   [C, D]
-      mop = mop - dot(r["w"][c], um.astype(dt), ta=True, precision=precision)  # P_c M
+      mop = mop - dot(r["e"][c], mop.astype(dt), precision=precision)  # P_c M = M - E_c M
     else:
       dk += scale * a
     return mop, dk, dv, tuple(dfk)
@@ -149,8 +148,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1):
       def store_state(i, qt):  # the state used against key chunk m, for m = c-1 .. 0
         m = c - 1 - i
         r["st"][m] = qt.astype(dt)
-        a = dot(qt.astype(dt), r["w"][m], tb=True, precision=precision)
-        return qt - dot(a.astype(dt), r["u"][m], precision=precision)
+        return qt - dot(qt.astype(dt), r["e"][m], precision=precision)
 
       lax.fori_loop(0, c, store_state, q.astype(f32))
     else:
@@ -169,8 +167,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1):
         return adj + gk, dfq
       adjc = adj.astype(dt)
       r["dp"][m] += dot(qt, adjc, ta=True, precision=precision)     # dL/dP_m += s_m^T R
-      ru = dot(adjc, r["u"][m], tb=True, precision=precision)      # R U^T  [C, C]
-      return gk + adj - dot(ru.astype(dt), r["w"][m], precision=precision), dfq
+      return gk + adj - dot(adjc, r["e"][m], tb=True, precision=precision), dfq  # + R P_m^T
 
     dq, dfq = lax.fori_loop(0, c, key_chunk, (dq, dfq))
     r["dq"][g, c] = dq.astype(r["dq"].dtype)

@@ -58,6 +58,15 @@ def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, 
   return None
 
 
+def prepass_compiler_params(backend: str, num_axes: int):
+  """The pre-pass kernels (prepass_kernel.py): every grid axis independent."""
+  if backend == "gpu":
+    return _compiler_params(backend, BlockSizes(num_stages=1), num_axes, bwd=False, head_dim=0)
+  if backend in ("tpu", "tpu_interpret"):
+    return _compiler_params(backend, BlockSizes(), num_axes, bwd=False, head_dim=0)
+  return None
+
+
 def _interpret(backend: str):
   if backend == "interpret":
     return True
@@ -86,7 +95,7 @@ def _full(x, head_of):
 
 
 def _flags(ops: Operands):
-  return dict(transport=ops.w is not None, gate=ops.fq is not None, segments=ops.sq is not None)
+  return dict(transport=ops.e is not None, gate=ops.fq is not None, segments=ops.sq is not None)
 
 
 def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
@@ -103,8 +112,8 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
   kv = lambda x: _full(x, lambda b, h, c: h // G)
   args, specs = [ops.q, ops.k, ops.v], [chunk(ops.q), kv(ops.k), kv(ops.v)]
   if f["transport"]:
-    args += [ops.w, ops.u, ops.diag]
-    specs += [kv(ops.w), kv(ops.u), chunk(ops.diag)]
+    args += [ops.e, ops.diag]
+    specs += [kv(ops.e), chunk(ops.diag)]
   if f["gate"]:
     args += [ops.fq, ops.fk]
     specs += [chunk(ops.fq), _full(ops.fk, lambda b, h, c: h)]
@@ -132,8 +141,8 @@ def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: Blo
   kv = lambda x: kspec(x, lambda h: h // G)
   args, specs = [ops.q, ops.k, ops.v], [qspec(ops.q), kv(ops.k), kv(ops.v)]
   if f["transport"]:
-    args += [ops.w, ops.u, ops.diag]
-    specs += [kv(ops.w), kv(ops.u), qspec(ops.diag)]
+    args += [ops.e, ops.diag]
+    specs += [kv(ops.e), qspec(ops.diag)]
   if f["gate"]:
     args += [ops.fq, ops.fk]
     specs += [qspec(ops.fq), kspec(ops.fk, lambda h: h)]
@@ -158,41 +167,47 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   """Gradients w.r.t. the operands: dict(q [B,H,..], k, v [B,K,..], diag? in the kernel dtype;
   dp [B,K,n,D,D]? (dL/dP per chunk), fq?, fk? float32). Two kernels: dk/dv parallel over key chunks, dq/dP
   sequential per (batch, kv head, lane)."""
+  kw = dict(scale=scale, precision=precision, backend=backend, bs=bs)
+  return {**backward_dkv(ops, do, lse, delta, **kw), **backward_dq(ops, do, lse, delta, **kw)}
+
+
+def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv):
+  """Operands and BlockSpecs of both backward kernels; grid_kv maps program ids to (b, kv head)."""
+  G = ops.q.shape[1] // ops.k.shape[1]
+  f = _flags(ops)
+  grp = lambda x: pl.BlockSpec((None, G) + x.shape[2:],
+                               lambda *i: (grid_kv(*i)[0], grid_kv(*i)[1]) + (0,) * (x.ndim - 2))
+  kvh = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
+                               lambda *i: grid_kv(*i) + (0,) * (x.ndim - 2))
+  seg = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
+                               lambda *i: (grid_kv(*i)[0], 0) + (0,) * (x.ndim - 2))
+  args, specs = [ops.q, ops.k, ops.v], [grp(ops.q), kvh(ops.k), kvh(ops.v)]
+  if f["transport"]:
+    args.append(ops.e)
+    specs.append(kvh(ops.e))
+  args += [do, lse, delta]
+  specs += [grp(do), grp(lse), grp(delta)]
+  if f["gate"]:
+    args += [ops.fq, ops.fk]
+    specs += [grp(ops.fq), grp(ops.fk)]
+  if f["segments"]:
+    args += [ops.sq, ops.sk]
+    specs += [seg(ops.sq), seg(ops.sk)]
+  if f["transport"]:
+    args.append(ops.diag)
+    specs.append(grp(ops.diag))
+  return args, specs, grp
+
+
+def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
+                 bs: BlockSizes):
+  """dk, dv (and dfk): grid (B, K, key chunk), every program independent."""
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   G = H // K
   f = _flags(ops)
-  L = max(1, min(bs.bwd_lanes or 1, n))
-  if L > 1 and backend != "gpu":
-    raise ValueError(f"bwd_lanes={L} needs the GPU backend (TPU output blocks are written whole)")
   f32 = jnp.float32
-
-  def inputs(grid_kv):  # grid_kv maps program ids to (b, kv head)
-    grp = lambda x: pl.BlockSpec((None, G) + x.shape[2:],
-                                 lambda *i: (grid_kv(*i)[0], grid_kv(*i)[1]) + (0,) * (x.ndim - 2))
-    kvh = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
-                                 lambda *i: grid_kv(*i) + (0,) * (x.ndim - 2))
-    seg = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
-                                 lambda *i: (grid_kv(*i)[0], 0) + (0,) * (x.ndim - 2))
-    args, specs = [ops.q, ops.k, ops.v], [grp(ops.q), kvh(ops.k), kvh(ops.v)]
-    if f["transport"]:
-      args += [ops.w, ops.u]
-      specs += [kvh(ops.w), kvh(ops.u)]
-    args += [do, lse, delta]
-    specs += [grp(do), grp(lse), grp(delta)]
-    if f["gate"]:
-      args += [ops.fq, ops.fk]
-      specs += [grp(ops.fq), grp(ops.fk)]
-    if f["segments"]:
-      args += [ops.sq, ops.sk]
-      specs += [seg(ops.sq), seg(ops.sk)]
-    if f["transport"]:
-      args.append(ops.diag)
-      specs.append(grp(ops.diag))
-    return args, specs, grp
-
-  # dk, dv (and dfk): grid (B, K, key chunk), every program independent.
-  args, specs, _ = inputs(lambda b, kh, m: (b, kh))
+  args, specs, _ = _bwd_inputs(ops, do, lse, delta, lambda b, kh, m: (b, kh))
   chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda b, kh, m: (b, kh, m, 0, 0))
   gdt = ops.q.dtype  # gradients leave in the kernel dtype (accumulated in float32 on chip)
   out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt)] * 2
@@ -205,9 +220,21 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   grads = dict(k=outs[0], v=outs[1])
   if f["gate"]:
     grads["fk"] = outs[2]
+  return grads
 
-  # dq, d diag, dfq and dL/dP: grid (B, K, lane), sequential inside.
-  args, specs, grp = inputs(lambda b, kh, l: (b, kh))
+
+def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
+                bs: BlockSizes):
+  """dq, d diag, dfq and dL/dP: grid (B, K, lane), sequential inside."""
+  B, H, n, C, D = ops.q.shape
+  K = ops.k.shape[1]
+  f = _flags(ops)
+  L = max(1, min(bs.bwd_lanes or 1, n))
+  if L > 1 and backend != "gpu":
+    raise ValueError(f"bwd_lanes={L} needs the GPU backend (TPU output blocks are written whole)")
+  f32 = jnp.float32
+  gdt = ops.q.dtype
+  args, specs, grp = _bwd_inputs(ops, do, lse, delta, lambda b, kh, l: (b, kh))
   lane = lambda s: pl.BlockSpec((None, None) + s.shape[2:],
                                 lambda b, kh, l: (b, kh * L + l) + (0,) * (len(s.shape) - 2))
   names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n, C, D), gdt)]
@@ -227,5 +254,4 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   more.pop("states", None)
   if "dp" in more and L > 1:  # lanes summed in a fixed order: deterministic
     more["dp"] = more["dp"].reshape(B, K, L, n, D, D).sum(2)
-  grads.update(more)
-  return grads
+  return more

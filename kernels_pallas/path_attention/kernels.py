@@ -7,7 +7,8 @@ untiled dimension, which both backends lower).
 fwd_kernel (GPU), one program per (batch, query head, query chunk c): diagonal chunk from the
   pre-computed in-chunk logits, then key chunks m = c-1 .. 0 right to left in a loop with an
   online softmax, the query tile moving one chunk left after each key chunk:
-  q~ <- q~ - (q~ W_m^T) U_m. Causal block skipping is the loop bound.
+  q~ <- q~ - q~ E_m (E_m = W_m^T U_m, D x D; the logits q~ k^T and the move read the same q~, so
+  the two products are independent and the dependent chain per step is one product). Causal block skipping is the loop bound.
 
 fwd_kv_kernel (TPU), the same walk as a grid axis: grid (batch, head, query chunk, j), j last
   and "arbitrary"; step j reads key chunk m = c - j through the BlockSpec index map (so only
@@ -54,10 +55,10 @@ def _unpack_fwd(refs, transport, gate, segments):
   refs = list(refs)
   take = lambda k, on: [refs.pop(0) for _ in range(k)] if on else [None] * k
   q, k, v = take(3, True)
-  w, u, d = take(3, transport)
+  e, d = take(2, transport)
   fq, fk = take(2, gate)
   sq, sk = take(2, segments)
-  return q, k, v, w, u, d, fq, fk, sq, sk, refs
+  return q, k, v, e, d, fq, fk, sq, sk, refs
 
 
 def _step(qt, m_i, l_i, acc, kt, vt, s_gate, s_ok, *, scale, dt, precision):
@@ -71,10 +72,9 @@ def _step(qt, m_i, l_i, acc, kt, vt, s_gate, s_ok, *, scale, dt, precision):
   return m_new, l_i, acc
 
 
-def _move(qt, wt, ut, *, dt, precision):
-  """q~ <- q~ P_m = q~ - (q~ W_m^T) U_m: move the query tile across key chunk m."""
-  a = dot(qt.astype(dt), wt, tb=True, precision=precision)
-  return qt - dot(a.astype(dt), ut, precision=precision)
+def _move(qt, et, *, dt, precision):
+  """q~ <- q~ P_m = q~ - q~ E_m: move the query tile (float32) across key chunk m."""
+  return qt - dot(qt.astype(dt), et, precision=precision)
 
 
 def _diag(q, kc, vc, d_ref, fq, fk, sq, sk, *, scale, precision):
@@ -89,9 +89,9 @@ def _diag(q, kc, vc, d_ref, fq, fk, sq, sk, *, scale, precision):
 
 
 def fwd_kernel(*refs, scale, transport, gate, segments, precision):
-  """refs: q [C,D], k, v, (w, u) [n,C,D], (diag [C,C]), (fq [C,1], fk [n,1,C]),
+  """refs: q [C,D], k, v [n,C,D], (e [n,D,D], diag [C,C]), (fq [C,1], fk [n,1,C]),
   (sq [C,1], sk [n,1,C]) -> o [C,D], lse [C,1]."""
-  q_ref, k_ref, v_ref, w_ref, u_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, outs = _unpack_fwd(
+  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, outs = _unpack_fwd(
       refs, transport, gate, segments)
   o_ref, lse_ref = outs
   c = pl.program_id(2)
@@ -112,7 +112,7 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision):
     m_i, l_i, acc = _step(qt, m_i, l_i, acc, k_ref[m], v_ref[m], gate_, ok, scale=scale, dt=dt,
                           precision=precision)
     if transport:
-      qt = _move(qt, w_ref[m], u_ref[m], dt=dt, precision=precision)
+      qt = _move(qt, e_ref[m], dt=dt, precision=precision)
     return qt, m_i, l_i, acc
 
   _, m_i, l_i, acc = lax.fori_loop(0, c, body, (q.astype(jnp.float32), m_i, l_i, acc))
@@ -121,9 +121,9 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision):
 
 
 def fwd_kv_kernel(*refs, scale, transport, gate, segments, precision):
-  """refs (one chunk each): q [C,D] (chunk c), k, v, (w, u) [C,D] (chunk c - j), (diag [C,C]),
+  """refs (one chunk each): q [C,D] (chunk c), k, v [C,D], (e [D,D]) (chunk c - j), (diag [C,C]),
   (fq [C,1], fk [1,C]), (sq [C,1], sk [1,C]) -> o [C,D], lse [C,1]; scratch qt, m, l, acc."""
-  q_ref, k_ref, v_ref, w_ref, u_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, rest = _unpack_fwd(
+  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, rest = _unpack_fwd(
       refs, transport, gate, segments)
   o_ref, lse_ref, qt_ref, m_ref, l_ref, acc_ref = rest
   c, j = pl.program_id(2), pl.program_id(3)
@@ -150,7 +150,7 @@ def fwd_kv_kernel(*refs, scale, transport, gate, segments, precision):
         qt, m_ref[...], l_ref[...], acc_ref[...], k_ref[...], v_ref[...], gate_, ok, scale=scale,
         dt=dt, precision=precision)
     if transport:
-      qt_ref[...] = _move(qt, w_ref[...], u_ref[...], dt=dt, precision=precision)
+      qt_ref[...] = _move(qt, e_ref[...], dt=dt, precision=precision)
 
   @pl.when(j == c)  # last useful step: the output block is written back when c changes
   def _():

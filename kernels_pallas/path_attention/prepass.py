@@ -10,7 +10,10 @@ From these the kernel needs, per chunk:
   q^ = q transported to its chunk's start:  Q^ = Q - (lower(Q W^T) X) W
   k^ = k transported to its chunk's end:    K^ = K - (X strictLower(W K^T))^T W
   diag logits (query and key in one chunk): scale (Q K^T - (lower(Q W^T) X) strictLower(W K^T))
-so that for key chunk m < query chunk c: l = scale q^ P_{c-1} ... P_{m+1} k^ with q~ <- q~ P = q~ - (q~ W^T) U.
+so that for key chunk m < query chunk c: l = scale q^ P_{c-1} ... P_{m+1} k^ with
+q~ <- q~ P_m = q~ - q~ E_m, where E = W^T U (D x D) is the chunk's whole transport as one
+operator: one C x D x D product per step instead of two dependent C x C x D ones, and the kernels
+never need W or U (dL/dE carries the transport gradient back here).
 
 The triangular solve happens here, outside the kernel (it does not lower inside Pallas). All
 arithmetic is float32. Layout out of here is head-major and blocked: [B, heads, n, C, ...].
@@ -31,8 +34,7 @@ class Operands(NamedTuple):
   q: jax.Array            # [B, H, n, C, D] q^ (transport) or q, kernel dtype
   k: jax.Array            # [B, K, n, C, D] k^ (transport) or k
   v: jax.Array            # [B, K, n, C, D]
-  w: jax.Array | None     # [B, K, n, C, D]
-  u: jax.Array | None     # [B, K, n, C, D] U = X W
+  e: jax.Array | None     # [B, K, n, D, D] E = W^T U, P = I - E (transport only)
   diag: jax.Array | None  # [B, H, n, C, C] float32 scaled in-chunk logits (transport only)
   fq: jax.Array | None    # [B, H, n, C, 1] float32 gate prefix sums, query layout
   fk: jax.Array | None    # [B, H, n, 1, C] the same, key layout
@@ -100,38 +102,53 @@ def ut_transform(w_c, beta_c):
   return jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True)
 
 
-def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype):
+def transport_jnp(qb, kb, wb, bb, *, scale: float, dtype):
+  """The transport operands in batched jnp (float32 inside): the oracle of prepass_kernel.py.
+
+  qb [B, H, n, C, D]; kb, wb [B, K, n, C, D]; bb [B, K, n, C] -> q^, k^ (dtype), E [B, K, n, D, D]
+  (dtype), diag [B, H, n, C, C] float32 scaled in-chunk logits.
+  """
+  B, H, n, C, D = qb.shape
+  K = kb.shape[1]
+  f32 = jnp.float32
+  qb, kb, wb, bb = (x.astype(f32) for x in (qb, kb, wb, bb))
+  x = ut_transform(wb, bb)                                        # [B, K, n, C, C]
+  u = _mm(x, wb)
+  wk = _tril(_ein("bkncd,bknjd->bkncj", wb, kb), -1)             # w_r . k_j, r > j
+  khat = kb - _ein("bknrj,bknrd->bknjd", _mm(x, wk), wb)
+  qg = qb.reshape(B, K, H // K, n, C, D)
+  gm = _mm(_tril(_ein("bkgnid,bknrd->bkgnir", qg, wb)), x[:, :, None])   # lower(Q W^T) X
+  qhat = qg - _mm(gm, wb[:, :, None])
+  diag = _ein("bkgnid,bknjd->bkgnij", qg, kb) - _mm(gm, wk[:, :, None])
+  e = _ein("bkncd,bknce->bknde", wb, u)                             # W^T U  [D, D]
+  return (qhat.reshape(B, H, n, C, D).astype(dtype), khat.astype(dtype), e.astype(dtype),
+          (scale * diag).reshape(B, H, n, C, C))
+
+
+def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype,
+            transport=transport_jnp):
   """Pads T to whole chunks and builds the kernel operands (see the module docstring).
 
   q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K]; log_forget [B, T, H]; seg [B, T] int.
   Padding uses beta = 0 (identity transport), a zero gate and segment id -1 (its own segment).
+  `transport` builds (q^, k^, E, diag) from the blocked q, k, w, beta: transport_jnp here, or
+  the Pallas pre-pass (prepass_kernel.transport_pallas).
   """
   B, T, H, D = q.shape
-  K = k.shape[2]
-  G = H // K
   Tp = -(-T // C) * C
   n = Tp // C
   f32 = jnp.float32
-  qb = blocked(pad_time(q, Tp), C).astype(f32)   # [B, H, n, C, D]
-  kb = blocked(pad_time(k, Tp), C).astype(f32)   # [B, K, n, C, D]
+  qb = blocked(pad_time(q, Tp), C)   # [B, H, n, C, D]
+  kb = blocked(pad_time(k, Tp), C)   # [B, K, n, C, D]
   vb = blocked(pad_time(v, Tp), C).astype(dtype)
-  ops = dict(v=vb, w=None, u=None, diag=None, fq=None, fk=None, sq=None, sk=None)
+  ops = dict(v=vb, e=None, diag=None, fq=None, fk=None, sq=None, sk=None)
   if w is None:
     ops.update(q=qb.astype(dtype), k=kb.astype(dtype))
   else:
-    wb = blocked(pad_time(w, Tp), C).astype(f32)
-    bb = jnp.moveaxis(pad_time(beta, Tp).astype(f32).reshape(B, n, C, K), 3, 1)  # [B, K, n, C]
-    x = ut_transform(wb, bb)                                        # [B, K, n, C, C]
-    u = _mm(x, wb)
-    wk = _tril(_ein("bkncd,bknjd->bkncj", wb, kb), -1)             # w_r . k_j, r > j
-    khat = kb - _ein("bknrj,bknrd->bknjd", _mm(x, wk), wb)
-    qg = qb.reshape(B, K, G, n, C, D)
-    gm = _mm(_tril(_ein("bkgnid,bknrd->bkgnir", qg, wb)), x[:, :, None])   # lower(Q W^T) X
-    qhat = qg - _mm(gm, wb[:, :, None])
-    diag = _ein("bkgnid,bknjd->bkgnij", qg, kb) - _mm(gm, wk[:, :, None])
-    ops.update(q=qhat.reshape(B, H, n, C, D).astype(dtype), k=khat.astype(dtype),
-               w=wb.astype(dtype), u=u.astype(dtype),
-               diag=(scale * diag).reshape(B, H, n, C, C))
+    wb = blocked(pad_time(w, Tp), C)
+    bb = jnp.moveaxis(pad_time(beta, Tp).reshape(B, n, C, -1), 3, 1)  # [B, K, n, C]
+    qhat, khat, e, diag = transport(qb, kb, wb, bb, scale=scale, dtype=dtype)
+    ops.update(q=qhat, k=khat, e=e, diag=diag)
   if log_forget is not None:
     segp = None if seg is None else pad_time(seg, Tp, -1)
     f = segment_prefix_sum(pad_time(log_forget.astype(f32), Tp), segp)   # [B, Tp, H]
