@@ -114,14 +114,17 @@ def part_jax(cases, variants):
       base, _, spec = name.partition("@")  # e.g. path@b128w8s1l4bw8: block 128, 8 warps, 1 stage,
       # 4 backward lanes, 8 backward warps
       fn, args = fns[base]
-      if spec:
+      if spec:  # pre=VARIANT picks the pre-pass (kernels_pallas BlockSizes.prepass)
         import re
+        pre = re.search(r"pre=([a-z_0-9]+)", spec)
+        spec = re.sub(r"pre=[a-z_0-9]+", "", spec)
         b, w, s, l, bw = (re.search(p, spec) for p in (r"b(\d+)", r"(?<!b)w(\d+)", r"s(\d+)",
                                                            r"l(\d+)", r"bw(\d+)"))
         bs = kp.BlockSizes(block_q=int(b[1]) if b else 64, block_k=int(b[1]) if b else 64,
                            num_warps=int(w[1]) if w else 4, num_stages=int(s[1]) if s else None,
                            bwd_lanes=int(l[1]) if l else None,
-                           bwd_num_warps=int(bw[1]) if bw else None)
+                           bwd_num_warps=int(bw[1]) if bw else None,
+                           **({"prepass": pre[1]} if pre else {}))
         fn = (lambda f0, bs: lambda *a: f0(*a, bs))(
             {"path": lambda q, k, v, w, beta, bs: kp.path_attention(q, k, v, w, beta, block_sizes=bs),
              "path_fox": lambda q, k, v, w, beta, g, bs: kp.path_attention(q, k, v, w, beta, g,

@@ -45,7 +45,9 @@ def _precision(dtype):
 
 def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
   """Kernel operands; the transport part (q^, k^, E, diag) comes from the Pallas pre-pass."""
-  transport = functools.partial(prepass_kernel.transport_pallas, backend=cfg.backend)
+  variant = cfg.block_sizes.prepass
+  transport = prepass.transport_jnp if variant == "jnp" else functools.partial(
+      prepass_kernel.transport_pallas, backend=cfg.backend, variant=variant)
   return prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale,
                          C=cfg.block_sizes.block_q, dtype=q.dtype, transport=transport)
 

@@ -28,6 +28,7 @@ class BlockSizes:
   bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
   bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
                                  # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
+  prepass: str = "split_bf16"    # prepass_kernel.VARIANTS, or "jnp" (batched jnp, no kernel)
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -35,6 +36,9 @@ class BlockSizes:
                        "(the query tile, key tile and transport chunk are one size)")
     if self.block_q < 16 or self.block_q & (self.block_q - 1):
       raise ValueError(f"block_q={self.block_q} must be a power of two >= 16")
+    from kernels_pallas.path_attention.prepass_kernel import VARIANTS
+    if self.prepass not in VARIANTS + ("jnp",):
+      raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
     if head_dim < 16 or head_dim & (head_dim - 1):
       raise ValueError(f"head_dim={head_dim} must be a power of two >= 16")
 

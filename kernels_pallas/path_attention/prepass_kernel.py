@@ -30,22 +30,56 @@ from jax.experimental import pallas as pl
 from kernels_pallas.path_attention.kernels import dot
 
 
-def chunk_transport(qs, k, w, beta_c, beta_r, *, scale: float, precision):
-  """One chunk. qs: tuple of G [C, D] queries (one per head sharing this kv head); k, w [C, D];
-  beta_c [C, 1], beta_r [1, C] (beta as a column and as a row); all float32.
-  -> (tuple of q^ [C, D], k^ [C, D], E [D, D], tuple of scaled diag logits [C, C])."""
-  C = w.shape[0]
-  mm = functools.partial(dot, precision=precision)
+def _mm(precision, odt):
+  """Matmul with float32 accumulation; odt=bf16: bf16 operands (tensor-core inputs). Forward
+  kernels only: under jax.vjp a bf16 product's transpose would meet a float32 cotangent, and the
+  Triton lowering wants one operand dtype, so the backward kernels differentiate the float32 form
+  (default precision: TF32 on the GPU)."""
+  if odt is None:
+    return functools.partial(dot, precision=precision)
+  return lambda a, b, ta=False, tb=False: dot(a.astype(odt), b.astype(odt), ta=ta, tb=tb)
+
+
+def _masks(C):
   row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
   col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-  strict, lower = row > col, row >= col
-  eye = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
+  return row > col, row >= col, jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
+
+
+def chunk_inverse(w, beta_c, *, precision):
+  """Y = (I + A)^{-1}, A = strictLower(diag(beta) W W^T): w [C, D], beta_c [C, 1] float32."""
+  C = w.shape[0]
+  mm = _mm(precision, None)
+  strict, _, eye = _masks(C)
   power = jnp.where(strict, -beta_c * mm(w, w, tb=True), 0.0)   # N = -A
   inv = eye + power
   for _ in range(max(0, C.bit_length() - 2)):                  # (I+N)(I+N^2)(I+N^4)...
     power = mm(power, power)
     inv = mm(inv, eye + power)
-  x = inv * beta_r                                              # X = (I + A)^{-1} diag(beta)
+  return inv
+
+
+def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
+  """Cotangents (dw, dbeta_c) of chunk_inverse from dY, in closed form:
+  dT = -Y^T dY Y^T, dA = strictLower(dT), A_ij = beta_i (w_i . w_j)."""
+  C = w.shape[0]
+  mm = _mm(precision, None)
+  strict, _, _ = _masks(C)
+  da = jnp.where(strict, -mm(mm(y, dy, ta=True), y, tb=True), 0.0)
+  s = mm(w, w, tb=True)
+  dbeta = jnp.sum(da * s, axis=1, keepdims=True)
+  ds = beta_c * da
+  return mm(ds, w) + mm(ds, w, ta=True), dbeta
+
+
+def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision, odt=None):
+  """One chunk given Y. qs: tuple of G [C, D] queries (the heads sharing this kv head); k, w
+  [C, D]; y [C, C]; beta_r [1, C]; float32. -> (tuple of q^ [C, D], k^ [C, D], E [D, D], tuple
+  of scaled diag logits [C, C])."""
+  C = w.shape[0]
+  mm = _mm(precision, odt)
+  strict, lower, _ = _masks(C)
+  x = y * beta_r                                                # X = (I + A)^{-1} diag(beta)
   e = mm(w, mm(x, w), ta=True)                                  # E = W^T U, U = X W
   wk = jnp.where(strict, mm(w, k, tb=True), 0.0)                # w_r . k_j, r > j
   khat = k - mm(mm(x, wk), w, ta=True)
@@ -57,24 +91,32 @@ def chunk_transport(qs, k, w, beta_c, beta_r, *, scale: float, precision):
   return tuple(qhats), khat, e, tuple(diags)
 
 
+def chunk_transport(qs, k, w, beta_c, beta_r, *, scale: float, precision, odt=None):
+  """chunk_inverse then chunk_operands: the whole pre-pass of one chunk."""
+  y = chunk_inverse(w, beta_c, precision=precision)
+  return chunk_operands(qs, k, w, y, beta_r, scale=scale, precision=precision, odt=odt)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
   scale: float
   dtype: jnp.dtype      # dtype of q^, k^, E
   backend: str
   precision: object
+  odt: object = None    # operand dtype of the non-inverse products (None: float32)
+  split: bool = False   # inverse in its own kernels (fewer live tiles per kernel)
 
 
-def _load(q_ref, k_ref, w_ref, bc_ref, br_ref):
-  f32 = jnp.float32
-  qs = tuple(q_ref[g].astype(f32) for g in range(q_ref.shape[0]))
-  return qs, k_ref[...].astype(f32), w_ref[...].astype(f32), bc_ref[...].astype(f32), \
-      br_ref[...].astype(f32)
+def _f32(*refs):
+  return tuple(r[...].astype(jnp.float32) for r in refs)
 
 
-def _fwd_kernel(q_ref, k_ref, w_ref, bc_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref, *, cfg):
-  qh, kh, e, d = chunk_transport(*_load(q_ref, k_ref, w_ref, bc_ref, br_ref),
-                                 scale=cfg.scale, precision=cfg.precision)
+def _heads(ref):
+  return tuple(ref[g].astype(jnp.float32) for g in range(ref.shape[0]))
+
+
+def _store_outs(outs, qh_ref, kh_ref, e_ref, d_ref):
+  qh, kh, e, d = outs
   for g in range(len(qh)):
     qh_ref[g] = qh[g].astype(qh_ref.dtype)
     d_ref[g] = d[g]
@@ -82,20 +124,55 @@ def _fwd_kernel(q_ref, k_ref, w_ref, bc_ref, br_ref, qh_ref, kh_ref, e_ref, d_re
   e_ref[...] = e.astype(e_ref.dtype)
 
 
+def _fwd_kernel(q_ref, k_ref, w_ref, bc_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref, *, cfg):
+  outs = chunk_transport(_heads(q_ref), *_f32(k_ref, w_ref, bc_ref, br_ref), scale=cfg.scale,
+                         precision=cfg.precision, odt=cfg.odt)
+  _store_outs(outs, qh_ref, kh_ref, e_ref, d_ref)
+
+
+def _cts(dqh_ref, dkh_ref, de_ref, dd_ref):
+  return (_heads(dqh_ref),) + _f32(dkh_ref, de_ref) + (_heads(dd_ref),)
+
+
 def _bwd_kernel(q_ref, k_ref, w_ref, bc_ref, br_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
                 dq_ref, dk_ref, dw_ref, dbc_ref, dbr_ref, *, cfg):
-  f32 = jnp.float32
-  G = q_ref.shape[0]
   fn = functools.partial(chunk_transport, scale=cfg.scale, precision=cfg.precision)
-  _, pull = jax.vjp(fn, *_load(q_ref, k_ref, w_ref, bc_ref, br_ref))
-  cts = (tuple(dqh_ref[g].astype(f32) for g in range(G)), dkh_ref[...].astype(f32),
-         de_ref[...].astype(f32), tuple(dd_ref[g].astype(f32) for g in range(G)))
-  dqs, dk, dw, dbc, dbr = pull(cts)
-  for g in range(G):
+  _, pull = jax.vjp(fn, _heads(q_ref), *_f32(k_ref, w_ref, bc_ref, br_ref))
+  dqs, dk, dw, dbc, dbr = pull(_cts(dqh_ref, dkh_ref, de_ref, dd_ref))
+  for g in range(len(dqs)):
     dq_ref[g] = dqs[g].astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dw_ref[...] = dw.astype(dw_ref.dtype)
   dbc_ref[...] = dbc
+  dbr_ref[...] = dbr
+
+
+def _inv_kernel(w_ref, bc_ref, y_ref, *, cfg):
+  y_ref[...] = chunk_inverse(*_f32(w_ref, bc_ref), precision=cfg.precision)
+
+
+def _inv_bwd_kernel(w_ref, bc_ref, y_ref, dy_ref, dw_ref, dbc_ref, *, cfg):
+  dw, dbc = chunk_inverse_vjp(*_f32(w_ref, bc_ref, y_ref, dy_ref), precision=cfg.precision)
+  dw_ref[...] = dw
+  dbc_ref[...] = dbc
+
+
+def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref, *, cfg):
+  outs = chunk_operands(_heads(q_ref), *_f32(k_ref, w_ref, y_ref, br_ref), scale=cfg.scale,
+                        precision=cfg.precision, odt=cfg.odt)
+  _store_outs(outs, qh_ref, kh_ref, e_ref, d_ref)
+
+
+def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
+                    dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref, *, cfg):
+  fn = functools.partial(chunk_operands, scale=cfg.scale, precision=cfg.precision)
+  _, pull = jax.vjp(fn, _heads(q_ref), *_f32(k_ref, w_ref, y_ref, br_ref))
+  dqs, dk, dw, dy, dbr = pull(_cts(dqh_ref, dkh_ref, de_ref, dd_ref))
+  for g in range(len(dqs)):
+    dq_ref[g] = dqs[g].astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dw_ref[...] = dw
+  dy_ref[...] = dy
   dbr_ref[...] = dbr
 
 
@@ -122,17 +199,36 @@ def _inputs(qb, kb, wb, bb):
   return qb, kb, wb, bc, br
 
 
+def _outs(qb, kb, cfg):
+  B, H, n, C, D = qb.shape
+  K = kb.shape[1]
+  grp, one = _specs(qb, kb)
+  sd = jax.ShapeDtypeStruct
+  shapes = [sd((B, H, n, C, D), cfg.dtype), sd((B, K, n, C, D), cfg.dtype),
+            sd((B, K, n, D, D), cfg.dtype), sd((B, H, n, C, C), jnp.float32)]
+  return shapes, [grp(C, D), one(C, D), one(D, D), grp(C, C)]
+
+
+def _inverse(cfg, wb, bc):
+  B, K, n, C, _ = wb.shape
+  _, one = _specs(wb, wb)
+  return _call(cfg, functools.partial(_inv_kernel, cfg=cfg), (B, K, n), [one(C, wb.shape[-1]),
+               one(C, 1)], one(C, C), jax.ShapeDtypeStruct((B, K, n, C, C), jnp.float32))(wb, bc)
+
+
 def _fwd(cfg, qb, kb, wb, bb):
   B, H, n, C, D = qb.shape
   K = kb.shape[1]
   grp, one = _specs(qb, kb)
-  args = _inputs(qb, kb, wb, bb)
-  in_specs = [grp(C, D), one(C, D), one(C, D), one(C, 1), one(1, C)]
-  sd = jax.ShapeDtypeStruct
-  out_shape = [sd((B, H, n, C, D), cfg.dtype), sd((B, K, n, C, D), cfg.dtype),
-               sd((B, K, n, D, D), cfg.dtype), sd((B, H, n, C, C), jnp.float32)]
-  out_specs = [grp(C, D), one(C, D), one(D, D), grp(C, C)]
-  kernel = functools.partial(_fwd_kernel, cfg=cfg)
+  q, k, w, bc, br = _inputs(qb, kb, wb, bb)
+  out_shape, out_specs = _outs(qb, kb, cfg)
+  if cfg.split:
+    y = _inverse(cfg, w, bc)
+    kernel = functools.partial(_ops_kernel, cfg=cfg)
+    args, in_specs = (q, k, w, y, br), [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)]
+  else:
+    kernel = functools.partial(_fwd_kernel, cfg=cfg)
+    args, in_specs = (q, k, w, bc, br), [grp(C, D), one(C, D), one(C, D), one(C, 1), one(1, C)]
   return tuple(_call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(*args))
 
 
@@ -150,17 +246,32 @@ def _transport_bwd(cfg, res, cts):
   B, H, n, C, D = qb.shape
   K = kb.shape[1]
   grp, one = _specs(qb, kb)
-  dqh, dkh, de, dd = cts
-  args = _inputs(qb, kb, wb, bb) + (dqh, dkh, de, dd)
-  in_specs = [grp(C, D), one(C, D), one(C, D), one(C, 1), one(1, C),
-              grp(C, D), one(C, D), one(D, D), grp(C, C)]
+  q, k, w, bc, br = _inputs(qb, kb, wb, bb)
   sd = jax.ShapeDtypeStruct
   f32 = jnp.float32
-  out_shape = [sd(qb.shape, qb.dtype), sd(kb.shape, kb.dtype), sd(wb.shape, wb.dtype),
-               sd((B, K, n, C, 1), f32), sd((B, K, n, 1, C), f32)]
-  out_specs = [grp(C, D), one(C, D), one(C, D), one(C, 1), one(1, C)]
-  kernel = functools.partial(_bwd_kernel, cfg=cfg)
-  dq, dk, dw, dbc, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(*args)
+  ct_specs = [grp(C, D), one(C, D), one(D, D), grp(C, C)]
+  grads = [sd(qb.shape, qb.dtype), sd(kb.shape, kb.dtype)]
+  if cfg.split:
+    y = _inverse(cfg, w, bc)
+    out_shape = grads + [sd(wb.shape, f32), sd((B, K, n, C, C), f32), sd((B, K, n, 1, C), f32)]
+    out_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)]
+    kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
+    dq, dk, dw1, dy, dbr = _call(cfg, kernel, (B, K, n),
+                                 [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)] + ct_specs,
+                                 out_specs, out_shape)(q, k, w, y, br, *cts)
+    kernel = functools.partial(_inv_bwd_kernel, cfg=cfg)
+    dw2, dbc = _call(cfg, kernel, (B, K, n), [one(C, D), one(C, 1), one(C, C), one(C, C)],
+                     [one(C, D), one(C, 1)], [sd(wb.shape, f32), sd((B, K, n, C, 1), f32)])(
+                         w, bc, y, dy)
+    dw = (dw1 + dw2).astype(wb.dtype)
+  else:
+    out_shape = grads + [sd(wb.shape, wb.dtype), sd((B, K, n, C, 1), f32),
+                         sd((B, K, n, 1, C), f32)]
+    out_specs = [grp(C, D), one(C, D), one(C, D), one(C, 1), one(1, C)]
+    kernel = functools.partial(_bwd_kernel, cfg=cfg)
+    dq, dk, dw, dbc, dbr = _call(cfg, kernel, (B, K, n),
+                                 [grp(C, D), one(C, D), one(C, D), one(C, 1), one(1, C)] + ct_specs,
+                                 out_specs, out_shape)(q, k, w, bc, br, *cts)
   dbeta = (dbc[..., 0] + dbr[..., 0, :]).astype(bb.dtype)
   return dq, dk, dw, dbeta
 
@@ -168,10 +279,24 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
-def transport_pallas(qb, kb, wb, bb, *, scale: float, dtype, backend: str, precision=None):
+VARIANTS = ("fused", "fused_bf16", "split", "split_bf16")
+
+
+def transport_pallas(qb, kb, wb, bb, *, scale: float, dtype, backend: str, precision=None,
+                     variant: str = "split_bf16"):
   """Drop-in for prepass.transport_jnp (same shapes and dtypes) as Pallas kernels on `backend`.
-  precision None: HIGHEST for float32 q, else the backend's default."""
-  if precision is None and jnp.dtype(qb.dtype) == jnp.float32:
+
+  precision None: HIGHEST for float32 q, else the backend's default (TF32 on the GPU). variant:
+  "fused" one kernel each way (the backward is jax.vjp of the whole chunk, through the
+  squarings); "split" the inverse in kernels of its own, its VJP in closed form; "_bf16": in the
+  forward the products other than the inverse take bf16 operands (float32 q keeps float32).
+  """
+  if variant not in VARIANTS:
+    raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
+  f32_inputs = jnp.dtype(qb.dtype) == jnp.float32
+  if precision is None and f32_inputs:
     precision = lax.Precision.HIGHEST
-  return _transport(_Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend,
-                         precision=precision), qb, kb, wb, bb)
+  odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
+  cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
+             odt=odt, split=variant.startswith("split"))
+  return _transport(cfg, qb, kb, wb, bb)
