@@ -45,13 +45,8 @@ def _precision(dtype):
 
 def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
   """Kernel operands; the transport part (q^, k^, E, diag) comes from the Pallas pre-pass."""
-  variant = cfg.block_sizes.prepass
-  if cfg.backend == "gpu" and (jnp.dtype(q.dtype) == jnp.float32 or q.shape[2] != k.shape[2]):
-    # Measured on the H200 (2026-11-21): float32 inputs ask for exact float32 products, whose
-    # Triton FMA form did not compile within minutes; with grouped-query heads (G = 2, D = 128)
-    # the per-head loop overflows shared memory (256 of 227 KiB). Both take the batched jnp
-    # pre-pass until the head loop becomes a grid axis (NOTES_kernel.md).
-    variant = "jnp"
+  variant = prepass_kernel.usable_variant(cfg.block_sizes.prepass, backend=cfg.backend,
+                                          dtype=q.dtype, grouped=q.shape[2] != k.shape[2])
   transport = prepass.transport_jnp if variant == "jnp" else functools.partial(
       prepass_kernel.transport_pallas, backend=cfg.backend, variant=variant)
   return prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale,

@@ -63,12 +63,8 @@ def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, 
 
 
 def prepass_compiler_params(backend: str, num_axes: int):
-  """The pre-pass kernels (prepass_kernel.py): every grid axis independent."""
-  if backend == "gpu":
-    return _compiler_params(backend, BlockSizes(num_stages=1), num_axes, bwd=False, head_dim=0)
-  if backend in ("tpu", "tpu_interpret"):
-    return _compiler_params(backend, BlockSizes(), num_axes, bwd=False, head_dim=0)
-  return None
+  """The pre-pass kernels (prepass_kernel.py): every grid axis independent, no pipelining."""
+  return _compiler_params(backend, BlockSizes(num_stages=1), num_axes, bwd=False, head_dim=0)
 
 
 def _interpret(backend: str):

@@ -1,5 +1,6 @@
-"""The transport pre-pass as two Pallas kernels (forward and its VJP), one program per
-(batch, kv head, chunk). Same operands as prepass.transport_jnp, its oracle.
+"""The transport pre-pass as Pallas kernels, one program per (batch, kv head, chunk): forward =
+inverse kernel + operands kernel, backward = their VJP kernels. Same operands as
+prepass.transport_jnp, its oracle.
 
 Why a kernel: in batched jnp the pre-pass is many small float32 einsums, layout copies and a
 batched triangular solve; measured on the H200 at B,T,H,D = 32,2048,32,64 it took 16.5 ms forward
@@ -7,11 +8,12 @@ and 41.6 ms for its VJP, against 4.4 ms for the attention kernel itself, and its
 intermediates set the peak memory. Per chunk it is a handful of C x C and C x D products that stay
 on chip: the kernel reads q, k, w, beta once and writes q^, k^, E, diag once.
 
-The chunk math (chunk_transport) is a pure function of 2-D values built from dot_general, iota
-masks and elementwise ops only, so the backward kernel is jax.vjp of it, traced inside the kernel
-body (recompute, then pull back; nothing but the inputs is saved). The UT inverse
+The operands' chunk math (chunk_operands) is a pure function of 2-D values built from
+dot_general, iota masks and elementwise ops only, so its backward kernel is jax.vjp of it, traced
+inside the kernel body (recompute, then pull back; nothing but the inputs is saved). The UT inverse
 (I + A)^{-1}, A = strictLower(diag(beta) W W^T) nilpotent, is the product of squarings
-prod_i (I + (-A)^(2^i)), i < log2 C: matmuls only (no triangular solve inside a kernel).
+prod_i (I + (-A)^(2^i)), i < log2 C: matmuls only (no triangular solve inside a kernel); its
+VJP is written in closed form (chunk_inverse_vjp), not traced through the squarings.
 
 Precision: float32 operands use Precision.HIGHEST (exact float32 products); lower-precision
 inputs use the default (TF32 on the GPU, ~1e-3 relative per product), which is finer than the
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kernels_pallas.path_attention import calls
 from kernels_pallas.path_attention.kernels import dot
 
 
@@ -91,12 +94,6 @@ def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision, odt=None):
   return tuple(qhats), khat, e, tuple(diags)
 
 
-def chunk_transport(qs, k, w, beta_c, beta_r, *, scale: float, precision, odt=None):
-  """chunk_inverse then chunk_operands: the whole pre-pass of one chunk."""
-  y = chunk_inverse(w, beta_c, precision=precision)
-  return chunk_operands(qs, k, w, y, beta_r, scale=scale, precision=precision, odt=odt)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
   scale: float
@@ -104,7 +101,6 @@ class _Cfg:
   backend: str
   precision: object
   odt: object = None    # operand dtype of the non-inverse products (None: float32)
-  split: bool = False   # inverse in its own kernels (fewer live tiles per kernel)
 
 
 def _f32(*refs):
@@ -115,36 +111,8 @@ def _heads(ref):
   return tuple(ref[g].astype(jnp.float32) for g in range(ref.shape[0]))
 
 
-def _store_outs(outs, qh_ref, kh_ref, e_ref, d_ref):
-  qh, kh, e, d = outs
-  for g in range(len(qh)):
-    qh_ref[g] = qh[g].astype(qh_ref.dtype)
-    d_ref[g] = d[g]
-  kh_ref[...] = kh.astype(kh_ref.dtype)
-  e_ref[...] = e.astype(e_ref.dtype)
-
-
-def _fwd_kernel(q_ref, k_ref, w_ref, bc_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref, *, cfg):
-  outs = chunk_transport(_heads(q_ref), *_f32(k_ref, w_ref, bc_ref, br_ref), scale=cfg.scale,
-                         precision=cfg.precision, odt=cfg.odt)
-  _store_outs(outs, qh_ref, kh_ref, e_ref, d_ref)
-
-
 def _cts(dqh_ref, dkh_ref, de_ref, dd_ref):
   return (_heads(dqh_ref),) + _f32(dkh_ref, de_ref) + (_heads(dd_ref),)
-
-
-def _bwd_kernel(q_ref, k_ref, w_ref, bc_ref, br_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
-                dq_ref, dk_ref, dw_ref, dbc_ref, dbr_ref, *, cfg):
-  fn = functools.partial(chunk_transport, scale=cfg.scale, precision=cfg.precision)
-  _, pull = jax.vjp(fn, _heads(q_ref), *_f32(k_ref, w_ref, bc_ref, br_ref))
-  dqs, dk, dw, dbc, dbr = pull(_cts(dqh_ref, dkh_ref, de_ref, dd_ref))
-  for g in range(len(dqs)):
-    dq_ref[g] = dqs[g].astype(dq_ref.dtype)
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  dw_ref[...] = dw.astype(dw_ref.dtype)
-  dbc_ref[...] = dbc
-  dbr_ref[...] = dbr
 
 
 def _inv_kernel(w_ref, bc_ref, y_ref, *, cfg):
@@ -158,9 +126,13 @@ def _inv_bwd_kernel(w_ref, bc_ref, y_ref, dy_ref, dw_ref, dbc_ref, *, cfg):
 
 
 def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref, *, cfg):
-  outs = chunk_operands(_heads(q_ref), *_f32(k_ref, w_ref, y_ref, br_ref), scale=cfg.scale,
-                        precision=cfg.precision, odt=cfg.odt)
-  _store_outs(outs, qh_ref, kh_ref, e_ref, d_ref)
+  qh, kh, e, d = chunk_operands(_heads(q_ref), *_f32(k_ref, w_ref, y_ref, br_ref),
+                                scale=cfg.scale, precision=cfg.precision, odt=cfg.odt)
+  for g in range(len(qh)):
+    qh_ref[g] = qh[g].astype(qh_ref.dtype)
+    d_ref[g] = d[g]
+  kh_ref[...] = kh.astype(kh_ref.dtype)
+  e_ref[...] = e.astype(e_ref.dtype)
 
 
 def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
@@ -185,7 +157,6 @@ def _specs(qb, kb):
 
 
 def _call(cfg, kernel, grid, in_specs, out_specs, out_shape):
-  from kernels_pallas.path_attention import calls  # the backends' compiler params live there
   kwargs = {}
   params = calls.prepass_compiler_params(cfg.backend, len(grid))
   if params is not None:
@@ -222,14 +193,10 @@ def _fwd(cfg, qb, kb, wb, bb):
   grp, one = _specs(qb, kb)
   q, k, w, bc, br = _inputs(qb, kb, wb, bb)
   out_shape, out_specs = _outs(qb, kb, cfg)
-  if cfg.split:
-    y = _inverse(cfg, w, bc)
-    kernel = functools.partial(_ops_kernel, cfg=cfg)
-    args, in_specs = (q, k, w, y, br), [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)]
-  else:
-    kernel = functools.partial(_fwd_kernel, cfg=cfg)
-    args, in_specs = (q, k, w, bc, br), [grp(C, D), one(C, D), one(C, D), one(C, 1), one(1, C)]
-  return tuple(_call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(*args))
+  y = _inverse(cfg, w, bc)
+  kernel = functools.partial(_ops_kernel, cfg=cfg)
+  in_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)]
+  return tuple(_call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(q, k, w, y, br))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -251,27 +218,18 @@ def _transport_bwd(cfg, res, cts):
   f32 = jnp.float32
   ct_specs = [grp(C, D), one(C, D), one(D, D), grp(C, C)]
   grads = [sd(qb.shape, qb.dtype), sd(kb.shape, kb.dtype)]
-  if cfg.split:
-    y = _inverse(cfg, w, bc)
-    out_shape = grads + [sd(wb.shape, f32), sd((B, K, n, C, C), f32), sd((B, K, n, 1, C), f32)]
-    out_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)]
-    kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
-    dq, dk, dw1, dy, dbr = _call(cfg, kernel, (B, K, n),
-                                 [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)] + ct_specs,
-                                 out_specs, out_shape)(q, k, w, y, br, *cts)
-    kernel = functools.partial(_inv_bwd_kernel, cfg=cfg)
-    dw2, dbc = _call(cfg, kernel, (B, K, n), [one(C, D), one(C, 1), one(C, C), one(C, C)],
-                     [one(C, D), one(C, 1)], [sd(wb.shape, f32), sd((B, K, n, C, 1), f32)])(
-                         w, bc, y, dy)
-    dw = (dw1 + dw2).astype(wb.dtype)
-  else:
-    out_shape = grads + [sd(wb.shape, wb.dtype), sd((B, K, n, C, 1), f32),
-                         sd((B, K, n, 1, C), f32)]
-    out_specs = [grp(C, D), one(C, D), one(C, D), one(C, 1), one(1, C)]
-    kernel = functools.partial(_bwd_kernel, cfg=cfg)
-    dq, dk, dw, dbc, dbr = _call(cfg, kernel, (B, K, n),
-                                 [grp(C, D), one(C, D), one(C, D), one(C, 1), one(1, C)] + ct_specs,
-                                 out_specs, out_shape)(q, k, w, bc, br, *cts)
+  y = _inverse(cfg, w, bc)  # recomputed: cheaper than keeping [C, C] float32 per chunk
+  out_shape = grads + [sd(wb.shape, f32), sd((B, K, n, C, C), f32), sd((B, K, n, 1, C), f32)]
+  out_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)]
+  kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
+  dq, dk, dw1, dy, dbr = _call(cfg, kernel, (B, K, n),
+                               [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)] + ct_specs,
+                               out_specs, out_shape)(q, k, w, y, br, *cts)
+  kernel = functools.partial(_inv_bwd_kernel, cfg=cfg)
+  dw2, dbc = _call(cfg, kernel, (B, K, n), [one(C, D), one(C, 1), one(C, C), one(C, C)],
+                   [one(C, D), one(C, 1)], [sd(wb.shape, f32), sd((B, K, n, C, 1), f32)])(
+                       w, bc, y, dy)
+  dw = (dw1 + dw2).astype(wb.dtype)
   dbeta = (dbc[..., 0] + dbr[..., 0, :]).astype(bb.dtype)
   return dq, dk, dw, dbeta
 
@@ -279,17 +237,31 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
-VARIANTS = ("fused", "fused_bf16", "split", "split_bf16")
+VARIANTS = ("split", "split_bf16")
+
+
+def usable_variant(requested: str, *, backend: str, dtype, grouped: bool) -> str:
+  """The pre-pass to run: `requested`, or "jnp" where the Pallas one is known not to build.
+
+  Measured on the H200 (2026-11-21): float32 inputs ask for exact float32 products, whose Triton
+  FMA form did not compile within minutes; with grouped-query heads (G = 2, D = 128) the per-head
+  loop overflows shared memory (256 of 227 KiB). Both take the batched jnp pre-pass on the GPU
+  until the head loop becomes a grid axis (NOTES_kernel.md).
+  """
+  if backend == "gpu" and (jnp.dtype(dtype) == jnp.float32 or grouped):
+    return "jnp"
+  return requested
 
 
 def transport_pallas(qb, kb, wb, bb, *, scale: float, dtype, backend: str, precision=None,
                      variant: str = "split_bf16"):
   """Drop-in for prepass.transport_jnp (same shapes and dtypes) as Pallas kernels on `backend`.
 
-  precision None: HIGHEST for float32 q, else the backend's default (TF32 on the GPU). variant:
-  "fused" one kernel each way (the backward is jax.vjp of the whole chunk, through the
-  squarings); "split" the inverse in kernels of its own, its VJP in closed form; "_bf16": in the
-  forward the products other than the inverse take bf16 operands (float32 q keeps float32).
+  precision None: HIGHEST for float32 q, else the backend's default (TF32 on the GPU). The
+  inverse has kernels of its own (its VJP in closed form); variant "split_bf16" gives the other
+  forward products bf16 operands (float32 q keeps float32), "split" TF32. (One fused kernel each
+  way, backward = jax.vjp through the squarings, overflowed shared memory on the H200: 288 KiB
+  at D = 64; NOTES_kernel.md round 3.)
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
@@ -298,5 +270,5 @@ def transport_pallas(qb, kb, wb, bb, *, scale: float, dtype, backend: str, preci
     precision = lax.Precision.HIGHEST
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
-             odt=odt, split=variant.startswith("split"))
+             odt=odt)
   return _transport(cfg, qb, kb, wb, bb)
