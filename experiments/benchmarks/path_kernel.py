@@ -54,8 +54,9 @@ def _inputs(B, T, H, D, key=0, dtype=None):
   return q, k, v, w, beta, g, do
 
 
-def part_check():
-  """Forward and every gradient vs the dense oracle on the GPU; bitwise determinism."""
+def part_check(prepass=None):
+  """Forward and every gradient vs the dense oracle on the GPU; bitwise determinism.
+  prepass: the bf16 rows' pre-pass variant (default: BlockSizes' default)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -67,10 +68,12 @@ def part_check():
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
 
   rows = []
+  pre16 = prepass or kp.BlockSizes().prepass
   for dtype, (B, T, H, K, D), gate, seg, pre in [
       (jnp.float32, (2, 300, 4, 2, 64), True, True, "jnp"),
-      (jnp.bfloat16, (2, 1024, 4, 4, 64), True, False, "split_bf16"),
-      (jnp.bfloat16, (1, 1000, 4, 2, 128), False, True, "split_bf16")]:
+      (jnp.bfloat16, (2, 1024, 4, 4, 64), True, False, pre16),
+      (jnp.bfloat16, (1, 1000, 4, 4, 128), False, True, pre16),
+      (jnp.bfloat16, (1, 1000, 4, 2, 128), False, True, pre16)]:
     q, k, v, w, beta, g, do = _inputs(B, T, H, D, dtype=dtype)
     k, v, w, beta = k[:, :, :K], v[:, :, :K], w[:, :, :K], beta[:, :, :K]
     g = g if gate else None
@@ -83,7 +86,9 @@ def part_check():
     n = 6 if gate else 5
     loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
                                        argnums=tuple(range(n))))
-    row = dict(dtype=jnp.dtype(dtype).name, shape=(B, T, H, K, D), gate=gate, seg=seg, prepass=pre)
+    from kernels_pallas.path_attention.prepass_kernel import usable_variant
+    used = usable_variant(pre, backend=jax.default_backend(), dtype=dtype)
+    row = dict(dtype=jnp.dtype(dtype).name, shape=(B, T, H, K, D), gate=gate, seg=seg, prepass=used)
     try:  # one failing configuration (e.g. a compile error) does not hide the others
       o, orf = jax.jit(f)(*args), jax.jit(r)(*args)
       g1, g2 = loss(f)(*args), loss(r)(*args)
@@ -193,10 +198,11 @@ def main():
   p.add_argument("--part", choices=["check", "jax", "fla"], required=True)
   p.add_argument("--cases", default="0,1,2,3,4")
   p.add_argument("--variants", default="cudnn,path,path_fox")
+  p.add_argument("--prepass", default=None, help="check: the bf16 rows' pre-pass variant")
   a = p.parse_args()
   cases = [int(c) for c in a.cases.split(",") if c]
   if a.part == "check":
-    rows = part_check()
+    rows = part_check(a.prepass)
   elif a.part == "jax":
     rows = part_jax(cases, a.variants.split(","))
   else:

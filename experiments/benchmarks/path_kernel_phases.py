@@ -1,10 +1,11 @@
 """Where the PaTH kernel's time goes, on one GPU: each phase jitted and timed alone.
 
-  python experiments/benchmarks/path_kernel_phases.py --cases 0,3
+  python experiments/benchmarks/path_kernel_phases.py --cases 0,3 --prepass split_bf16,one_bwd_bf16
 
 Phases: the pre-pass (forward), the forward kernel, the dk/dv kernel, the dq/dP kernel, the
 pre-pass VJP (recompute + pullback), and the whole fwd+bwd for comparison. bf16, no gate,
-median ms; one JSON line per case and a table last.
+median ms; one JSON line per (case, pre-pass variant) and a table last. --kv-heads K < H runs
+grouped-query heads.
 """
 from __future__ import annotations
 
@@ -18,17 +19,37 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from experiments.benchmarks.path_kernel import CASES, OUT, _inputs, _median_ms  # noqa: E402
 
 
-def case_phases(ci, backend="gpu"):
+PHASES = ("prepass", "fwd_kernel", "dkv_kernel", "dq_kernel", "prepass_vjp", "fwd_bwd")
+
+
+def _block_sizes(spec):
+  """"dq_pairs=0,bwd_num_warps=8" -> BlockSizes keyword arguments (ints; strings kept)."""
+  kw = {}
+  for item in filter(None, spec.split(",")):
+    key, _, val = item.partition("=")
+    kw[key] = int(val) if val.lstrip("-").isdigit() else val
+  return kw
+
+
+def case_phases(ci, backend="gpu", variant="split_bf16", kv_heads=None, bs_spec="",
+                phases=PHASES):
+  import functools
   import jax
   import jax.numpy as jnp
-  from kernels_pallas.path_attention import api, calls, prepass
+  from kernels_pallas.path_attention import api, calls, prepass, prepass_kernel
   B, T, H, D = CASES[ci]
+  K = kv_heads or H
   q, k, v, w, beta, _, do = _inputs(B, T, H, D)
-  bs = calls.BlockSizes()
+  k, v, w, beta = k[:, :, :K], v[:, :, :K], w[:, :, :K], beta[:, :, :K]
+  bs = calls.BlockSizes(prepass=variant, **_block_sizes(bs_spec))
   cfg = api._Config(scale=D ** -0.5, T=T, backend=backend, block_sizes=bs)
   kw = dict(scale=cfg.scale, precision=None, backend=backend, bs=bs)
   args = (q, k, v, w, beta, None)
-  prep = jax.jit(lambda *a: api._prepare(cfg, *a, None))
+  transport = prepass.transport_jnp if variant == "jnp" else functools.partial(
+      prepass_kernel.transport_pallas, backend=backend, variant=variant)
+  prepare = lambda *a: prepass.prepare(*a, None, scale=cfg.scale, C=bs.block_q, dtype=q.dtype,
+                                       transport=transport)
+  prep = jax.jit(prepare)
   ops = prep(*args)
   fwd = jax.jit(lambda ops: calls.forward(ops, **kw))
   o, lse = fwd(ops)
@@ -40,19 +61,20 @@ def case_phases(ci, backend="gpu"):
   ct = ops  # any cotangent of the right structure times the pullback
 
   def vjp(a, ct):
-    _, pull = jax.vjp(lambda *x: api._prepare(cfg, *x, None), *a)
+    _, pull = jax.vjp(prepare, *a)
     return pull(ct)
 
   pull = jax.jit(vjp)
-  whole = jax.jit(jax.grad(lambda *a: jnp.sum(api.path_attention(*a, backend=backend).astype(jnp.float32) * do),
-                           argnums=(0, 1, 2, 3, 4)))
-  row = dict(case=ci, B=B, T=T, H=H, D=D)
-  row["prepass"] = _median_ms(prep, *args)
-  row["fwd_kernel"] = _median_ms(fwd, ops)
-  row["dkv_kernel"] = _median_ms(dkv, ops, do_b, lse, delta)
-  row["dq_kernel"] = _median_ms(dq, ops, do_b, lse, delta)
-  row["prepass_vjp"] = _median_ms(pull, args, ct)
-  row["fwd_bwd"] = _median_ms(whole, *args[:5], n=5)
+  whole = jax.jit(jax.grad(lambda *a: jnp.sum(api.path_attention(
+      *a, backend=backend, block_sizes=bs).astype(jnp.float32) * do), argnums=(0, 1, 2, 3, 4)))
+  row = dict(case=ci, B=B, T=T, H=H, K=K, D=D, variant=variant, bs=bs_spec)
+  timed = dict(prepass=lambda: _median_ms(prep, *args), fwd_kernel=lambda: _median_ms(fwd, ops),
+               dkv_kernel=lambda: _median_ms(dkv, ops, do_b, lse, delta),
+               dq_kernel=lambda: _median_ms(dq, ops, do_b, lse, delta),
+               prepass_vjp=lambda: _median_ms(pull, args, ct),
+               fwd_bwd=lambda: _median_ms(whole, *args[:5], n=5))
+  for name in phases:
+    row[name] = timed[name]()
   row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
   print(json.dumps(row), flush=True)
   return row
@@ -62,11 +84,25 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--cases", default="0,3")
   p.add_argument("--backend", default="gpu", help="interpret: a CPU smoke run of the script")
+  p.add_argument("--prepass", default="split_bf16", help="comma-separated pre-pass variants")
+  p.add_argument("--kv-heads", type=int, default=None, help="K < H: grouped-query heads")
+  p.add_argument("--bs", action="append", default=None,
+                 help="BlockSizes overrides, e.g. dq_pairs=0,bwd_num_warps=8; repeat to compare")
+  p.add_argument("--phases", default=",".join(PHASES), help="which phases to time")
   a = p.parse_args()
-  rows = [case_phases(int(c), a.backend) for c in a.cases.split(",") if c]
+  rows = []
+  for c in a.cases.split(","):
+    for variant in a.prepass.split(","):
+      for spec in a.bs or [""]:
+        try:  # a configuration that does not build (e.g. shared memory) is reported, not fatal
+          rows.append(case_phases(int(c), a.backend, variant, a.kv_heads, spec,
+                                  a.phases.split(",")))
+        except Exception as e:
+          print(json.dumps(dict(case=int(c), prepass=variant, bs=spec, error=type(e).__name__
+                                + ": " + str(e).splitlines()[0][:300])), flush=True)
   with open(os.path.join(OUT, "path_kernel_phases.json"), "w") as f:
     json.dump(rows, f, indent=1)
-  keys = [k for k in rows[0] if k not in ("B", "T", "H", "D")]
+  keys = [k for k in rows[0] if k not in ("B", "T", "H", "K", "D")] if rows else []
   print("| " + " | ".join(keys) + " |")
   for r in rows:
     print("| " + " | ".join(str(r[k]) for k in keys) + " |")

@@ -16,6 +16,13 @@ dq_kernel, one program per (batch, kv head, lane), sequential over (group head, 
   follows outside: dL/dE = -G, through the pre-pass's VJP). The sum over c of state-adjoint pairs at m is what
   prevents a parallel form without per-query-chunk copies; every accumulation has one fixed
   order: deterministic, no atomics.
+  With transport, query chunks go in pairs (c, c + 1): the state of c + 1 at m < c is
+  (q^_{c+1} P_c) M_cm, so both state chains walk m = c-1 .. 0 in one loop (slots 0, 1 of the
+  states buffer), and the key sweep carries two adjoints: per key chunk m one load of k_m, v_m,
+  E_m and one dP_m read-modify-write (s1^T R1 + s2^T R2) serve both chunks, which halves the
+  D x D read-modify-writes and the key-side loads, and the two chains are independent products
+  (latency hiding). The pair (c + 1, m = c), state q^_{c+1}, ends the pair. With n odd the last
+  chunk runs alone; lanes take pairs round robin, the odd chunk on lane 0.
 """
 from __future__ import annotations
 
@@ -112,9 +119,9 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision):
       r["dfk"][g] = dfk[g]
 
 
-def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1):
+def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs=True):
   """In: as dkv_kernel. Out: dq [G, n, C, D], (ddiag [G, n, C, C], dP [n, D, D] of this lane,
-  states [n, C, D] scratch), (dfq [G, n, C, 1]); dP and dfq float32, the rest kernel dtype."""
+  states [n, 1 + pairs, C, D] scratch), (dfq [G, n, C, 1]); dP and dfq float32, the rest kernel dtype."""
   r = _unpack(refs, _in_spec(transport, gate, segments)
               + [("dq", True), ("ddiag", transport), ("dp", transport), ("st", transport),
                  ("dfq", gate)])
@@ -129,60 +136,122 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1):
 
     lax.fori_loop(0, n, zero, 0)
 
-  def query_chunk(g, c):
-    q, do, lse, delta = r["q"][g, c], r["do"][g, c], r["lse"][g, c], r["delta"][g, c]
-    fq = None if not gate else r["fq"][g, c]
-    sq = None if not segments else r["sq"][c]
+  def load_query(g, c):
+    return dict(q=r["q"][g, c], do=r["do"][g, c], lse=r["lse"][g, c], delta=r["delta"][g, c],
+                fq=None if not gate else r["fq"][g, c], sq=None if not segments else r["sq"][c])
 
-    def softmax_grad(s, m, causal):
-      gate_, ok = tile_mask(C, causal=causal, fq=fq, fk=None if not gate else r["fk"][g, m],
-                            sq=sq, sk=None if not segments else r["sk"][m])
-      p = jnp.exp(logits(s, gate_, ok) - lse)
-      return p * (dot(do, r["v"][m], tb=True, precision=precision) - delta)
+  def load_key(g, m, with_e=transport):  # loaded once per key chunk, shared by a pair's chains
+    return dict(k=r["k"][m], v=r["v"][m], e=r["e"][m] if with_e else None,
+                fk=None if not gate else r["fk"][g, m], sk=None if not segments else r["sk"][m])
 
+  def softmax_grad(qc, kc, s, causal):
+    gate_, ok = tile_mask(C, causal=causal, fq=qc["fq"], fk=kc["fk"], sq=qc["sq"], sk=kc["sk"])
+    p = jnp.exp(logits(s, gate_, ok) - qc["lse"])
+    return p * (dot(qc["do"], kc["v"], tb=True, precision=precision) - qc["delta"])
+
+  def diagonal(g, c, qc, kc):
+    """-> initial adjoint (the diagonal's dq with FoX; with transport its dS goes to ddiag), dfq."""
     if transport:
-      ds = softmax_grad(r["diag"][g, c], c, True)
+      ds = softmax_grad(qc, kc, r["diag"][g, c], True)
       r["ddiag"][g, c] = ds.astype(r["ddiag"].dtype)
-      dq = jnp.zeros((C, D), f32)
-
-      def store_state(i, qt):  # the state used against key chunk m, for m = c-1 .. 0
-        m = c - 1 - i
-        r["st"][m] = qt.astype(dt)
-        return qt - dot(qt.astype(dt), r["e"][m], precision=precision)
-
-      lax.fori_loop(0, c, store_state, q.astype(f32))
+      adj = jnp.zeros((C, D), f32)
     else:
-      ds = softmax_grad(scale * dot(q, r["k"][c], tb=True, precision=precision), c, True)
-      dq = scale * dot(ds.astype(dt), r["k"][c], precision=precision)
-    dfq = jnp.sum(ds, axis=1, keepdims=True)
+      ds = softmax_grad(qc, kc, scale * dot(qc["q"], kc["k"], tb=True, precision=precision), True)
+      adj = scale * dot(ds.astype(dt), kc["k"], precision=precision)
+    return adj, jnp.sum(ds, axis=1, keepdims=True)
 
-    def key_chunk(m, carry):
-      adj, dfq = carry  # adj: adjoint of the state after crossing chunk m (zero at m = 0)
-      qt = r["st"][m] if transport else q
-      kt = r["k"][m]
-      ds = softmax_grad(scale * dot(qt, kt, tb=True, precision=precision), m, False)
-      dfq = dfq + jnp.sum(ds, axis=1, keepdims=True)
-      gk = scale * dot(ds.astype(dt), kt, precision=precision)
-      if not transport:
-        return adj + gk, dfq
-      adjc = adj.astype(dt)
-      r["dp"][m] += dot(qt, adjc, ta=True, precision=precision)     # dL/dP_m += s_m^T R
-      return gk + adj - dot(adjc, r["e"][m], tb=True, precision=precision), dfq  # + R P_m^T
+  def step(qc, kc, qt, adj, dfq):
+    """One pair (query chunk, key chunk m < c) of one chain: state qt (kernel dtype), adj = R,
+    the adjoint of the state after crossing chunk m -> (R P_m^T + scale dS k^_m, dfq, s_m^T R)."""
+    ds = softmax_grad(qc, kc, scale * dot(qt, kc["k"], tb=True, precision=precision), False)
+    dfq = dfq + jnp.sum(ds, axis=1, keepdims=True)
+    gk = scale * dot(ds.astype(dt), kc["k"], precision=precision)
+    if not transport:
+      return adj + gk, dfq, None
+    adjc = adj.astype(dt)
+    return (gk + adj - dot(adjc, kc["e"], tb=True, precision=precision), dfq,
+            dot(qt, adjc, ta=True, precision=precision))
 
-    dq, dfq = lax.fori_loop(0, c, key_chunk, (dq, dfq))
-    r["dq"][g, c] = dq.astype(r["dq"].dtype)
+  def move(qt, e):  # q~ <- q~ P_m = q~ - q~ E_m (float32 state)
+    return qt - dot(qt.astype(dt), e, precision=precision)
+
+  def finish(g, c, adj, dfq):
+    r["dq"][g, c] = adj.astype(r["dq"].dtype)
     if gate:
       r["dfq"][g, c] = dfq
 
-  # Lane l takes query chunks l, l + lanes, ...; static trip count (Triton), the tail skips.
+  def query_chunk(g, c):
+    """One query chunk alone (FoX; with transport the odd last chunk): state slot 0."""
+    qc = load_query(g, c)
+    adj, dfq = diagonal(g, c, qc, load_key(g, c, with_e=False))
+    if transport:
+      def store_state(i, qt):  # the state used against key chunk m, for m = c-1 .. 0
+        m = c - 1 - i
+        r["st"][m, 0] = qt.astype(dt)
+        return move(qt, r["e"][m])
+
+      lax.fori_loop(0, c, store_state, qc["q"].astype(f32))
+
+    def key_chunk(m, carry):
+      adj, dfq = carry
+      adj, dfq, dp = step(qc, load_key(g, m), r["st"][m, 0] if transport else qc["q"], adj, dfq)
+      if transport:
+        r["dp"][m] += dp
+      return adj, dfq
+
+    finish(g, c, *lax.fori_loop(0, c, key_chunk, (adj, dfq)))
+
+  def query_pair(g, c):
+    """Query chunks c, c + 1 together (transport): two independent chains per step, one load of
+    k_m, v_m, E_m and one dP_m read-modify-write per key chunk m < c; then (c + 1, m = c)."""
+    q1, q2 = load_query(g, c), load_query(g, c + 1)
+    kc = load_key(g, c)
+    adj1, dfq1 = diagonal(g, c, q1, kc)
+    adj2, dfq2 = diagonal(g, c + 1, q2, load_key(g, c + 1, with_e=False))
+
+    def store_states(i, carry):  # states against key chunk m = c-1 .. 0 of both chunks
+      m = c - 1 - i
+      qt1, qt2 = carry
+      r["st"][m, 0] = qt1.astype(dt)
+      r["st"][m, 1] = qt2.astype(dt)
+      e = r["e"][m]
+      return move(qt1, e), move(qt2, e)
+
+    lax.fori_loop(0, c, store_states, (q1["q"].astype(f32), move(q2["q"].astype(f32), kc["e"])))
+
+    def key_chunk(m, carry):
+      adj1, dfq1, adj2, dfq2 = carry
+      km = load_key(g, m)
+      adj1, dfq1, dp1 = step(q1, km, r["st"][m, 0], adj1, dfq1)
+      adj2, dfq2, dp2 = step(q2, km, r["st"][m, 1], adj2, dfq2)
+      r["dp"][m] += dp1 + dp2
+      return adj1, dfq1, adj2, dfq2
+
+    adj1, dfq1, adj2, dfq2 = lax.fori_loop(0, c, key_chunk, (adj1, dfq1, adj2, dfq2))
+    adj2, dfq2, dp2 = step(q2, kc, q2["q"], adj2, dfq2)  # chunk c + 1 against key chunk c
+    r["dp"][c] += dp2
+    finish(g, c, adj1, dfq1)
+    finish(g, c + 1, adj2, dfq2)
+
+  # Lane l takes units l, l + lanes, ... (a unit: a query pair with transport, else a chunk);
+  # static trip count (Triton), the tail skips. With transport and n odd, the last chunk runs
+  # alone on lane 0.
   lane = pl.program_id(2) if lanes > 1 else 0
+  pairs = pairs and transport
+  units = n // 2 if pairs else n
   for g in range(G):
-    def lane_chunk(i, carry, g=g):
-      c = lane + i * lanes
+    def lane_unit(i, carry, g=g):
+      u = lane + i * lanes
+      run = (lambda: query_pair(g, 2 * u)) if pairs else (lambda: query_chunk(g, u))
       if lanes == 1:
-        query_chunk(g, c)
+        run()
       else:
-        pl.when(c < n)(lambda: query_chunk(g, c))
+        pl.when(u < units)(run)
       return carry
 
-    lax.fori_loop(0, -(-n // lanes), lane_chunk, 0)
+    lax.fori_loop(0, -(-units // lanes), lane_unit, 0)
+    if pairs and n % 2:
+      if lanes == 1:
+        query_chunk(g, n - 1)
+      else:
+        pl.when(lane == 0)(lambda g=g: query_chunk(g, n - 1))

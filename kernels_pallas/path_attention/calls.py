@@ -29,6 +29,9 @@ class BlockSizes:
   bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
                                  # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
   prepass: str = "split_bf16"    # prepass_kernel.VARIANTS, or "jnp" (batched jnp, no kernel)
+  dq_pairs: bool | None = None   # dq/dP kernel: two query chunks per sweep (bwd_kernels.py);
+                                 # None: for head_dim >= 128 (H200: -5% / -16% time there,
+                                 # +21% at head_dim 64)
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -229,9 +232,12 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   f = _flags(ops)
-  L = max(1, min(bs.bwd_lanes or 1, n))
-  if L > 1 and backend != "gpu":
-    raise ValueError(f"bwd_lanes={L} needs the GPU backend (TPU output blocks are written whole)")
+  pairs = (D >= 128 if bs.dq_pairs is None else bs.dq_pairs) and f["transport"]
+  units = n // 2 if pairs else n  # per head: query-chunk pairs or chunks
+  L = max(1, min(bs.bwd_lanes or 1, units))
+  if L > 1 and backend not in ("gpu", "interpret"):
+    raise ValueError(f"bwd_lanes={L} needs the GPU backend or the interpreter (TPU output "
+                     "blocks are written whole)")
   f32 = jnp.float32
   gdt = ops.q.dtype
   args, specs, grp = _bwd_inputs(ops, do, lse, delta, lambda b, kh, l: (b, kh))
@@ -242,13 +248,14 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
     names += ["diag", "dp", "states"]
     out_shape += [jax.ShapeDtypeStruct((B, H, n, C, C), gdt),
                   jax.ShapeDtypeStruct((B, K * L, n, D, D), f32),
-                  jax.ShapeDtypeStruct((B, K * L, n, C, D), ops.q.dtype)]
+                  jax.ShapeDtypeStruct((B, K * L, n, 1 + pairs, C, D), ops.q.dtype)]
   if f["gate"]:
     names.append("fq")
     out_shape.append(jax.ShapeDtypeStruct((B, H, n, C, 1), f32))
   out_specs = [lane(s) if s.shape[1] == K * L and n_ in ("dp", "states") else grp(s)
                for n_, s in zip(names, out_shape)]
-  kernel = functools.partial(bwd_kernels.dq_kernel, scale=scale, precision=precision, lanes=L, **f)
+  kernel = functools.partial(bwd_kernels.dq_kernel, scale=scale, precision=precision, lanes=L,
+                             pairs=pairs, **f)
   outs = _call(kernel, (B, K, L), specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
   more = dict(zip(names, outs))
   more.pop("states", None)

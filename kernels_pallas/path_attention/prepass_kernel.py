@@ -9,11 +9,18 @@ intermediates set the peak memory. Per chunk it is a handful of C x C and C x D 
 on chip: the kernel reads q, k, w, beta once and writes q^, k^, E, diag once.
 
 The operands' chunk math (chunk_operands) is a pure function of 2-D values built from
-dot_general, iota masks and elementwise ops only, so its backward kernel is jax.vjp of it, traced
-inside the kernel body (recompute, then pull back; nothing but the inputs is saved). The UT inverse
-(I + A)^{-1}, A = strictLower(diag(beta) W W^T) nilpotent, is the product of squarings
-prod_i (I + (-A)^(2^i)), i < log2 C: matmuls only (no triangular solve inside a kernel); its
-VJP is written in closed form (chunk_inverse_vjp), not traced through the squarings.
+dot_general, iota masks and elementwise ops only; its VJP (chunk_operands_vjp) is written out by
+hand (recompute U, WK, Z from the inputs, then pull back; nothing but the inputs is saved). It
+replaced jax.vjp traced inside the kernel, whose transposed TF32 products and many live float32
+tiles made the pre-pass VJP the largest phase (21.3 -> 8.4 ms at 32,2048,32,64 on the H200).
+The UT inverse (I + A)^{-1}, A = strictLower(diag(beta) W W^T) nilpotent, is the product of
+squarings prod_i (I + (-A)^(2^i)), i < log2 C: matmuls only (no triangular solve inside a
+kernel); its VJP is written in closed form (chunk_inverse_vjp).
+
+Kernel split, measured on the H200: forward = inverse kernel + operands kernel, backward =
+inverse (recomputed) + operands-VJP kernel + inverse-VJP kernel. One kernel per direction with
+Y kept on chip was slower (VJP 13.2 vs 8.4 ms at 32,2048,32,64; 8.5 vs 5.0 ms at 8,4096,16,128:
+register pressure) for a forward within +-10%.
 
 Precision: float32 operands use Precision.HIGHEST (exact float32 products); lower-precision
 inputs use the default (TF32 on the GPU, ~1e-3 relative per product), which is finer than the
@@ -34,10 +41,8 @@ from kernels_pallas.path_attention.kernels import dot
 
 
 def _mm(precision, odt):
-  """Matmul with float32 accumulation; odt=bf16: bf16 operands (tensor-core inputs). Forward
-  kernels only: under jax.vjp a bf16 product's transpose would meet a float32 cotangent, and the
-  Triton lowering wants one operand dtype, so the backward kernels differentiate the float32 form
-  (default precision: TF32 on the GPU)."""
+  """Matmul with float32 accumulation; odt=bf16: both operands cast to bf16 (tensor-core inputs;
+  the Triton lowering wants one operand dtype). The inverse and its VJP never take bf16."""
   if odt is None:
     return functools.partial(dot, precision=precision)
   return lambda a, b, ta=False, tb=False: dot(a.astype(odt), b.astype(odt), ta=ta, tb=tb)
@@ -85,13 +90,52 @@ def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision, odt=None):
   x = y * beta_r                                                # X = (I + A)^{-1} diag(beta)
   e = mm(w, mm(x, w), ta=True)                                  # E = W^T U, U = X W
   wk = jnp.where(strict, mm(w, k, tb=True), 0.0)                # w_r . k_j, r > j
-  khat = k - mm(mm(x, wk), w, ta=True)
+  khat = k - mm(mm(x, wk), w, ta=True)                          # K - Z^T W, Z = X WK
   qhats, diags = [], []
   for q in qs:
-    gm = mm(jnp.where(lower, mm(q, w, tb=True), 0.0), x)       # lower(Q W^T) X
+    gm = mm(jnp.where(lower, mm(q, w, tb=True), 0.0), x)       # GM = lower(Q W^T) X
     qhats.append(q - mm(gm, w))
     diags.append(scale * (mm(q, k, tb=True) - mm(gm, wk)))
   return tuple(qhats), khat, e, tuple(diags)
+
+
+def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision, odt=None):
+  """The VJP of chunk_operands, written out (recompute U, WK, Z, then pull back):
+  cts = (tuple of dq^, dk^, dE, tuple of d diag) -> (tuple of dq, dk, dw, dy, dbeta_r).
+
+  Written by hand rather than traced with jax.vjp: ~13 + 12 G products with few live tiles,
+  and every product can take bf16 operands (odt), which jax.vjp's transposes of a bf16 product
+  cannot (they meet float32 cotangents)."""
+  dqhs, dkh, de, dds = cts
+  C = w.shape[0]
+  mm = _mm(precision, odt)
+  strict, lower, _ = _masks(C)
+  x = y * beta_r
+  u = mm(x, w)
+  wk = jnp.where(strict, mm(w, k, tb=True), 0.0)
+  z = mm(x, wk)
+  du = mm(w, de)                                                # E = W^T U
+  dz = -mm(w, dkh, tb=True)                                     # k^ = K - Z^T W
+  dw = mm(u, de, tb=True) + mm(x, du, ta=True) - mm(z, dkh)
+  dx = mm(du, w, tb=True) + mm(dz, wk, tb=True)
+  dwk = mm(x, dz, ta=True)
+  dk = dkh
+  dqs = []
+  for q, dqh, dd in zip(qs, dqhs, dds):
+    lq = jnp.where(lower, mm(q, w, tb=True), 0.0)
+    gm = mm(lq, x)
+    ds = scale * dd
+    dgm = -(mm(dqh, w, tb=True) + mm(ds, wk, tb=True))         # q^ = Q - GM W, diag = .. - GM WK
+    dl = jnp.where(lower, mm(dgm, x, tb=True), 0.0)            # GM = L X
+    dx = dx + mm(lq, dgm, ta=True)
+    dw = dw + mm(dl, q, ta=True) - mm(gm, dqh, ta=True)
+    dwk = dwk - mm(gm, ds, ta=True)
+    dk = dk + mm(ds, q, ta=True)
+    dqs.append(dqh + mm(ds, k) + mm(dl, w))
+  dwk = jnp.where(strict, dwk, 0.0)                             # WK = strictLower(W K^T)
+  dw = dw + mm(dwk, k)
+  dk = dk + mm(dwk, w, ta=True)
+  return tuple(dqs), dk, dw, dx * beta_r, jnp.sum(dx * y, axis=0, keepdims=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +181,9 @@ def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref
 
 def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
                     dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref, *, cfg):
-  fn = functools.partial(chunk_operands, scale=cfg.scale, precision=cfg.precision)
-  _, pull = jax.vjp(fn, _heads(q_ref), *_f32(k_ref, w_ref, y_ref, br_ref))
-  dqs, dk, dw, dy, dbr = pull(_cts(dqh_ref, dkh_ref, de_ref, dd_ref))
+  dqs, dk, dw, dy, dbr = chunk_operands_vjp(
+      _heads(q_ref), *_f32(k_ref, w_ref, y_ref, br_ref), _cts(dqh_ref, dkh_ref, de_ref, dd_ref),
+      scale=cfg.scale, precision=cfg.precision, odt=cfg.odt)
   for g in range(len(dqs)):
     dq_ref[g] = dqs[g].astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -216,15 +260,15 @@ def _transport_bwd(cfg, res, cts):
   q, k, w, bc, br = _inputs(qb, kb, wb, bb)
   sd = jax.ShapeDtypeStruct
   f32 = jnp.float32
-  ct_specs = [grp(C, D), one(C, D), one(D, D), grp(C, C)]
-  grads = [sd(qb.shape, qb.dtype), sd(kb.shape, kb.dtype)]
   y = _inverse(cfg, w, bc)  # recomputed: cheaper than keeping [C, C] float32 per chunk
-  out_shape = grads + [sd(wb.shape, f32), sd((B, K, n, C, C), f32), sd((B, K, n, 1, C), f32)]
+  in_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C),
+              grp(C, D), one(C, D), one(D, D), grp(C, C)]   # inputs, then cotangents
+  out_shape = [sd(qb.shape, qb.dtype), sd(kb.shape, kb.dtype), sd(wb.shape, f32),
+               sd((B, K, n, C, C), f32), sd((B, K, n, 1, C), f32)]
   out_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)]
   kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
-  dq, dk, dw1, dy, dbr = _call(cfg, kernel, (B, K, n),
-                               [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)] + ct_specs,
-                               out_specs, out_shape)(q, k, w, y, br, *cts)
+  dq, dk, dw1, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
+      q, k, w, y, br, *cts)
   kernel = functools.partial(_inv_bwd_kernel, cfg=cfg)
   dw2, dbc = _call(cfg, kernel, (B, K, n), [one(C, D), one(C, 1), one(C, C), one(C, C)],
                    [one(C, D), one(C, 1)], [sd(wb.shape, f32), sd((B, K, n, C, 1), f32)])(
@@ -240,15 +284,15 @@ _transport.defvjp(_transport_fwd, _transport_bwd)
 VARIANTS = ("split", "split_bf16")
 
 
-def usable_variant(requested: str, *, backend: str, dtype, grouped: bool) -> str:
+def usable_variant(requested: str, *, backend: str, dtype) -> str:
   """The pre-pass to run: `requested`, or "jnp" where the Pallas one is known not to build.
 
   Measured on the H200 (2026-11-21): float32 inputs ask for exact float32 products, whose Triton
-  FMA form did not compile within minutes; with grouped-query heads (G = 2, D = 128) the per-head
-  loop overflows shared memory (256 of 227 KiB). Both take the batched jnp pre-pass on the GPU
-  until the head loop becomes a grid axis (NOTES_kernel.md).
+  FMA form did not compile within minutes, so they take the batched jnp pre-pass on the GPU.
+  (Grouped-query heads, G = 2 at D = 128, overflowed shared memory while the backward was jax.vjp
+  traced in the kernel; the hand-written VJP builds and runs there.)
   """
-  if backend == "gpu" and (jnp.dtype(dtype) == jnp.float32 or grouped):
+  if backend == "gpu" and jnp.dtype(dtype) == jnp.float32:
     return "jnp"
   return requested
 

@@ -37,10 +37,11 @@ class PathKernelBase:
   D: int = 16
   tol = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
-  def _check(self, key, *, H, K, dtype, gate, segments, fox=False, determinism=False):
-    B, T, D = 2, self.T, self.D
+  def _check(self, key, *, H, K, dtype, gate, segments, fox=False, determinism=False, T=None,
+             block_sizes=None):
+    B, T, D = 2, T or self.T, self.D
     q, k, v, w, beta, lf, seg, do = _inputs(key, B, T, H, K, D, dtype, gate=gate, segments=segments)
-    bs = kp.BlockSizes(block_q=self.block, block_k=self.block)
+    bs = block_sizes or kp.BlockSizes(block_q=self.block, block_k=self.block)
     scale = D ** -0.5
     if fox:
       args = (q, k, v, lf)
@@ -85,6 +86,18 @@ class PathKernelBase:
 class TestInterpret(PathKernelBase):
   backend = "interpret"
 
+  @pytest.mark.parametrize("pairs", [True, False])
+  def test_path_even_chunks_lanes_f32(self, key, pairs):
+    """n = 4 (with pairs: query-chunk pairs only, no odd tail) split over 2 backward lanes."""
+    self._check(key, H=2, K=1, dtype=jnp.float32, gate=True, segments=False, T=64,
+                block_sizes=kp.BlockSizes(block_q=16, block_k=16, bwd_lanes=2, dq_pairs=pairs))
+
+  def test_path_pairs_odd_tail_f32(self, key):
+    """n = 3: one query-chunk pair and the odd last chunk alone (pairs are off by default at
+    this head_dim)."""
+    self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True,
+                block_sizes=kp.BlockSizes(block_q=16, block_k=16, dq_pairs=True))
+
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 class TestGPU(PathKernelBase):
@@ -92,6 +105,30 @@ class TestGPU(PathKernelBase):
   block = 64
   T = 300
   D = 64
+
+
+def test_chunk_operands_vjp_matches_autodiff(key):
+  """The hand-written VJP of one chunk's operands against jax.vjp of the forward function."""
+  import functools
+  from kernels_pallas.path_attention import prepass_kernel as pk
+  C, D, G = 16, 8, 2
+  ks = jax.random.split(key, 6)
+  qs = tuple(jax.random.normal(k_, (C, D)) for k_ in ks[:G])
+  k = jax.random.normal(ks[2], (C, D))
+  w = jax.random.normal(ks[3], (C, D))
+  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+  beta_r = 2 * jax.random.uniform(ks[4], (1, C))
+  hi = jax.lax.Precision.HIGHEST
+  y = pk.chunk_inverse(w, beta_r.T, precision=hi)
+  fn = functools.partial(pk.chunk_operands, scale=0.3, precision=hi)
+  out, pull = jax.vjp(fn, qs, k, w, y, beta_r)
+  leaves, tree = jax.tree.flatten(out)
+  cts = jax.tree.unflatten(tree, [jax.random.normal(k_, x.shape)
+                                  for k_, x in zip(jax.random.split(ks[5], len(leaves)), leaves)])
+  got = pk.chunk_operands_vjp(qs, k, w, y, beta_r, cts, scale=0.3, precision=hi)
+  for name, a, b in zip(("dq0", "dq1", "dk", "dw", "dy", "dbeta"), jax.tree.leaves(got),
+                        jax.tree.leaves(pull(cts))):
+    assert_rel_rms(a, b, 1e-5, name)
 
 
 @pytest.mark.parametrize("variant", ["split", "split_bf16"])
@@ -119,7 +156,7 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant):
   g_fast = pull_fast(cts)
   # float32 inputs: float32 products throughout. bf16 inputs: bf16 operands in the "_bf16"
   # variants and bf16 gradients of q, k.
-  exact = dtype == jnp.float32 or variant == "split"
+  exact = dtype == jnp.float32 or not variant.endswith("_bf16")
   for name, a, b in zip(("q^", "k^", "E", "diag"), o_fast, o_ref):
     assert_rel_rms(a, b, 1e-5 if exact else 1e-2, name)
   tol = 1e-5 if dtype == jnp.float32 else 1e-2
@@ -172,17 +209,17 @@ def test_lowers_for_tpu(gate):
       assert "tpu_custom_call" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("prepass", ["split", "split_bf16"])
-def test_lowers_for_gpu(prepass):
+@pytest.mark.parametrize("prepass,pairs", [("split", True), ("split_bf16", None)])
+def test_lowers_for_gpu(prepass, pairs):
   """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
   built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""
-  B, T, H, K, D = 1, 200, 4, 2, 64
+  B, T, H, K, D = 1, 300, 4, 2, 64   # n = 5: query-chunk pairs and the odd tail
   sd = jax.ShapeDtypeStruct
   args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
           sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32),
           sd((B, T, H), jnp.float32)]
   seg = sd((B, T), jnp.int32)
-  bs = kp.BlockSizes(prepass=prepass)
+  bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs)
   f = lambda *a: kp.path_attention(*a[:-1], segment_ids=a[-1], backend="gpu", block_sizes=bs)
   g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
   for fn in (f, g):
