@@ -269,10 +269,12 @@ def test_thin_compression_matches_expm(key):
     return expm(n.astype(theta.dtype) * (E @ Tm @ J @ Tm.T @ E.T)) @ x
 
   assert_rel_rms(fast(e, t, theta, x), in_float64(oracle, e, t, theta, x), 1e-5, "forward")
+  # Gradients: the identity checked with both sides in float64. In float32 the gradient through
+  # two expm's (Pade + squaring) at rotation angles n theta up to ~70 rad carries ~1e-5 rounding
+  # (seed 781404662: 1.2e-5 on dt), which is float32 conditioning, not the identity under test.
   loss = lambda f: (lambda *p: jnp.sum(jnp.cos(f(*p))))
-  assert_trees_rel_rms(jax.jit(jax.grad(loss(fast), argnums=(0, 1, 2, 3)))(e, t, theta, x),
-                       in_float64(jax.grad(loss(oracle), argnums=(0, 1, 2, 3)), e, t, theta, x),
-                       1e-5, "grads")
+  grads = lambda f: in_float64(jax.grad(loss(f), argnums=(0, 1, 2, 3)), e, t, theta, x)
+  assert_trees_rel_rms(grads(fast), grads(oracle), 1e-10, "grads")
   # The generator is skew and genuinely couples channels beyond canonical pairs.
   L = grape_m.thin_generator(e, t, theta)
   np.testing.assert_allclose(L, -L.T, atol=1e-6)

@@ -17,10 +17,13 @@ The UT inverse (I + A)^{-1}, A = strictLower(diag(beta) W W^T) nilpotent, is the
 squarings prod_i (I + (-A)^(2^i)), i < log2 C: matmuls only (no triangular solve inside a
 kernel); its VJP is written in closed form (chunk_inverse_vjp).
 
-Kernel split, measured on the H200: forward = inverse kernel + operands kernel, backward =
-inverse (recomputed) + operands-VJP kernel + inverse-VJP kernel. One kernel per direction with
-Y kept on chip was slower (VJP 13.2 vs 8.4 ms at 32,2048,32,64; 8.5 vs 5.0 ms at 8,4096,16,128:
-register pressure) for a forward within +-10%.
+Kernel split, measured on the H200 (B,T,H,D = 32,2048,32,64 / 8,4096,16,128): "split" variants:
+forward = inverse kernel + operands kernel, backward = inverse (recomputed) + operands-VJP
+kernel + inverse-VJP kernel. "fold_bf16" runs the inverse inside the operands kernel and the
+inverse VJP inside the operands-VJP kernel, so Y, dY and a partial dW never reach HBM: peak
+memory of the whole step 6.02 -> 5.53 GiB at the first shape (2.95 both at the second) for
++6.4% / +3.8% time (VJP 8.5 -> 10.3 ms: register pressure). Recomputing Y inside the backward
+kernel as well was slower still (VJP 13.2 ms).
 
 Precision: float32 operands use Precision.HIGHEST (exact float32 products); lower-precision
 inputs use the default (TF32 on the GPU, ~1e-3 relative per product), which is finer than the
@@ -145,6 +148,8 @@ class _Cfg:
   backend: str
   precision: object
   odt: object = None    # operand dtype of the non-inverse products (None: float32)
+  fold: bool = False    # forward: inverse inside the operands kernel; backward: inverse VJP
+                        # inside the operands-VJP kernel (no Y, dY, partial dW in HBM)
 
 
 def _f32(*refs):
@@ -170,8 +175,12 @@ def _inv_bwd_kernel(w_ref, bc_ref, y_ref, dy_ref, dw_ref, dbc_ref, *, cfg):
 
 
 def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref, *, cfg):
-  qh, kh, e, d = chunk_operands(_heads(q_ref), *_f32(k_ref, w_ref, y_ref, br_ref),
-                                scale=cfg.scale, precision=cfg.precision, odt=cfg.odt)
+  """y_ref: Y from _inv_kernel, or (fold) beta as a column and Y computed here."""
+  k, w, y, br = _f32(k_ref, w_ref, y_ref, br_ref)
+  if cfg.fold:
+    y = chunk_inverse(w, y, precision=cfg.precision)
+  qh, kh, e, d = chunk_operands(_heads(q_ref), k, w, y, br, scale=cfg.scale,
+                                precision=cfg.precision, odt=cfg.odt)
   for g in range(len(qh)):
     qh_ref[g] = qh[g].astype(qh_ref.dtype)
     d_ref[g] = d[g]
@@ -179,15 +188,20 @@ def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref
   e_ref[...] = e.astype(e_ref.dtype)
 
 
-def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
+def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
                     dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref, *, cfg):
+  """fold: dy_ref receives dbeta as a column (the inverse VJP runs here); else dY."""
+  k, w, y = _f32(k_ref, w_ref, y_ref)
   dqs, dk, dw, dy, dbr = chunk_operands_vjp(
-      _heads(q_ref), *_f32(k_ref, w_ref, y_ref, br_ref), _cts(dqh_ref, dkh_ref, de_ref, dd_ref),
+      _heads(q_ref), k, w, y, *_f32(br_ref), _cts(dqh_ref, dkh_ref, de_ref, dd_ref),
       scale=cfg.scale, precision=cfg.precision, odt=cfg.odt)
+  if cfg.fold:
+    dw2, dy = chunk_inverse_vjp(w, *_f32(bc_ref), y, dy, precision=cfg.precision)
+    dw = dw + dw2
   for g in range(len(dqs)):
     dq_ref[g] = dqs[g].astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
-  dw_ref[...] = dw
+  dw_ref[...] = dw.astype(dw_ref.dtype)
   dy_ref[...] = dy
   dbr_ref[...] = dbr
 
@@ -237,9 +251,9 @@ def _fwd(cfg, qb, kb, wb, bb):
   grp, one = _specs(qb, kb)
   q, k, w, bc, br = _inputs(qb, kb, wb, bb)
   out_shape, out_specs = _outs(qb, kb, cfg)
-  y = _inverse(cfg, w, bc)
+  y = bc if cfg.fold else _inverse(cfg, w, bc)
   kernel = functools.partial(_ops_kernel, cfg=cfg)
-  in_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)]
+  in_specs = [grp(C, D), one(C, D), one(C, D), one(*y.shape[-2:]), one(1, C)]
   return tuple(_call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(q, k, w, y, br))
 
 
@@ -261,19 +275,24 @@ def _transport_bwd(cfg, res, cts):
   sd = jax.ShapeDtypeStruct
   f32 = jnp.float32
   y = _inverse(cfg, w, bc)  # recomputed: cheaper than keeping [C, C] float32 per chunk
-  in_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C),
+  in_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C), one(C, 1),
               grp(C, D), one(C, D), one(D, D), grp(C, C)]   # inputs, then cotangents
-  out_shape = [sd(qb.shape, qb.dtype), sd(kb.shape, kb.dtype), sd(wb.shape, f32),
-               sd((B, K, n, C, C), f32), sd((B, K, n, 1, C), f32)]
-  out_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C)]
+  dy_shape = (B, K, n, C, 1) if cfg.fold else (B, K, n, C, C)   # fold: dbeta as a column
+  out_shape = [sd(qb.shape, qb.dtype), sd(kb.shape, kb.dtype),
+               sd(wb.shape, wb.dtype if cfg.fold else f32), sd(dy_shape, f32),
+               sd((B, K, n, 1, C), f32)]
+  out_specs = [grp(C, D), one(C, D), one(C, D), one(*dy_shape[-2:]), one(1, C)]
   kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
-  dq, dk, dw1, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
-      q, k, w, y, br, *cts)
-  kernel = functools.partial(_inv_bwd_kernel, cfg=cfg)
-  dw2, dbc = _call(cfg, kernel, (B, K, n), [one(C, D), one(C, 1), one(C, C), one(C, C)],
-                   [one(C, D), one(C, 1)], [sd(wb.shape, f32), sd((B, K, n, C, 1), f32)])(
-                       w, bc, y, dy)
-  dw = (dw1 + dw2).astype(wb.dtype)
+  dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
+      q, k, w, y, br, bc, *cts)
+  if cfg.fold:
+    dbc = dy
+  else:
+    kernel = functools.partial(_inv_bwd_kernel, cfg=cfg)
+    dw2, dbc = _call(cfg, kernel, (B, K, n), [one(C, D), one(C, 1), one(C, C), one(C, C)],
+                     [one(C, D), one(C, 1)], [sd(wb.shape, f32), sd((B, K, n, C, 1), f32)])(
+                         w, bc, y, dy)
+    dw = (dw + dw2).astype(wb.dtype)
   dbeta = (dbc[..., 0] + dbr[..., 0, :]).astype(bb.dtype)
   return dq, dk, dw, dbeta
 
@@ -281,7 +300,7 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
-VARIANTS = ("split", "split_bf16")
+VARIANTS = ("split", "split_bf16", "fold_bf16")
 
 
 def usable_variant(requested: str, *, backend: str, dtype) -> str:
@@ -301,11 +320,9 @@ def transport_pallas(qb, kb, wb, bb, *, scale: float, dtype, backend: str, preci
                      variant: str = "split_bf16"):
   """Drop-in for prepass.transport_jnp (same shapes and dtypes) as Pallas kernels on `backend`.
 
-  precision None: HIGHEST for float32 q, else the backend's default (TF32 on the GPU). The
-  inverse has kernels of its own (its VJP in closed form); variant "split_bf16" gives the other
-  forward products bf16 operands (float32 q keeps float32), "split" TF32. (One fused kernel each
-  way, backward = jax.vjp through the squarings, overflowed shared memory on the H200: 288 KiB
-  at D = 64; NOTES_kernel.md round 3.)
+  precision None: HIGHEST for float32 q, else the backend's default (TF32 on the GPU). Variants
+  (module docstring): "split_bf16" (default: fastest) gives the non-inverse products bf16
+  operands (float32 q keeps float32), "split" TF32; "fold_bf16" trades ~5% time for less memory.
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
@@ -314,5 +331,5 @@ def transport_pallas(qb, kb, wb, bb, *, scale: float, dtype, backend: str, preci
     precision = lax.Precision.HIGHEST
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
-             odt=odt)
+             odt=odt, fold=variant.startswith("fold"))
   return _transport(cfg, qb, kb, wb, bb)

@@ -131,7 +131,7 @@ def test_chunk_operands_vjp_matches_autodiff(key):
     assert_rel_rms(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize("variant", ["split", "split_bf16"])
+@pytest.mark.parametrize("variant", ["split", "split_bf16", "fold_bf16"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_prepass_kernel_matches_jnp(key, dtype, variant):
   """The Pallas pre-pass (forward and its in-kernel VJP) against the batched jnp pre-pass."""
@@ -209,7 +209,8 @@ def test_lowers_for_tpu(gate):
       assert "tpu_custom_call" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("prepass,pairs", [("split", True), ("split_bf16", None)])
+@pytest.mark.parametrize("prepass,pairs", [("split", True), ("split_bf16", None),
+                                           ("fold_bf16", None)])
 def test_lowers_for_gpu(prepass, pairs):
   """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
   built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""
