@@ -102,12 +102,15 @@ def ut_transform(w_c, beta_c):
   return jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True)
 
 
-def transport_jnp(qb, kb, wb, bb, *, scale: float, dtype):
+def transport_jnp(q, k, w, bb, *, scale: float, dtype):
   """The transport operands in batched jnp (float32 inside): the oracle of prepass_kernel.py.
 
-  qb [B, H, n, C, D]; kb, wb [B, K, n, C, D]; bb [B, K, n, C] -> q^, k^ (dtype), E [B, K, n, D, D]
-  (dtype), diag [B, H, n, C, C] float32 scaled in-chunk logits.
+  q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C] -> q^ [B,
+  H, n, C, D], k^ [B, K, n, C, D] (dtype), E [B, K, n, D, D] (dtype), diag [B, H, n, C, C]
+  float32 scaled in-chunk logits.
   """
+  C = bb.shape[-1]
+  qb, kb, wb = (blocked(x, C) for x in (q, k, w))
   B, H, n, C, D = qb.shape
   K = kb.shape[1]
   f32 = jnp.float32
@@ -131,23 +134,22 @@ def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype,
 
   q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K]; log_forget [B, T, H]; seg [B, T] int.
   Padding uses beta = 0 (identity transport), a zero gate and segment id -1 (its own segment).
-  `transport` builds (q^, k^, E, diag) from the blocked q, k, w, beta: transport_jnp here, or
-  the Pallas pre-pass (prepass_kernel.transport_pallas).
+  `transport` builds (q^, k^, E, diag) from the padded time-major q, k, w and the blocked beta:
+  transport_jnp here, or the Pallas pre-pass (prepass_kernel.transport_pallas).
   """
   B, T, H, D = q.shape
   Tp = -(-T // C) * C
   n = Tp // C
   f32 = jnp.float32
-  qb = blocked(pad_time(q, Tp), C)   # [B, H, n, C, D]
-  kb = blocked(pad_time(k, Tp), C)   # [B, K, n, C, D]
-  vb = blocked(pad_time(v, Tp), C).astype(dtype)
+  vb = blocked(pad_time(v, Tp), C).astype(dtype)   # [B, K, n, C, D]
   ops = dict(v=vb, e=None, diag=None, fq=None, fk=None, sq=None, sk=None)
   if w is None:
-    ops.update(q=qb.astype(dtype), k=kb.astype(dtype))
+    ops.update(q=blocked(pad_time(q, Tp), C).astype(dtype),
+               k=blocked(pad_time(k, Tp), C).astype(dtype))
   else:
-    wb = blocked(pad_time(w, Tp), C)
     bb = jnp.moveaxis(pad_time(beta, Tp).reshape(B, n, C, -1), 3, 1)  # [B, K, n, C]
-    qhat, khat, e, diag = transport(qb, kb, wb, bb, scale=scale, dtype=dtype)
+    qhat, khat, e, diag = transport(pad_time(q, Tp), pad_time(k, Tp), pad_time(w, Tp), bb,
+                                    scale=scale, dtype=dtype)
     ops.update(q=qhat, k=khat, e=e, diag=diag)
   if log_forget is not None:
     segp = None if seg is None else pad_time(seg, Tp, -1)

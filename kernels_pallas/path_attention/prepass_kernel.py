@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import calls
+from kernels_pallas.path_attention import prepass
 from kernels_pallas.path_attention.kernels import dot
 
 
@@ -150,6 +151,7 @@ class _Cfg:
   odt: object = None    # operand dtype of the non-inverse products (None: float32)
   fold: bool = False    # forward: inverse inside the operands kernel; backward: inverse VJP
                         # inside the operands-VJP kernel (no Y, dY, partial dW in HBM)
+  time_major: bool = False  # q, k, w (and dq, dk, dw) as [B, Tp, heads, D], read in place
 
 
 def _f32(*refs):
@@ -158,6 +160,20 @@ def _f32(*refs):
 
 def _heads(ref):
   return tuple(ref[g].astype(jnp.float32) for g in range(ref.shape[0]))
+
+
+def _q_heads(ref, cfg):
+  """The G query heads of this kv head: ref [G, C, D] (blocked) or [C, G, D] (time-major)."""
+  if not cfg.time_major:
+    return _heads(ref)
+  return tuple(ref[:, g, :].astype(jnp.float32) for g in range(ref.shape[1]))
+
+
+def _put_q(ref, g, x, cfg):
+  if cfg.time_major:
+    ref[:, g, :] = x.astype(ref.dtype)
+  else:
+    ref[g] = x.astype(ref.dtype)
 
 
 def _cts(dqh_ref, dkh_ref, de_ref, dd_ref):
@@ -179,7 +195,7 @@ def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref
   k, w, y, br = _f32(k_ref, w_ref, y_ref, br_ref)
   if cfg.fold:
     y = chunk_inverse(w, y, precision=cfg.precision)
-  qh, kh, e, d = chunk_operands(_heads(q_ref), k, w, y, br, scale=cfg.scale,
+  qh, kh, e, d = chunk_operands(_q_heads(q_ref, cfg), k, w, y, br, scale=cfg.scale,
                                 precision=cfg.precision, odt=cfg.odt)
   for g in range(len(qh)):
     qh_ref[g] = qh[g].astype(qh_ref.dtype)
@@ -193,25 +209,35 @@ def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref
   """fold: dy_ref receives dbeta as a column (the inverse VJP runs here); else dY."""
   k, w, y = _f32(k_ref, w_ref, y_ref)
   dqs, dk, dw, dy, dbr = chunk_operands_vjp(
-      _heads(q_ref), k, w, y, *_f32(br_ref), _cts(dqh_ref, dkh_ref, de_ref, dd_ref),
+      _q_heads(q_ref, cfg), k, w, y, *_f32(br_ref), _cts(dqh_ref, dkh_ref, de_ref, dd_ref),
       scale=cfg.scale, precision=cfg.precision, odt=cfg.odt)
   if cfg.fold:
     dw2, dy = chunk_inverse_vjp(w, *_f32(bc_ref), y, dy, precision=cfg.precision)
     dw = dw + dw2
   for g in range(len(dqs)):
-    dq_ref[g] = dqs[g].astype(dq_ref.dtype)
+    _put_q(dq_ref, g, dqs[g], cfg)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dw_ref[...] = dw.astype(dw_ref.dtype)
   dy_ref[...] = dy
   dbr_ref[...] = dbr
 
 
-def _specs(qb, kb):
-  """BlockSpecs of the grid (B, K, n): query blocks hold the G heads of kv head kh."""
-  G = qb.shape[1] // kb.shape[1]
+def _specs(G):
+  """BlockSpecs of the grid (B, K, n) for blocked [B, heads, n, ...] arrays: `grp` blocks hold
+  the G query heads of kv head kh, `one` blocks one kv head."""
   grp = lambda *tail: pl.BlockSpec((None, G, None) + tail, lambda b, kh, c: (b, kh, c, 0, 0))
   one = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, kh, c: (b, kh, c, 0, 0))
   return grp, one
+
+
+def _input_specs(cfg, G, C, D):
+  """Specs of q (G heads) and of k, w (one head): blocked, or time-major [B, Tp, heads, D]
+  read in place (chunk c of heads kh*G .. kh*G + G - 1)."""
+  if not cfg.time_major:
+    grp, one = _specs(G)
+    return grp(C, D), one(C, D)
+  return (pl.BlockSpec((None, C, G, D), lambda b, kh, c: (b, c, kh, 0)),
+          pl.BlockSpec((None, C, None, D), lambda b, kh, c: (b, c, kh, 0)))
 
 
 def _call(cfg, kernel, grid, in_specs, out_specs, out_shape):
@@ -223,65 +249,65 @@ def _call(cfg, kernel, grid, in_specs, out_specs, out_shape):
                         out_shape=out_shape, interpret=calls._interpret(cfg.backend), **kwargs)
 
 
-def _inputs(qb, kb, wb, bb):
-  bc, br = bb[..., None], bb[..., None, :]   # beta as a column [.., C, 1] and a row [.., 1, C]
-  return qb, kb, wb, bc, br
+def _dims(q, bb):
+  """(B, H, K, n, C, D, G) from q (blocked or time-major) and the blocked beta [B, K, n, C]."""
+  B, K, n, C = bb.shape
+  H = q.shape[1] if q.ndim == 5 else q.shape[2]
+  return B, H, K, n, C, q.shape[-1], H // K
 
 
-def _outs(qb, kb, cfg):
-  B, H, n, C, D = qb.shape
-  K = kb.shape[1]
-  grp, one = _specs(qb, kb)
+def _outs(cfg, B, H, K, n, C, D):
+  grp, one = _specs(H // K)
   sd = jax.ShapeDtypeStruct
   shapes = [sd((B, H, n, C, D), cfg.dtype), sd((B, K, n, C, D), cfg.dtype),
             sd((B, K, n, D, D), cfg.dtype), sd((B, H, n, C, C), jnp.float32)]
   return shapes, [grp(C, D), one(C, D), one(D, D), grp(C, C)]
 
 
-def _inverse(cfg, wb, bc):
-  B, K, n, C, _ = wb.shape
-  _, one = _specs(wb, wb)
-  return _call(cfg, functools.partial(_inv_kernel, cfg=cfg), (B, K, n), [one(C, wb.shape[-1]),
-               one(C, 1)], one(C, C), jax.ShapeDtypeStruct((B, K, n, C, C), jnp.float32))(wb, bc)
+def _inverse(cfg, w, bc, spec_w):
+  B, K, n, C, _ = bc.shape
+  _, one = _specs(1)
+  return _call(cfg, functools.partial(_inv_kernel, cfg=cfg), (B, K, n), [spec_w, one(C, 1)],
+               one(C, C), jax.ShapeDtypeStruct((B, K, n, C, C), jnp.float32))(w, bc)
 
 
-def _fwd(cfg, qb, kb, wb, bb):
-  B, H, n, C, D = qb.shape
-  K = kb.shape[1]
-  grp, one = _specs(qb, kb)
-  q, k, w, bc, br = _inputs(qb, kb, wb, bb)
-  out_shape, out_specs = _outs(qb, kb, cfg)
-  y = bc if cfg.fold else _inverse(cfg, w, bc)
+def _fwd(cfg, q, k, w, bb):
+  B, H, K, n, C, D, G = _dims(q, bb)
+  _, one = _specs(G)
+  spec_q, spec_1 = _input_specs(cfg, G, C, D)
+  bc, br = bb[..., None], bb[..., None, :]   # beta as a column [.., C, 1] and a row [.., 1, C]
+  out_shape, out_specs = _outs(cfg, B, H, K, n, C, D)
+  y = bc if cfg.fold else _inverse(cfg, w, bc, spec_1)
   kernel = functools.partial(_ops_kernel, cfg=cfg)
-  in_specs = [grp(C, D), one(C, D), one(C, D), one(*y.shape[-2:]), one(1, C)]
+  in_specs = [spec_q, spec_1, spec_1, one(*y.shape[-2:]), one(1, C)]
   return tuple(_call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(q, k, w, y, br))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _transport(cfg, qb, kb, wb, bb):
-  return _fwd(cfg, qb, kb, wb, bb)
+def _transport(cfg, q, k, w, bb):
+  return _fwd(cfg, q, k, w, bb)
 
 
-def _transport_fwd(cfg, qb, kb, wb, bb):
-  return _fwd(cfg, qb, kb, wb, bb), (qb, kb, wb, bb)
+def _transport_fwd(cfg, q, k, w, bb):
+  return _fwd(cfg, q, k, w, bb), (q, k, w, bb)
 
 
 def _transport_bwd(cfg, res, cts):
-  qb, kb, wb, bb = res
-  B, H, n, C, D = qb.shape
-  K = kb.shape[1]
-  grp, one = _specs(qb, kb)
-  q, k, w, bc, br = _inputs(qb, kb, wb, bb)
+  q, k, w, bb = res
+  B, H, K, n, C, D, G = _dims(q, bb)
+  grp, one = _specs(G)
+  spec_q, spec_1 = _input_specs(cfg, G, C, D)
+  bc, br = bb[..., None], bb[..., None, :]
   sd = jax.ShapeDtypeStruct
   f32 = jnp.float32
-  y = _inverse(cfg, w, bc)  # recomputed: cheaper than keeping [C, C] float32 per chunk
-  in_specs = [grp(C, D), one(C, D), one(C, D), one(C, C), one(1, C), one(C, 1),
+  y = _inverse(cfg, w, bc, spec_1)  # recomputed: cheaper than keeping [C, C] float32 per chunk
+  in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), one(C, 1),
               grp(C, D), one(C, D), one(D, D), grp(C, C)]   # inputs, then cotangents
   dy_shape = (B, K, n, C, 1) if cfg.fold else (B, K, n, C, C)   # fold: dbeta as a column
-  out_shape = [sd(qb.shape, qb.dtype), sd(kb.shape, kb.dtype),
-               sd(wb.shape, wb.dtype if cfg.fold else f32), sd(dy_shape, f32),
+  out_shape = [sd(q.shape, q.dtype), sd(k.shape, k.dtype),
+               sd(w.shape, w.dtype if cfg.fold else f32), sd(dy_shape, f32),
                sd((B, K, n, 1, C), f32)]
-  out_specs = [grp(C, D), one(C, D), one(C, D), one(*dy_shape[-2:]), one(1, C)]
+  out_specs = [spec_q, spec_1, spec_1, one(*dy_shape[-2:]), one(1, C)]
   kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
   dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
       q, k, w, y, br, bc, *cts)
@@ -289,10 +315,10 @@ def _transport_bwd(cfg, res, cts):
     dbc = dy
   else:
     kernel = functools.partial(_inv_bwd_kernel, cfg=cfg)
-    dw2, dbc = _call(cfg, kernel, (B, K, n), [one(C, D), one(C, 1), one(C, C), one(C, C)],
-                     [one(C, D), one(C, 1)], [sd(wb.shape, f32), sd((B, K, n, C, 1), f32)])(
+    dw2, dbc = _call(cfg, kernel, (B, K, n), [spec_1, one(C, 1), one(C, C), one(C, C)],
+                     [spec_1, one(C, 1)], [sd(w.shape, f32), sd((B, K, n, C, 1), f32)])(
                          w, bc, y, dy)
-    dw = (dw + dw2).astype(wb.dtype)
+    dw = (dw + dw2).astype(w.dtype)
   dbeta = (dbc[..., 0] + dbr[..., 0, :]).astype(bb.dtype)
   return dq, dk, dw, dbeta
 
@@ -316,9 +342,16 @@ def usable_variant(requested: str, *, backend: str, dtype) -> str:
   return requested
 
 
-def transport_pallas(qb, kb, wb, bb, *, scale: float, dtype, backend: str, precision=None,
+def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precision=None,
                      variant: str = "split_bf16"):
-  """Drop-in for prepass.transport_jnp (same shapes and dtypes) as Pallas kernels on `backend`.
+  """Drop-in for prepass.transport_jnp (same arguments, shapes and dtypes) as Pallas kernels on
+  `backend`: q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C].
+
+  On the GPU (and the generic interpreter) the kernels read q, k, w and write their gradients in
+  that layout through BlockSpecs, so no blocked copies exist (they were the pre-pass VJP's
+  residuals: 4 [B, T, H, D]-sized arrays alive through the whole backward). Mosaic (TPU) wants
+  whole (8, 128) tiles in a block's last two dims, which a one-head slice of [.., heads, D] is
+  not: there the inputs are blocked first.
 
   precision None: HIGHEST for float32 q, else the backend's default (TF32 on the GPU). Variants
   (module docstring): "split_bf16" (default: fastest) gives the non-inverse products bf16
@@ -326,10 +359,14 @@ def transport_pallas(qb, kb, wb, bb, *, scale: float, dtype, backend: str, preci
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
-  f32_inputs = jnp.dtype(qb.dtype) == jnp.float32
+  f32_inputs = jnp.dtype(q.dtype) == jnp.float32
   if precision is None and f32_inputs:
     precision = lax.Precision.HIGHEST
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
+  time_major = backend in ("gpu", "interpret")
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
-             odt=odt, fold=variant.startswith("fold"))
-  return _transport(cfg, qb, kb, wb, bb)
+             odt=odt, fold=variant.startswith("fold"), time_major=time_major)
+  if not time_major:
+    C = bb.shape[-1]
+    q, k, w = (prepass.blocked(x, C) for x in (q, k, w))
+  return _transport(cfg, q, k, w, bb)

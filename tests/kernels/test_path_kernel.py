@@ -131,22 +131,24 @@ def test_chunk_operands_vjp_matches_autodiff(key):
     assert_rel_rms(a, b, 1e-5, name)
 
 
-@pytest.mark.parametrize("variant", ["split", "split_bf16", "fold_bf16"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_prepass_kernel_matches_jnp(key, dtype, variant):
-  """The Pallas pre-pass (forward and its in-kernel VJP) against the batched jnp pre-pass."""
+@pytest.mark.parametrize("dtype,variant,backend", [
+    (dtype, variant, "interpret") for dtype in (jnp.float32, jnp.bfloat16)
+    for variant in ("split", "split_bf16", "fold_bf16")] + [
+    (jnp.float32, "fold_bf16", "tpu_interpret")])   # TPU: blocked inputs (time-major elsewhere)
+def test_prepass_kernel_matches_jnp(key, dtype, variant, backend):
+  """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass."""
   import functools
   from kernels_pallas.path_attention import prepass, prepass_kernel
   B, H, K, n, C, D = 2, 4, 2, 3, 16, 16
   ks = jax.random.split(key, 8)
-  qb = jax.random.normal(ks[0], (B, H, n, C, D), dtype)
-  kb = jax.random.normal(ks[1], (B, K, n, C, D), dtype)
-  wb = jax.random.normal(ks[2], (B, K, n, C, D), jnp.float32)
+  qb = jax.random.normal(ks[0], (B, n * C, H, D), dtype)
+  kb = jax.random.normal(ks[1], (B, n * C, K, D), dtype)
+  wb = jax.random.normal(ks[2], (B, n * C, K, D), jnp.float32)
   wb = wb / jnp.linalg.norm(wb, axis=-1, keepdims=True)
   bb = 2 * jax.random.uniform(ks[3], (B, K, n, C), jnp.float32)
   ref = functools.partial(prepass.transport_jnp, scale=0.25, dtype=jnp.float32)
   fast = functools.partial(prepass_kernel.transport_pallas, scale=0.25, dtype=jnp.float32,
-                           backend="interpret", variant=variant)
+                           backend=backend, variant=variant)
   outs = jax.eval_shape(ref, qb, kb, wb, bb)
   cts = tuple(jax.random.normal(k_, s.shape) for k_, s in zip(ks[4:], outs))
   with jax.default_matmul_precision("highest"):
