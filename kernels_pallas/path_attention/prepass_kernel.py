@@ -21,8 +21,8 @@ Kernel split, measured on the H200 (B,T,H,D = 32,2048,32,64 / 8,4096,16,128): "s
 forward = inverse kernel + operands kernel, backward = inverse (recomputed) + operands-VJP
 kernel + inverse-VJP kernel. "fold_bf16" runs the inverse inside the operands kernel and the
 inverse VJP inside the operands-VJP kernel, so Y, dY and a partial dW never reach HBM: peak
-memory of the whole step 6.02 -> 5.53 GiB at the first shape (2.95 both at the second) for
-+6.4% / +3.8% time (VJP 8.5 -> 10.3 ms: register pressure). Recomputing Y inside the backward
+memory of the whole step 5.02 -> 4.53 GiB at the first shape (2.45 -> 2.70 at the second) for
++6% / +3% time (VJP 8.5 -> 10.3 ms: register pressure). Recomputing Y inside the backward
 kernel as well was slower still (VJP 13.2 ms).
 
 Precision: float32 operands use Precision.HIGHEST (exact float32 products); lower-precision
@@ -355,7 +355,8 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
 
   precision None: HIGHEST for float32 q, else the backend's default (TF32 on the GPU). Variants
   (module docstring): "split_bf16" (default: fastest) gives the non-inverse products bf16
-  operands (float32 q keeps float32), "split" TF32; "fold_bf16" trades ~5% time for less memory.
+  operands (float32 q keeps float32), "split" TF32; "fold_bf16" trades ~5% time for less memory
+  at head_dim 64.
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
