@@ -50,17 +50,7 @@ def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
   transport = prepass.transport_jnp if variant == "jnp" else functools.partial(
       prepass_kernel.transport_pallas, backend=cfg.backend, variant=variant)
   return prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale,
-                         C=cfg.block_sizes.block_q, dtype=q.dtype, transport=transport,
-                         time_major_v=_time_major(cfg))
-
-
-def _time_major(cfg):
-  """v, o, dO in [B, T, heads, D] (read in place by the GPU kernels); blocked for the TPU."""
-  return cfg.backend in ("gpu", "interpret")
-
-
-def _output(cfg, o):
-  return (o if _time_major(cfg) else prepass.unblocked(o))[:, :cfg.T]
+                         C=cfg.block_sizes.block_q, dtype=q.dtype, transport=transport)
 
 
 def _forward(cfg, q, k, v, w, beta, log_forget, seg):
@@ -70,30 +60,23 @@ def _forward(cfg, q, k, v, w, beta, log_forget, seg):
   return o, lse
 
 
-def _backward_inputs(cfg, o, lse, do, dtype):
-  """dO padded and in o's layout, and Delta = rowsum(o * dO) [B, H, n, C, 1] like lse."""
-  C = cfg.block_sizes.block_q
-  tm = _time_major(cfg)
-  do_b = prepass.pad_time(do, lse.shape[2] * C).astype(dtype)
-  do_b = do_b if tm else prepass.blocked(do_b, C)
-  delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
-  return do_b, (prepass.blocked(delta, C) if tm else delta)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(cfg, q, k, v, w, beta, log_forget, seg):
   o, _ = _forward(cfg, q, k, v, w, beta, log_forget, seg)
-  return _output(cfg, o)
+  return prepass.unblocked(o)[:, :cfg.T]
 
 
 def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
   o, lse = _forward(cfg, q, k, v, w, beta, log_forget, seg)
-  return _output(cfg, o), (q, k, v, w, beta, log_forget, seg, o, lse)
+  return prepass.unblocked(o)[:, :cfg.T], (q, k, v, w, beta, log_forget, seg, o, lse)
 
 
 def _attend_bwd(cfg, res, do):
   q, k, v, w, beta, log_forget, seg, o, lse = res
-  do_b, delta = _backward_inputs(cfg, o, lse, do, q.dtype)
+  C = cfg.block_sizes.block_q
+  n = o.shape[2]
+  do_b = prepass.blocked(prepass.pad_time(do, n * C), C).astype(q.dtype)
+  delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
   # Recompute the pre-pass under jax.vjp (its residuals are only the inputs), run the backward
   # kernels on it, then pull the operand gradients back.
   ops, pullback = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention.kernels import chunk_of, dot, head_chunk_of, logits, tile_mask
+from kernels_pallas.path_attention.kernels import dot, logits, tile_mask
 
 
 def _unpack(refs, spec):
@@ -54,9 +54,8 @@ def _eye(D):
   return jnp.where(i == lax.broadcasted_iota(jnp.int32, (D, D), 1), 1.0, 0.0).astype(jnp.float32)
 
 
-def dkv_kernel(*refs, scale, transport, gate, segments, precision, seq_chunk=None):
-  """In: q, do [G, n, C, D]; k, v [n, C, D] (with seq_chunk = C: v [Tp, D], do [Tp, G, D],
-  time-major); (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
+def dkv_kernel(*refs, scale, transport, gate, segments, precision):
+  """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
   (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C])."""
   r = _unpack(refs, _in_spec(transport, gate, segments)
               + [("dk", True), ("dv", True), ("dfk", gate)])
@@ -64,7 +63,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, seq_chunk=Non
   dt = r["q"].dtype
   f32 = jnp.float32
   m = pl.program_id(2)
-  kh, vm = r["k"][m], chunk_of(r["v"], m, seq_chunk)
+  kh, vm = r["k"][m], r["v"][m]
   fk = [None if not gate else r["fk"][g, m] for g in range(G)]
   sk = None if not segments else r["sk"][m]
 
@@ -78,7 +77,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, seq_chunk=Non
     gate_, ok = tile_mask(C, causal=causal, fq=None if not gate else r["fq"][g, c], fk=fk[g],
                           sq=None if not segments else r["sq"][c], sk=sk)
     p = jnp.exp(logits(s, gate_, ok) - r["lse"][g, c])
-    do = head_chunk_of(r["do"], g, c, seq_chunk)
+    do = r["do"][g, c]
     ds = p * (dot(do, vm, tb=True, precision=precision) - r["delta"][g, c])
     return qc, do, p, ds
 
@@ -120,8 +119,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, seq_chunk=Non
       r["dfk"][g] = dfk[g]
 
 
-def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs=True,
-              seq_chunk=None):
+def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs=True):
   """In: as dkv_kernel. Out: dq [G, n, C, D], (ddiag [G, n, C, C], dP [n, D, D] of this lane,
   states [n, 1 + pairs, C, D] scratch), (dfq [G, n, C, 1]); dP and dfq float32, the rest kernel dtype."""
   r = _unpack(refs, _in_spec(transport, gate, segments)
@@ -139,12 +137,11 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
     lax.fori_loop(0, n, zero, 0)
 
   def load_query(g, c):
-    return dict(q=r["q"][g, c], do=head_chunk_of(r["do"], g, c, seq_chunk), lse=r["lse"][g, c],
-                delta=r["delta"][g, c],
+    return dict(q=r["q"][g, c], do=r["do"][g, c], lse=r["lse"][g, c], delta=r["delta"][g, c],
                 fq=None if not gate else r["fq"][g, c], sq=None if not segments else r["sq"][c])
 
   def load_key(g, m, with_e=transport):  # loaded once per key chunk, shared by a pair's chains
-    return dict(k=r["k"][m], v=chunk_of(r["v"], m, seq_chunk), e=r["e"][m] if with_e else None,
+    return dict(k=r["k"][m], v=r["v"][m], e=r["e"][m] if with_e else None,
                 fk=None if not gate else r["fk"][g, m], sk=None if not segments else r["sk"][m])
 
   def softmax_grad(qc, kc, s, causal):

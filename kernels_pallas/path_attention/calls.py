@@ -98,25 +98,12 @@ def _full(x, head_of):
                       lambda *ids: (ids[0], head_of(*ids)) + (0,) * (nd - 2))
 
 
-def _seq(x, head_of):
-  """Whole-sequence block [Tp, D] (or [Tp, G, D] with G) of a time-major [B, Tp, heads, D]
-  array for one (batch, head); head_of maps program ids to the head (block) index."""
-  return pl.BlockSpec((None, x.shape[1], None, x.shape[3]),
-                      lambda *ids: (ids[0], 0, head_of(*ids), 0))
-
-
-def _time_major(ops: Operands):
-  """v (and so dO, o, dv) time-major [B, Tp, K, D] (GPU, interpreter) or blocked (TPU)."""
-  return ops.v.ndim == 4
-
-
 def _flags(ops: Operands):
   return dict(transport=ops.e is not None, gate=ops.fq is not None, segments=ops.sq is not None)
 
 
 def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
-  """-> o (v's dtype; [B, Tp, H, D] when v is time-major, else [B, H, n, C, D]), lse [B, H, n,
-  C, 1] float32."""
+  """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32."""
   if backend in ("tpu", "tpu_interpret"):
     return _forward_kv(ops, scale=scale, precision=precision, backend=backend, bs=bs)
   B, H, n, C, D = ops.q.shape
@@ -127,9 +114,7 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
     return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, h, c, 0, 0))
 
   kv = lambda x: _full(x, lambda b, h, c: h // G)
-  tm = _time_major(ops)
-  v_spec = _seq(ops.v, lambda b, h, c: h // G) if tm else kv(ops.v)
-  args, specs = [ops.q, ops.k, ops.v], [chunk(ops.q), kv(ops.k), v_spec]
+  args, specs = [ops.q, ops.k, ops.v], [chunk(ops.q), kv(ops.k), kv(ops.v)]
   if f["transport"]:
     args += [ops.e, ops.diag]
     specs += [kv(ops.e), chunk(ops.diag)]
@@ -140,14 +125,10 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
     args += [ops.sq, ops.sk]
     specs += [pl.BlockSpec((None, None, None, C, 1), lambda b, h, c: (b, 0, c, 0, 0)),
               _full(ops.sk, lambda b, h, c: 0)]
-  o_shape = (B, n * C, H, D) if tm else (B, H, n, C, D)
-  out_shape = [jax.ShapeDtypeStruct(o_shape, ops.v.dtype),
+  out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
-  o_spec = (pl.BlockSpec((None, C, None, D), lambda b, h, c: (b, c, h, 0)) if tm
-            else chunk(out_shape[0]))
-  out_specs = [o_spec, chunk(out_shape[1])]
-  kernel = functools.partial(kernels.fwd_kernel, scale=scale, precision=precision,
-                             seq_chunk=C if tm else None, **f)
+  out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
+  kernel = functools.partial(kernels.fwd_kernel, scale=scale, precision=precision, **f)
   return _call(kernel, (B, H, n), specs, out_specs, out_shape, backend, bs, bwd=False)(*args)
 
 
@@ -187,8 +168,7 @@ def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: Blo
 
 def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
              bs: BlockSizes):
-  """do in o's layout. Gradients w.r.t. the operands: dict(q [B,H,..], k, v (v's layout), diag?
-  in the kernel dtype;
+  """Gradients w.r.t. the operands: dict(q [B,H,..], k, v [B,K,..], diag? in the kernel dtype;
   dp [B,K,n,D,D]? (dL/dP per chunk), fq?, fk? float32). Two kernels: dk/dv parallel over key chunks, dq/dP
   sequential per (batch, kv head, lane)."""
   kw = dict(scale=scale, precision=precision, backend=backend, bs=bs)
@@ -205,18 +185,12 @@ def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv):
                                lambda *i: grid_kv(*i) + (0,) * (x.ndim - 2))
   seg = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
                                lambda *i: (grid_kv(*i)[0], 0) + (0,) * (x.ndim - 2))
-  if _time_major(ops):  # v [B, Tp, K, D] one head, dO [B, Tp, H, D] the G heads of a group
-    v_spec = _seq(ops.v, lambda *i: grid_kv(*i)[1])
-    do_spec = pl.BlockSpec((None, do.shape[1], G, do.shape[3]),
-                           lambda *i: (grid_kv(*i)[0], 0, grid_kv(*i)[1], 0))
-  else:
-    v_spec, do_spec = kvh(ops.v), grp(do)
-  args, specs = [ops.q, ops.k, ops.v], [grp(ops.q), kvh(ops.k), v_spec]
+  args, specs = [ops.q, ops.k, ops.v], [grp(ops.q), kvh(ops.k), kvh(ops.v)]
   if f["transport"]:
     args.append(ops.e)
     specs.append(kvh(ops.e))
   args += [do, lse, delta]
-  specs += [do_spec, grp(lse), grp(delta)]
+  specs += [grp(do), grp(lse), grp(delta)]
   if f["gate"]:
     args += [ops.fq, ops.fk]
     specs += [grp(ops.fq), grp(ops.fk)]
@@ -240,17 +214,12 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   args, specs, _ = _bwd_inputs(ops, do, lse, delta, lambda b, kh, m: (b, kh))
   chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda b, kh, m: (b, kh, m, 0, 0))
   gdt = ops.q.dtype  # gradients leave in the kernel dtype (accumulated in float32 on chip)
-  tm = _time_major(ops)
-  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt),
-               jax.ShapeDtypeStruct(ops.v.shape if tm else (B, K, n, C, D), gdt)]
-  dv_spec = (pl.BlockSpec((None, C, None, D), lambda b, kh, m: (b, m, kh, 0)) if tm
-             else chunk(out_shape[1]))
-  out_specs = [chunk(out_shape[0]), dv_spec]
+  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt)] * 2
+  out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
   if f["gate"]:
     out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
     out_specs.append(pl.BlockSpec((None, G, None, 1, C), lambda b, kh, m: (b, kh, m, 0, 0)))
-  kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
-                             seq_chunk=C if tm else None, **f)
+  kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision, **f)
   outs = _call(kernel, (B, K, n), specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
   grads = dict(k=outs[0], v=outs[1])
   if f["gate"]:
@@ -287,7 +256,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   out_specs = [lane(s) if s.shape[1] == K * L and n_ in ("dp", "states") else grp(s)
                for n_, s in zip(names, out_shape)]
   kernel = functools.partial(bwd_kernels.dq_kernel, scale=scale, precision=precision, lanes=L,
-                             pairs=pairs, seq_chunk=C if _time_major(ops) else None, **f)
+                             pairs=pairs, **f)
   outs = _call(kernel, (B, K, L), specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
   more = dict(zip(names, outs))
   more.pop("states", None)

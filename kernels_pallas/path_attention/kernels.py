@@ -31,17 +31,6 @@ def dot(a, b, *, ta=False, tb=False, precision=None):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
 
 
-def chunk_of(ref, m, seq_chunk=None):
-  """Chunk m of a whole-sequence ref: blocked [n, C, D] (seq_chunk None) or time-major [Tp, D]
-  (seq_chunk = C: rows m*C .. m*C + C - 1)."""
-  return ref[m] if seq_chunk is None else ref[pl.ds(m * seq_chunk, seq_chunk), :]
-
-
-def head_chunk_of(ref, g, c, seq_chunk=None):
-  """Chunk c of head g: blocked [G, n, C, D] or time-major [Tp, G, D]."""
-  return ref[g, c] if seq_chunk is None else ref[pl.ds(c * seq_chunk, seq_chunk), g, :]
-
-
 def tile_mask(C, *, causal, fq=None, fk=None, sq=None, sk=None):
   """Additive gate F_i - F_j (fq [C,1], fk [1,C]) and the boolean visibility of a [C, C] tile."""
   gate = None if fq is None else fq - fk
@@ -99,9 +88,9 @@ def _diag(q, kc, vc, d_ref, fq, fk, sq, sk, *, scale, precision):
   return m_i, l_i, dot(p.astype(q.dtype), vc, precision=precision)
 
 
-def fwd_kernel(*refs, scale, transport, gate, segments, precision, seq_chunk=None):
-  """refs: q [C,D], k, v [n,C,D] (v: [Tp,D] time-major with seq_chunk), (e [n,D,D], diag [C,C]),
-  (fq [C,1], fk [n,1,C]), (sq [C,1], sk [n,1,C]) -> o [C,D], lse [C,1]."""
+def fwd_kernel(*refs, scale, transport, gate, segments, precision):
+  """refs: q [C,D], k, v [n,C,D], (e [n,D,D], diag [C,C]), (fq [C,1], fk [n,1,C]),
+  (sq [C,1], sk [n,1,C]) -> o [C,D], lse [C,1]."""
   q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, outs = _unpack_fwd(
       refs, transport, gate, segments)
   o_ref, lse_ref = outs
@@ -113,15 +102,14 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, seq_chunk=Non
   sq = None if sq_ref is None else sq_ref[...]
   fk_of = lambda m: None if fk_ref is None else fk_ref[m]
   sk_of = lambda m: None if sk_ref is None else sk_ref[m]
-  m_i, l_i, acc = _diag(q, k_ref[c], chunk_of(v_ref, c, seq_chunk), d_ref, fq, fk_of(c), sq, sk_of(c), scale=scale,
+  m_i, l_i, acc = _diag(q, k_ref[c], v_ref[c], d_ref, fq, fk_of(c), sq, sk_of(c), scale=scale,
                         precision=precision)
 
   def body(i, carry):
     qt, m_i, l_i, acc = carry
     m = c - 1 - i
     gate_, ok = tile_mask(C, causal=False, fq=fq, fk=fk_of(m), sq=sq, sk=sk_of(m))
-    m_i, l_i, acc = _step(qt, m_i, l_i, acc, k_ref[m], chunk_of(v_ref, m, seq_chunk), gate_, ok,
-                          scale=scale, dt=dt,
+    m_i, l_i, acc = _step(qt, m_i, l_i, acc, k_ref[m], v_ref[m], gate_, ok, scale=scale, dt=dt,
                           precision=precision)
     if transport:
       qt = _move(qt, e_ref[m], dt=dt, precision=precision)

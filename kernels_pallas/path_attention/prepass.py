@@ -129,21 +129,19 @@ def transport_jnp(q, k, w, bb, *, scale: float, dtype):
 
 
 def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype,
-            transport=transport_jnp, time_major_v: bool = False):
+            transport=transport_jnp):
   """Pads T to whole chunks and builds the kernel operands (see the module docstring).
 
   q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K]; log_forget [B, T, H]; seg [B, T] int.
   Padding uses beta = 0 (identity transport), a zero gate and segment id -1 (its own segment).
   `transport` builds (q^, k^, E, diag) from the padded time-major q, k, w and the blocked beta:
   transport_jnp here, or the Pallas pre-pass (prepass_kernel.transport_pallas).
-  time_major_v: v stays [B, Tp, K, D] (the GPU kernels read it in place) instead of blocked.
   """
   B, T, H, D = q.shape
   Tp = -(-T // C) * C
   n = Tp // C
   f32 = jnp.float32
-  vb = pad_time(v, Tp).astype(dtype)
-  vb = vb if time_major_v else blocked(vb, C)   # [B, Tp, K, D] or [B, K, n, C, D]
+  vb = blocked(pad_time(v, Tp), C).astype(dtype)   # [B, K, n, C, D]
   ops = dict(v=vb, e=None, diag=None, fq=None, fk=None, sq=None, sk=None)
   if w is None:
     ops.update(q=blocked(pad_time(q, Tp), C).astype(dtype),
