@@ -86,7 +86,7 @@ def _attend_bwd(cfg, res, do):
   de = None if w is None else (-g["dp"]).astype(ops.e.dtype)
   ct = ops._replace(
       q=g["q"], k=g["k"], v=g["v"], e=de,
-      diag=None if w is None else g["diag"].astype(jnp.float32), fq=g.get("fq"),
+      diag=None if w is None else g["diag"].astype(ops.diag.dtype), fq=g.get("fq"),
       fk=g.get("fk"), sq=None if seg is None else jnp.zeros_like(ops.sq),
       sk=None if seg is None else jnp.zeros_like(ops.sk))
   grads = pullback(ct)

@@ -73,7 +73,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision):
     """p, dS of head g's query chunk c against this key chunk (key tile kt)."""
     qc = r["q"][g, c]
     if causal and transport:
-      s = r["diag"][g, c]
+      s = r["diag"][g, c].astype(jnp.float32)
     else:
       s = scale * dot(qc, kt, tb=True, precision=precision)
     gate_, ok = tile_mask(C, causal=causal, fq=None if not gate else r["fq"][g, c], fk=fk[g],
@@ -154,7 +154,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
   def diagonal(g, c, qc, kc):
     """-> initial adjoint (the diagonal's dq with FoX; with transport its dS goes to ddiag), dfq."""
     if transport:
-      ds = softmax_grad(qc, kc, r["diag"][g, c], True)
+      ds = softmax_grad(qc, kc, r["diag"][g, c].astype(f32), True)
       r["ddiag"][g, c] = ds.astype(r["ddiag"].dtype)
       adj = jnp.zeros((C, D), f32)
     else:

@@ -80,7 +80,8 @@ def _move(qt, et, *, dt, precision):
 def _diag(q, kc, vc, d_ref, fq, fk, sq, sk, *, scale, precision):
   """Diagonal chunk first: every row sees itself, so the running max is finite from here on."""
   C = q.shape[0]
-  s = d_ref[...] if d_ref is not None else scale * dot(q, kc, tb=True, precision=precision)
+  s = (d_ref[...].astype(jnp.float32) if d_ref is not None
+       else scale * dot(q, kc, tb=True, precision=precision))
   s = logits(s, *tile_mask(C, causal=True, fq=fq, fk=fk, sq=sq, sk=sk))
   m_i = jnp.max(s, axis=1, keepdims=True)
   p = jnp.exp(s - m_i)

@@ -35,7 +35,7 @@ class Operands(NamedTuple):
   k: jax.Array            # [B, K, n, C, D] k^ (transport) or k
   v: jax.Array            # [B, K, n, C, D]
   e: jax.Array | None     # [B, K, n, D, D] E = W^T U, P = I - E (transport only)
-  diag: jax.Array | None  # [B, H, n, C, C] float32 scaled in-chunk logits (transport only)
+  diag: jax.Array | None  # [B, H, n, C, C] scaled in-chunk logits, kernel dtype (transport only)
   fq: jax.Array | None    # [B, H, n, C, 1] float32 gate prefix sums, query layout
   fk: jax.Array | None    # [B, H, n, 1, C] the same, key layout
   sq: jax.Array | None    # [B, 1, n, C, 1] int32 segment ids, query layout
@@ -106,8 +106,9 @@ def transport_jnp(q, k, w, bb, *, scale: float, dtype):
   """The transport operands in batched jnp (float32 inside): the oracle of prepass_kernel.py.
 
   q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C] -> q^ [B,
-  H, n, C, D], k^ [B, K, n, C, D] (dtype), E [B, K, n, D, D] (dtype), diag [B, H, n, C, C]
-  float32 scaled in-chunk logits.
+  H, n, C, D], k^ [B, K, n, C, D], E [B, K, n, D, D], diag [B, H, n, C, C] scaled in-chunk
+  logits, all in dtype (bf16 logits: the rounding of a bf16 q . k product; half the memory of
+  float32 logits, which were the largest buffers at the backward's peak).
   """
   C = bb.shape[-1]
   qb, kb, wb = (blocked(x, C) for x in (q, k, w))
@@ -125,7 +126,7 @@ def transport_jnp(q, k, w, bb, *, scale: float, dtype):
   diag = _ein("bkgnid,bknjd->bkgnij", qg, kb) - _mm(gm, wk[:, :, None])
   e = _ein("bkncd,bknce->bknde", wb, u)                             # W^T U  [D, D]
   return (qhat.reshape(B, H, n, C, D).astype(dtype), khat.astype(dtype), e.astype(dtype),
-          (scale * diag).reshape(B, H, n, C, C))
+          (scale * diag).reshape(B, H, n, C, C).astype(dtype))
 
 
 def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype,

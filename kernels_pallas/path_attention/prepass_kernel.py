@@ -199,7 +199,7 @@ def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref
                                 precision=cfg.precision, odt=cfg.odt)
   for g in range(len(qh)):
     qh_ref[g] = qh[g].astype(qh_ref.dtype)
-    d_ref[g] = d[g]
+    d_ref[g] = d[g].astype(d_ref.dtype)
   kh_ref[...] = kh.astype(kh_ref.dtype)
   e_ref[...] = e.astype(e_ref.dtype)
 
@@ -260,7 +260,7 @@ def _outs(cfg, B, H, K, n, C, D):
   grp, one = _specs(H // K)
   sd = jax.ShapeDtypeStruct
   shapes = [sd((B, H, n, C, D), cfg.dtype), sd((B, K, n, C, D), cfg.dtype),
-            sd((B, K, n, D, D), cfg.dtype), sd((B, H, n, C, C), jnp.float32)]
+            sd((B, K, n, D, D), cfg.dtype), sd((B, H, n, C, C), cfg.dtype)]
   return shapes, [grp(C, D), one(C, D), one(D, D), grp(C, C)]
 
 
