@@ -28,7 +28,7 @@ class BlockSizes:
   bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
   bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
                                  # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
-  prepass: str = "split_bf16"    # prepass_kernel.VARIANTS ("fold_bf16": -10% peak memory at
+  prepass: str = "split_bf16"    # prepass_kernel.VARIANTS ("fold_bf16": -6% peak memory at
                                  # head_dim 64, +6% time), or "jnp" (batched jnp, no kernel)
   dq_pairs: bool | None = None   # dq/dP kernel: two query chunks per sweep (bwd_kernels.py);
                                  # None: for head_dim >= 128 (H200: -5% / -16% time there,

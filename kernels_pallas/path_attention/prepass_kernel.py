@@ -21,7 +21,7 @@ Kernel split, measured on the H200 (B,T,H,D = 32,2048,32,64 / 8,4096,16,128): "s
 forward = inverse kernel + operands kernel, backward = inverse (recomputed) + operands-VJP
 kernel + inverse-VJP kernel. "fold_bf16" runs the inverse inside the operands kernel and the
 inverse VJP inside the operands-VJP kernel, so Y, dY and a partial dW never reach HBM: peak
-memory of the whole step 5.02 -> 4.53 GiB at the first shape (2.45 -> 2.70 at the second) for
+memory of the whole step 4.53 -> 4.28 GiB at the first shape (2.38 -> 2.63 at the second) for
 +6% / +3% time (VJP 8.5 -> 10.3 ms: register pressure). Recomputing Y inside the backward
 kernel as well was slower still (VJP 13.2 ms).
 
