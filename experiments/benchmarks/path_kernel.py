@@ -61,6 +61,7 @@ def part_check(prepass=None):
   import jax.numpy as jnp
   import numpy as np
   import kernels_pallas as kp
+  from kernels_pallas.path_attention.prepass_kernel import usable_variant
   from posenc_jax import householder
 
   def rel(a, b):
@@ -86,7 +87,6 @@ def part_check(prepass=None):
     n = 6 if gate else 5
     loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
                                        argnums=tuple(range(n))))
-    from kernels_pallas.path_attention.prepass_kernel import usable_variant
     used = usable_variant(pre, backend=jax.default_backend(), dtype=dtype)
     row = dict(dtype=jnp.dtype(dtype).name, shape=(B, T, H, K, D), gate=gate, seg=seg, prepass=used)
     try:  # one failing configuration (e.g. a compile error) does not hide the others

@@ -140,21 +140,21 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant, backend):
   import functools
   from kernels_pallas.path_attention import prepass, prepass_kernel
   B, H, K, n, C, D = 2, 4, 2, 3, 16, 16
-  ks = jax.random.split(key, 8)
-  qb = jax.random.normal(ks[0], (B, n * C, H, D), dtype)
-  kb = jax.random.normal(ks[1], (B, n * C, K, D), dtype)
-  wb = jax.random.normal(ks[2], (B, n * C, K, D), jnp.float32)
-  wb = wb / jnp.linalg.norm(wb, axis=-1, keepdims=True)
+  ks = jax.random.split(key, 8)   # q, k, w time-major [B, T, heads, D]; beta blocked
+  q = jax.random.normal(ks[0], (B, n * C, H, D), dtype)
+  k = jax.random.normal(ks[1], (B, n * C, K, D), dtype)
+  w = jax.random.normal(ks[2], (B, n * C, K, D), jnp.float32)
+  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
   bb = 2 * jax.random.uniform(ks[3], (B, K, n, C), jnp.float32)
   ref = functools.partial(prepass.transport_jnp, scale=0.25, dtype=jnp.float32)
   fast = functools.partial(prepass_kernel.transport_pallas, scale=0.25, dtype=jnp.float32,
                            backend=backend, variant=variant)
-  outs = jax.eval_shape(ref, qb, kb, wb, bb)
+  outs = jax.eval_shape(ref, q, k, w, bb)
   cts = tuple(jax.random.normal(k_, s.shape) for k_, s in zip(ks[4:], outs))
   with jax.default_matmul_precision("highest"):
-    o_ref, pull_ref = jax.vjp(ref, qb, kb, wb, bb)
+    o_ref, pull_ref = jax.vjp(ref, q, k, w, bb)
     g_ref = pull_ref(cts)
-  o_fast, pull_fast = jax.vjp(fast, qb, kb, wb, bb)
+  o_fast, pull_fast = jax.vjp(fast, q, k, w, bb)
   g_fast = pull_fast(cts)
   # float32 inputs: float32 products throughout. bf16 inputs: bf16 operands in the "_bf16"
   # variants and bf16 gradients of q, k.
