@@ -32,7 +32,7 @@ def _block_sizes(spec):
 
 
 def case_phases(ci, backend="gpu", variant="split_bf16", kv_heads=None, bs_spec="",
-                phases=PHASES):
+                phases=PHASES, reps=10):
   import functools
   import jax
   import jax.numpy as jnp
@@ -68,11 +68,18 @@ def case_phases(ci, backend="gpu", variant="split_bf16", kv_heads=None, bs_spec=
   whole = jax.jit(jax.grad(lambda *a: jnp.sum(api.path_attention(
       *a, backend=backend, block_sizes=bs).astype(jnp.float32) * do), argnums=(0, 1, 2, 3, 4)))
   row = dict(case=ci, B=B, T=T, H=H, K=K, D=D, variant=variant, bs=bs_spec)
-  timed = dict(prepass=lambda: _median_ms(prep, *args), fwd_kernel=lambda: _median_ms(fwd, ops),
-               dkv_kernel=lambda: _median_ms(dkv, ops, do_b, lse, delta),
-               dq_kernel=lambda: _median_ms(dq, ops, do_b, lse, delta),
-               prepass_vjp=lambda: _median_ms(pull, args, ct),
-               fwd_bwd=lambda: _median_ms(whole, *args[:5], n=5))
+
+  def med(f, *a, n=reps):  # reps 0: one call, no timing (for a profiler: one launch per kernel)
+    if not n:
+      jax.block_until_ready(f(*a))
+      return float("nan")
+    return _median_ms(f, *a, n=n)
+
+  timed = dict(prepass=lambda: med(prep, *args), fwd_kernel=lambda: med(fwd, ops),
+               dkv_kernel=lambda: med(dkv, ops, do_b, lse, delta),
+               dq_kernel=lambda: med(dq, ops, do_b, lse, delta),
+               prepass_vjp=lambda: med(pull, args, ct),
+               fwd_bwd=lambda: med(whole, *args[:5], n=min(reps, 5)))
   for name in phases:
     row[name] = timed[name]()
   row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
@@ -89,6 +96,8 @@ def main():
   p.add_argument("--bs", action="append", default=None,
                  help="BlockSizes overrides, e.g. dq_pairs=0,bwd_num_warps=8; repeat to compare")
   p.add_argument("--phases", default=",".join(PHASES), help="which phases to time")
+  p.add_argument("--reps", type=int, default=10,
+                 help="timed calls per phase; 0: one untimed call each (under ncu)")
   a = p.parse_args()
   rows = []
   for c in a.cases.split(","):
@@ -96,7 +105,7 @@ def main():
       for spec in a.bs or [""]:
         try:  # a configuration that does not build (e.g. shared memory) is reported, not fatal
           rows.append(case_phases(int(c), a.backend, variant, a.kv_heads, spec,
-                                  a.phases.split(",")))
+                                  a.phases.split(","), a.reps))
         except Exception as e:
           print(json.dumps(dict(case=int(c), prepass=variant, bs=spec, error=type(e).__name__
                                 + ": " + str(e).splitlines()[0][:300])), flush=True)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention.kernels import dot, logits, tile_mask
+from kernels_pallas.path_attention.kernels import NEG_INF, chunk_id, dot, logits, tile_mask
 
 
 def _unpack(refs, spec):
@@ -56,7 +56,7 @@ def _eye(D):
   return jnp.where(i == lax.broadcasted_iota(jnp.int32, (D, D), 1), 1.0, 0.0).astype(jnp.float32)
 
 
-def dkv_kernel(*refs, scale, transport, gate, segments, precision):
+def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis=2):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
   (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C])."""
   r = _unpack(refs, _in_spec(transport, gate, segments)
@@ -64,7 +64,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision):
   G, n, C, D = r["q"].shape
   dt = r["q"].dtype
   f32 = jnp.float32
-  m = pl.program_id(2)
+  m = chunk_id(n, axis=chunk_axis, reverse=False)  # chunk 0 (the longest walk) first
   kh, vm = r["k"][m], r["v"][m]
   fk = [None if not gate else r["fk"][g, m] for g in range(G)]
   sk = None if not segments else r["sk"][m]
@@ -122,12 +122,16 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision):
 
 
 def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs=True):
-  """In: as dkv_kernel. Out: dq [G, n, C, D], (ddiag [G, n, C, C], dP [n, D, D] of this lane,
-  states [n, 1 + pairs, C, D] scratch), (dfq [G, n, C, 1]); dP and dfq float32, the rest kernel dtype."""
+  """In: as dkv_kernel, except that the query-side operands have their chunks merged into time
+  (q, do [G, n*C, D]; lse, delta, (fq) [G, n*C, 1]; (sq [n*C, 1]); (diag [G, n*C, C])), so that
+  one load reads the rows of one chunk or of two adjacent ones. Out: dq [G, n*C, D],
+  (ddiag [G, n*C, C], dP [n, D, D] of this lane, states [n, R, D] scratch with R = C, 2C with
+  pairs), (dfq [G, n*C, 1]); dP and dfq float32, the rest kernel dtype."""
   r = _unpack(refs, _in_spec(transport, gate, segments)
               + [("dq", True), ("ddiag", transport), ("dp", transport), ("st", transport),
                  ("dfq", gate)])
-  G, n, C, D = r["q"].shape
+  G = r["q"].shape[0]
+  n, C, D = r["k"].shape
   dt = r["q"].dtype
   f32 = jnp.float32
 
@@ -138,11 +142,16 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
 
     lax.fori_loop(0, n, zero, 0)
 
-  def load_query(g, c):
-    return dict(q=r["q"][g, c], do=r["do"][g, c], lse=r["lse"][g, c], delta=r["delta"][g, c],
-                fq=None if not gate else r["fq"][g, c], sq=None if not segments else r["sq"][c])
+  def rows(c, size):  # (a static chunk index, e.g. the odd last chunk, needs no hint)
+    start = c * C
+    return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, C), size)
 
-  def load_key(g, m, with_e=transport):  # loaded once per key chunk, shared by a pair's chains
+  def load_query(g, c, size=C):  # `size` rows from the start of query chunk c
+    t = rows(c, size)
+    return dict(q=r["q"][g, t], do=r["do"][g, t], lse=r["lse"][g, t], delta=r["delta"][g, t],
+                fq=None if not gate else r["fq"][g, t], sq=None if not segments else r["sq"][t])
+
+  def load_key(g, m, with_e=transport):  # loaded once per key chunk, shared by every query row
     return dict(k=r["k"][m], v=r["v"][m], e=r["e"][m] if with_e else None,
                 fk=None if not gate else r["fk"][g, m], sk=None if not segments else r["sk"][m])
 
@@ -154,22 +163,31 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
   def diagonal(g, c, qc, kc):
     """-> initial adjoint (the diagonal's dq with FoX; with transport its dS goes to ddiag), dfq."""
     if transport:
-      ds = softmax_grad(qc, kc, r["diag"][g, c].astype(f32), True)
-      r["ddiag"][g, c] = ds.astype(r["ddiag"].dtype)
+      ds = softmax_grad(qc, kc, r["diag"][g, rows(c, C)].astype(f32), True)
+      r["ddiag"][g, rows(c, C)] = ds.astype(r["ddiag"].dtype)
       adj = jnp.zeros((C, D), f32)
     else:
       ds = softmax_grad(qc, kc, scale * dot(qc["q"], kc["k"], tb=True, precision=precision), True)
       adj = scale * dot(ds.astype(dt), kc["k"], precision=precision)
     return adj, jnp.sum(ds, axis=1, keepdims=True)
 
-  def step(qc, kc, qt, adj, dfq):
-    """One pair (query chunk, key chunk m < c) of one chain: state qt (kernel dtype), adj = R,
-    the adjoint of the state after crossing chunk m -> (R P_m^T + scale dS k^_m, dfq, s_m^T R)."""
-    ds = softmax_grad(qc, kc, scale * dot(qt, kc["k"], tb=True, precision=precision), False)
+  def step(qc, kc, qt, adj, dfq, live=None):
+    """One key chunk m < c for a query tile (one chunk, or two stacked): state qt (kernel dtype),
+    adj = R, the adjoint of the state after crossing chunk m -> (R P_m^T + scale dS k^_m, dfq,
+    s_m^T R). Rows outside `live` ([R, 1] bool) take no part."""
+    s = scale * dot(qt, kc["k"], tb=True, precision=precision)
+    if live is not None:
+      s = jnp.where(live, s, NEG_INF)
+    ds = softmax_grad(qc, kc, s, False)
     dfq = dfq + jnp.sum(ds, axis=1, keepdims=True)
     gk = scale * dot(ds.astype(dt), kc["k"], precision=precision)
     if not transport:
       return adj + gk, dfq, None
+    if live is not None:
+      adj_in = jnp.where(live, adj, 0.0)
+      adjc = adj_in.astype(dt)
+      return (gk + adj - dot(adjc, kc["e"], tb=True, precision=precision), dfq,
+              dot(qt, adjc, ta=True, precision=precision))
     adjc = adj.astype(dt)
     return (gk + adj - dot(adjc, kc["e"], tb=True, precision=precision), dfq,
             dot(qt, adjc, ta=True, precision=precision))
@@ -177,63 +195,70 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
   def move(qt, e):  # q~ <- q~ P_m = q~ - q~ E_m (float32 state)
     return qt - dot(qt.astype(dt), e, precision=precision)
 
-  def finish(g, c, adj, dfq):
-    r["dq"][g, c] = adj.astype(r["dq"].dtype)
+  def finish(g, c, size, adj, dfq, dfq_diag_written):
+    r["dq"][g, rows(c, size)] = adj.astype(r["dq"].dtype)
     if gate:
-      r["dfq"][g, c] = dfq
+      t = rows(c, size)
+      r["dfq"][g, t] = (r["dfq"][g, t] + dfq) if dfq_diag_written else dfq
 
   def query_chunk(g, c):
-    """One query chunk alone (FoX; with transport the odd last chunk): state slot 0."""
+    """One query chunk alone (FoX; with transport the odd last chunk): state rows [0, C)."""
     qc = load_query(g, c)
     adj, dfq = diagonal(g, c, qc, load_key(g, c, with_e=False))
+    state = lambda m: r["st"][m, pl.ds(0, C)]
     if transport:
       def store_state(i, qt):  # the state used against key chunk m, for m = c-1 .. 0
         m = c - 1 - i
-        r["st"][m, 0] = qt.astype(dt)
+        r["st"][m, pl.ds(0, C)] = qt.astype(dt)
         return move(qt, r["e"][m])
 
       lax.fori_loop(0, c, store_state, qc["q"].astype(f32))
 
     def key_chunk(m, carry):
       adj, dfq = carry
-      adj, dfq, dp = step(qc, load_key(g, m), r["st"][m, 0] if transport else qc["q"], adj, dfq)
+      acc = r["dp"][m] if transport else None  # issued first: its latency hides behind the step
+      adj, dfq, dp = step(qc, load_key(g, m), state(m) if transport else qc["q"], adj, dfq)
       if transport:
-        r["dp"][m] += dp
+        r["dp"][m] = acc + dp
       return adj, dfq
 
-    finish(g, c, *lax.fori_loop(0, c, key_chunk, (adj, dfq)))
+    finish(g, c, C, *lax.fori_loop(0, c, key_chunk, (adj, dfq)), False)
 
   def query_pair(g, c):
-    """Query chunks c, c + 1 together (transport): two independent chains per step, one load of
-    k_m, v_m, E_m and one dP_m read-modify-write per key chunk m < c; then (c + 1, m = c)."""
-    q1, q2 = load_query(g, c), load_query(g, c + 1)
+    """Query chunks c, c + 1 as one stacked 2C-row tile (transport): their states at key chunk
+    m < c are q^_c M_cm and (q^_{c+1} P_c) M_cm, so one walk moves both with E_m, and per key
+    chunk one load of k_m, v_m, E_m, one product per term (2C rows) and one dP_m
+    read-modify-write serve both chunks. The diagonals run per chunk; the step of chunk c + 1
+    against key chunk c (state q^_{c+1}) comes last, with the rows of chunk c masked out."""
     kc = load_key(g, c)
-    adj1, dfq1 = diagonal(g, c, q1, kc)
-    adj2, dfq2 = diagonal(g, c + 1, q2, load_key(g, c + 1, with_e=False))
+    for j in range(2):  # diagonals: dS to ddiag, their dfq straight to the output
+      _, dfq = diagonal(g, c + j, load_query(g, c + j), load_key(g, c + j, with_e=False))
+      if gate:
+        r["dfq"][g, rows(c + j, C)] = dfq
+    qp = load_query(g, c, 2 * C)
+    low = lax.broadcasted_iota(jnp.int32, (2 * C, 1), 0) >= C   # rows of chunk c + 1
+    q0 = qp["q"].astype(f32)
+    qt = q0 - jnp.where(low, dot(qp["q"], kc["e"], precision=precision), 0.0)
 
-    def store_states(i, carry):  # states against key chunk m = c-1 .. 0 of both chunks
+    def store_states(i, qt):  # stacked states against key chunk m = c-1 .. 0
       m = c - 1 - i
-      qt1, qt2 = carry
-      r["st"][m, 0] = qt1.astype(dt)
-      r["st"][m, 1] = qt2.astype(dt)
-      e = r["e"][m]
-      return move(qt1, e), move(qt2, e)
+      r["st"][m] = qt.astype(dt)
+      return move(qt, r["e"][m])
 
-    lax.fori_loop(0, c, store_states, (q1["q"].astype(f32), move(q2["q"].astype(f32), kc["e"])))
+    lax.fori_loop(0, c, store_states, qt)
 
     def key_chunk(m, carry):
-      adj1, dfq1, adj2, dfq2 = carry
-      km = load_key(g, m)
-      adj1, dfq1, dp1 = step(q1, km, r["st"][m, 0], adj1, dfq1)
-      adj2, dfq2, dp2 = step(q2, km, r["st"][m, 1], adj2, dfq2)
-      r["dp"][m] += dp1 + dp2
-      return adj1, dfq1, adj2, dfq2
+      adj, dfq = carry
+      acc = r["dp"][m]  # issued first: its latency hides behind the step
+      adj, dfq, dp = step(qp, load_key(g, m), r["st"][m], adj, dfq)
+      r["dp"][m] = acc + dp
+      return adj, dfq
 
-    adj1, dfq1, adj2, dfq2 = lax.fori_loop(0, c, key_chunk, (adj1, dfq1, adj2, dfq2))
-    adj2, dfq2, dp2 = step(q2, kc, q2["q"], adj2, dfq2)  # chunk c + 1 against key chunk c
-    r["dp"][c] += dp2
-    finish(g, c, adj1, dfq1)
-    finish(g, c + 1, adj2, dfq2)
+    init = (jnp.zeros((2 * C, D), f32), jnp.zeros((2 * C, 1), f32))
+    adj, dfq = lax.fori_loop(0, c, key_chunk, init)
+    adj, dfq, dp = step(qp, kc, qp["q"], adj, dfq, live=low)  # chunk c + 1 vs key chunk c
+    r["dp"][c] += dp
+    finish(g, c, 2 * C, adj, dfq, True)
 
   # Lane l takes units l, l + lanes, ... (a unit: a query pair with pairs, else a chunk);
   # static trip count (Triton), the tail skips. With pairs and n odd, the last chunk runs alone

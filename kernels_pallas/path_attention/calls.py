@@ -33,6 +33,7 @@ class BlockSizes:
   dq_pairs: bool | None = None   # dq/dP kernel: two query chunks per sweep (bwd_kernels.py);
                                  # None: for head_dim >= 128 (H200: -5% / -16% time there,
                                  # +21% at head_dim 64)
+  dq_num_warps: int | None = None  # dq/dP kernel's warps; None: bwd_num_warps
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -48,7 +49,7 @@ class BlockSizes:
 
 
 def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, head_dim: int,
-                     kv_axis: bool = False):
+                     kv_axis: bool = False, warps: int | None = None):
   if backend == "gpu":
     try:
       from jax.experimental.pallas import triton as pltriton
@@ -57,7 +58,7 @@ def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, 
       cls = getattr(pl, "GPUCompilerParams", None) or getattr(pl, "TritonCompilerParams")
     stages = bs.num_stages or (2 if head_dim * bs.block_k <= 64 * 64 else 1)
     bwd_warps = bs.bwd_num_warps or (4 if head_dim <= 64 else 8)
-    return cls(num_warps=bwd_warps if bwd else bs.num_warps, num_stages=stages)
+    return cls(num_warps=warps or (bwd_warps if bwd else bs.num_warps), num_stages=stages)
   if backend in ("tpu", "tpu_interpret"):
     from jax.experimental.pallas import tpu as pltpu
     sem = ("parallel",) * (num_axes - 1) + ("arbitrary" if kv_axis else "parallel",)
@@ -80,10 +81,11 @@ def _interpret(backend: str):
   return False
 
 
-def _call(kernel, grid, in_specs, out_specs, out_shape, backend, bs, *, bwd, scratch=()):
+def _call(kernel, grid, in_specs, out_specs, out_shape, backend, bs, *, bwd, scratch=(),
+          warps=None):
   kwargs = {}
   params = _compiler_params(backend, bs, len(grid), bwd=bwd, head_dim=in_specs[0].block_shape[-1],
-                            kv_axis=bool(scratch))
+                            kv_axis=bool(scratch), warps=warps)
   if params is not None:
     kwargs["compiler_params"] = params
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
@@ -91,11 +93,28 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, backend, bs, *, bwd, scr
                         **kwargs)
 
 
-def _full(x, head_of):
-  """Whole-sequence block [n, ...] of one (batch, head): head_of maps program ids to the head."""
+def chunk_grid(B, H, n, backend, *, reverse=False):
+  """-> (grid, ids, chunk_axis) of a launch with one program per (batch, head, chunk); ids maps
+  program ids to (b, h, chunk).
+
+  On the GPU the chunk axis comes first: the Triton lowering launches grid axis 0 as CUDA's x,
+  the fastest-varying index, so the chunks of one head run side by side and their repeated
+  reads of that head's whole-sequence operands (k, v, E in the forward; q, dO, ... in dk/dv)
+  hit L2. With the batch first, co-resident programs belonged to different heads and every
+  program read its own copy from HBM (ncu, H200, 32,2048,32,64: 13.3 GB of DRAM reads for
+  1.3 GB of operands in the forward kernel). `reverse` runs chunk n-1 first. TPU grids run the
+  last axis innermost, so they keep (batch, head, chunk)."""
+  if backend in ("gpu", "interpret"):
+    return (n, H, B), lambda i, h, b: (b, h, n - 1 - i if reverse else i), 0
+  return (B, H, n), lambda b, h, c: (b, h, c), 2
+
+
+def _full(x, ids, head_of):
+  """Whole-sequence block [n, ...] of one (batch, head): ids maps program ids to (b, h, c),
+  head_of maps the program's head to the operand's head."""
   nd = x.ndim
   return pl.BlockSpec((None, None) + x.shape[2:],
-                      lambda *ids: (ids[0], head_of(*ids)) + (0,) * (nd - 2))
+                      lambda *p: (ids(*p)[0], head_of(ids(*p)[1])) + (0,) * (nd - 2))
 
 
 def _flags(ops: Operands):
@@ -109,27 +128,30 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]
   f = _flags(ops)
+  grid, ids, axis = chunk_grid(B, H, n, backend, reverse=True)
 
   def chunk(x):  # this program's query chunk
-    return pl.BlockSpec((None, None, None) + x.shape[3:], lambda b, h, c: (b, h, c, 0, 0))
+    return pl.BlockSpec((None, None, None) + x.shape[3:], lambda *p: ids(*p) + (0, 0))
 
-  kv = lambda x: _full(x, lambda b, h, c: h // G)
+  kv = lambda x: _full(x, ids, lambda h: h // G)
   args, specs = [ops.q, ops.k, ops.v], [chunk(ops.q), kv(ops.k), kv(ops.v)]
   if f["transport"]:
     args += [ops.e, ops.diag]
     specs += [kv(ops.e), chunk(ops.diag)]
   if f["gate"]:
     args += [ops.fq, ops.fk]
-    specs += [chunk(ops.fq), _full(ops.fk, lambda b, h, c: h)]
+    specs += [chunk(ops.fq), _full(ops.fk, ids, lambda h: h)]
   if f["segments"]:
     args += [ops.sq, ops.sk]
-    specs += [pl.BlockSpec((None, None, None, C, 1), lambda b, h, c: (b, 0, c, 0, 0)),
-              _full(ops.sk, lambda b, h, c: 0)]
+    specs += [pl.BlockSpec((None, None, None, C, 1),
+                           lambda *p: (ids(*p)[0], 0, ids(*p)[2], 0, 0)),
+              _full(ops.sk, ids, lambda h: 0)]
   out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
-  kernel = functools.partial(kernels.fwd_kernel, scale=scale, precision=precision, **f)
-  return _call(kernel, (B, H, n), specs, out_specs, out_shape, backend, bs, bwd=False)(*args)
+  kernel = functools.partial(kernels.fwd_kernel, scale=scale, precision=precision,
+                             chunk_axis=axis, reverse=True, **f)
+  return _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False)(*args)
 
 
 def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
@@ -211,25 +233,33 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   G = H // K
   f = _flags(ops)
   f32 = jnp.float32
-  args, specs, _ = _bwd_inputs(ops, do, lse, delta, lambda b, kh, m: (b, kh))
-  chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda b, kh, m: (b, kh, m, 0, 0))
+  grid, ids, axis = chunk_grid(B, K, n, backend)
+  args, specs, _ = _bwd_inputs(ops, do, lse, delta, lambda *p: ids(*p)[:2])
+  chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda *p: ids(*p) + (0, 0))
   gdt = ops.q.dtype  # gradients leave in the kernel dtype (accumulated in float32 on chip)
   out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt)] * 2
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
   if f["gate"]:
     out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
-    out_specs.append(pl.BlockSpec((None, G, None, 1, C), lambda b, kh, m: (b, kh, m, 0, 0)))
-  kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision, **f)
-  outs = _call(kernel, (B, K, n), specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
+    out_specs.append(pl.BlockSpec((None, G, None, 1, C), lambda *p: ids(*p) + (0, 0)))
+  kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
+                             chunk_axis=axis, **f)
+  outs = _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
   grads = dict(k=outs[0], v=outs[1])
   if f["gate"]:
     grads["fk"] = outs[2]
   return grads
 
 
+def _merged(x):
+  """[B, H, n, C, ...] -> [B, H, n*C, ...]: chunks merged into time (contiguous: a bitcast)."""
+  return None if x is None else x.reshape(x.shape[:2] + (x.shape[2] * x.shape[3],) + x.shape[4:])
+
+
 def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
                 bs: BlockSizes):
-  """dq, d diag, dfq and dL/dP: grid (B, K, lane), sequential inside."""
+  """dq, d diag, dfq and dL/dP: grid (B, K, lane), sequential inside. The query-side operands
+  go in with their chunks merged into time (bwd_kernels.dq_kernel loads 2C-row pairs)."""
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   f = _flags(ops)
@@ -241,25 +271,32 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
                      "blocks are written whole)")
   f32 = jnp.float32
   gdt = ops.q.dtype
-  args, specs, grp = _bwd_inputs(ops, do, lse, delta, lambda b, kh, l: (b, kh))
+  merged = ops._replace(q=_merged(ops.q), diag=_merged(ops.diag), fq=_merged(ops.fq),
+                        sq=_merged(ops.sq))
+  args, specs, grp = _bwd_inputs(merged, _merged(do), _merged(lse), _merged(delta),
+                                 lambda b, kh, l: (b, kh))
   lane = lambda s: pl.BlockSpec((None, None) + s.shape[2:],
                                 lambda b, kh, l: (b, kh * L + l) + (0,) * (len(s.shape) - 2))
-  names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n, C, D), gdt)]
+  names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n * C, D), gdt)]
   if f["transport"]:
     names += ["diag", "dp", "states"]
-    out_shape += [jax.ShapeDtypeStruct((B, H, n, C, C), gdt),
+    out_shape += [jax.ShapeDtypeStruct((B, H, n * C, C), gdt),
                   jax.ShapeDtypeStruct((B, K * L, n, D, D), f32),
-                  jax.ShapeDtypeStruct((B, K * L, n, 1 + pairs, C, D), ops.q.dtype)]
+                  jax.ShapeDtypeStruct((B, K * L, n, C * (1 + pairs), D), ops.q.dtype)]
   if f["gate"]:
     names.append("fq")
-    out_shape.append(jax.ShapeDtypeStruct((B, H, n, C, 1), f32))
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), f32))
   out_specs = [lane(s) if s.shape[1] == K * L and n_ in ("dp", "states") else grp(s)
                for n_, s in zip(names, out_shape)]
   kernel = functools.partial(bwd_kernels.dq_kernel, scale=scale, precision=precision, lanes=L,
                              pairs=pairs, **f)
-  outs = _call(kernel, (B, K, L), specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
+  outs = _call(kernel, (B, K, L), specs, out_specs, out_shape, backend, bs, bwd=True,
+               warps=bs.dq_num_warps)(*args)
   more = dict(zip(names, outs))
   more.pop("states", None)
+  for name in ("q", "diag", "fq"):  # back to [B, H, n, C, ...]
+    if name in more:
+      more[name] = more[name].reshape(B, H, n, C, *more[name].shape[3:])
   if "dp" in more and L > 1:  # lanes summed in a fixed order: deterministic
     more["dp"] = more["dp"].reshape(B, K, L, n, D, D).sum(2)
   return more

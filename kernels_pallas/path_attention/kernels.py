@@ -51,6 +51,13 @@ def logits(s, gate, ok):
   return s
 
 
+def chunk_id(n, *, axis, reverse):
+  """This program's chunk from grid axis `axis`; reverse: chunk n-1 first (the longest causal
+  walks start first, so the launch's tail is short ones)."""
+  i = pl.program_id(axis)
+  return n - 1 - i if reverse else i
+
+
 def _unpack_fwd(refs, transport, gate, segments):
   refs = list(refs)
   take = lambda k, on: [refs.pop(0) for _ in range(k)] if on else [None] * k
@@ -89,13 +96,14 @@ def _diag(q, kc, vc, d_ref, fq, fk, sq, sk, *, scale, precision):
   return m_i, l_i, dot(p.astype(q.dtype), vc, precision=precision)
 
 
-def fwd_kernel(*refs, scale, transport, gate, segments, precision):
+def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis=2, reverse=False):
   """refs: q [C,D], k, v [n,C,D], (e [n,D,D], diag [C,C]), (fq [C,1], fk [n,1,C]),
-  (sq [C,1], sk [n,1,C]) -> o [C,D], lse [C,1]."""
+  (sq [C,1], sk [n,1,C]) -> o [C,D], lse [C,1]. The query chunk is grid axis chunk_axis
+  (reversed with `reverse`, see calls.chunk_grid)."""
   q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, outs = _unpack_fwd(
       refs, transport, gate, segments)
   o_ref, lse_ref = outs
-  c = pl.program_id(2)
+  c = chunk_id(k_ref.shape[0], axis=chunk_axis, reverse=reverse)
   q = q_ref[...]
   C = q.shape[0]
   dt = q.dtype
