@@ -16,15 +16,15 @@ dq_kernel, one program per (batch, kv head, lane), sequential over (group head, 
   follows outside: dL/dE = -G, through the pre-pass's VJP). The sum over c of state-adjoint pairs at m is what
   prevents a parallel form without per-query-chunk copies; every accumulation has one fixed
   order: deterministic, no atomics.
-  With `pairs` (BlockSizes.dq_pairs), query chunks go in pairs (c, c + 1): the state of c + 1
-  at m < c is (q^_{c+1} P_c) M_cm, so both state chains walk m = c-1 .. 0 in one loop (slots 0, 1
-  of the states buffer), and the key sweep carries two adjoints: per key chunk m one load of
-  k_m, v_m, E_m and one dP_m read-modify-write (s1^T R1 + s2^T R2) serve both chunks, which
-  halves the D x D read-modify-writes and the key-side loads, and the two chains are independent
-  products. The pair (c + 1, m = c), state q^_{c+1}, ends the pair. With n odd the last chunk
-  runs alone; lanes take pairs round robin, the odd chunk on lane 0. Measured on the H200 this
-  pays at head_dim 128 (-5% / -16%) and not at 64 (+21%: two chains' live tiles), hence the
-  default (calls.py).
+  With `pairs` (BlockSizes.dq_pairs, the default), query chunks go in pairs (c, c + 1) as one
+  stacked 2C-row tile: the state of c + 1 at m < c is (q^_{c+1} P_c) M_cm, so both walk
+  m = c-1 .. 0 with the same E_m; per key chunk one load of k_m, v_m, E_m, one product per term
+  and one dP_m read-modify-write serve both chunks (half the dP traffic, the largest), and the
+  products are 2C rows tall. The pair (c + 1, m = c), state q^_{c+1}, ends the pair with the
+  rows of chunk c masked out. With n odd the last chunk runs alone; lanes take pairs round
+  robin, the odd chunk on lane 0. Measured on the H200 (8 warps): dq/dP 12.7 -> 11.7 ms at
+  32,2048,32,64 and 26.5 -> 18.2 ms at 8,4096,16,128 against one chunk per sweep (the earlier
+  two-chain form of pairs measured 15.9 and 26.5).
 """
 from __future__ import annotations
 
@@ -195,6 +195,18 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
   def move(qt, e):  # q~ <- q~ P_m = q~ - q~ E_m (float32 state)
     return qt - dot(qt.astype(dt), e, precision=precision)
 
+  # dP_m read-modify-write. At head_dim <= 64 the read is issued before the step, so that its
+  # latency hides behind the step's products; at 128 the early [D, D] float32 tile costs more
+  # in register spills than it hides (H200: dq/dP 18.2 -> 23.8 ms at 8,4096,16,128; 12.3 ->
+  # 11.7 ms at 32,2048,32,64).
+  early = D <= 64
+
+  def early_dp(m):
+    return r["dp"][m] if early else None
+
+  def add_dp(m, acc, dp):
+    r["dp"][m] = (acc if early else r["dp"][m]) + dp
+
   def finish(g, c, size, adj, dfq, dfq_diag_written):
     r["dq"][g, rows(c, size)] = adj.astype(r["dq"].dtype)
     if gate:
@@ -216,10 +228,10 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
 
     def key_chunk(m, carry):
       adj, dfq = carry
-      acc = r["dp"][m] if transport else None  # issued first: its latency hides behind the step
+      acc = early_dp(m) if transport else None
       adj, dfq, dp = step(qc, load_key(g, m), state(m) if transport else qc["q"], adj, dfq)
       if transport:
-        r["dp"][m] = acc + dp
+        add_dp(m, acc, dp)
       return adj, dfq
 
     finish(g, c, C, *lax.fori_loop(0, c, key_chunk, (adj, dfq)), False)
@@ -249,9 +261,9 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
 
     def key_chunk(m, carry):
       adj, dfq = carry
-      acc = r["dp"][m]  # issued first: its latency hides behind the step
+      acc = early_dp(m)
       adj, dfq, dp = step(qp, load_key(g, m), r["st"][m], adj, dfq)
-      r["dp"][m] = acc + dp
+      add_dp(m, acc, dp)
       return adj, dfq
 
     init = (jnp.zeros((2 * C, D), f32), jnp.zeros((2 * C, 1), f32))

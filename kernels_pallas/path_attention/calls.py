@@ -30,10 +30,10 @@ class BlockSizes:
                                  # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
   prepass: str = "split_bf16"    # prepass_kernel.VARIANTS ("fold_bf16": -6% peak memory at
                                  # head_dim 64, +6% time), or "jnp" (batched jnp, no kernel)
-  dq_pairs: bool | None = None   # dq/dP kernel: two query chunks per sweep (bwd_kernels.py);
-                                 # None: for head_dim >= 128 (H200: -5% / -16% time there,
-                                 # +21% at head_dim 64)
-  dq_num_warps: int | None = None  # dq/dP kernel's warps; None: bwd_num_warps
+  dq_pairs: bool = True          # dq/dP kernel: two query chunks as one 2C-row tile per sweep
+                                 # (bwd_kernels.py): half the dP read-modify-writes and key loads
+  dq_num_warps: int | None = None  # dq/dP kernel's warps; None: 8 with dq_pairs (2C-row tiles),
+                                   # else bwd_num_warps
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -263,7 +263,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   f = _flags(ops)
-  pairs = (D >= 128 if bs.dq_pairs is None else bs.dq_pairs) and f["transport"]
+  pairs = bs.dq_pairs and f["transport"]
   units = n // 2 if pairs else n  # per head: query-chunk pairs or chunks
   L = max(1, min(bs.bwd_lanes or 1, units))
   if L > 1 and backend not in ("gpu", "interpret"):
@@ -291,7 +291,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   kernel = functools.partial(bwd_kernels.dq_kernel, scale=scale, precision=precision, lanes=L,
                              pairs=pairs, **f)
   outs = _call(kernel, (B, K, L), specs, out_specs, out_shape, backend, bs, bwd=True,
-               warps=bs.dq_num_warps)(*args)
+               warps=bs.dq_num_warps or (8 if pairs else None))(*args)
   more = dict(zip(names, outs))
   more.pop("states", None)
   for name in ("q", "diag", "fq"):  # back to [B, H, n, C, ...]
