@@ -25,7 +25,7 @@ class BlockSizes:
   block_k: int = 64
   num_warps: int = 4
   num_stages: int | None = None  # None: 2 for head_dim <= 64, else 1 (shared memory); the
-                                 # dk/dv kernel takes 2 at every head_dim
+                                 # dk/dv kernel takes 2 at every head_dim without grouped heads
   bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
   bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
                                  # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
@@ -246,10 +246,11 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
     out_specs.append(pl.BlockSpec((None, G, None, 1, C), lambda *p: ids(*p) + (0, 0)))
   kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
                              chunk_axis=axis, **f)
-  # Two stages fit in shared memory at head_dim 128 here (unlike the other kernels) and pay:
-  # H200 dk/dv 14.1 -> 13.6 ms at 8,4096,16,128 and 112.9 -> 100.0 ms at 4,16384,16,128.
+  # Without grouped heads two stages fit in shared memory at head_dim 128 too, and pay (H200
+  # dk/dv 14.1 -> 13.6 ms at 8,4096,16,128, 112.9 -> 100.0 ms at 4,16384,16,128); with G = 2
+  # they ask for 273 of 227 KiB.
   outs = _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True,
-               stages=bs.num_stages or 2)(*args)
+               stages=bs.num_stages or (2 if G == 1 else None))(*args)
   grads = dict(k=outs[0], v=outs[1])
   if f["gate"]:
     grads["fk"] = outs[2]
