@@ -1,6 +1,7 @@
 """Short table of an Nsight Compute report: one row per profiled kernel launch.
 
-  ncu --clock-control none --metrics "$(python experiments/benchmarks/ncu_table.py --metrics)" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name regex:kernel \
+      --metrics "$(python experiments/benchmarks/ncu_table.py --metrics)" --launch-count 12 \
       -o prof python experiments/benchmarks/path_kernel_phases.py --cases 0 --reps 0
   ncu -i prof.ncu-rep --csv --page raw > prof.csv
   python experiments/benchmarks/ncu_table.py prof.csv
@@ -8,6 +9,10 @@
 Columns: time (us), DRAM bytes read+written (MB) and % of peak DRAM throughput, L2 bytes (MB),
 SM throughput %, tensor-pipe activity %, registers per thread, achieved occupancy (% of the
 SM's warps), local-memory bytes (register spills, MB), grid size.
+
+Without XLA_PYTHON_CLIENT_PREALLOCATE=false, ncu backs up JAX's preallocated pool (most of the
+GPU) before every replay pass and the run fails; `regex:kernel` keeps to the Pallas kernels
+(their names end in `kernel`), leaving out XLA's fusions.
 """
 from __future__ import annotations
 
@@ -30,8 +35,9 @@ COLUMNS = {  # short name -> ncu metric
     "smem": "launch__shared_mem_per_block",
     "grid": "launch__grid_size",
 }
-_SCALE = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9,
-          "byte": 1, "usecond": 1, "msecond": 1e3, "nsecond": 1e-3}
+_SCALE = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "byte/block": 1,
+          "Kbyte/block": 1e3, "us": 1, "ms": 1e3, "ns": 1e-3, "usecond": 1, "msecond": 1e3,
+          "nsecond": 1e-3}  # units as ncu's raw CSV spells them
 
 
 def _value(raw, unit, name):
