@@ -183,12 +183,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
     gk = scale * dot(ds.astype(dt), kc["k"], precision=precision)
     if not transport:
       return adj + gk, dfq, None
-    if live is not None:
-      adj_in = jnp.where(live, adj, 0.0)
-      adjc = adj_in.astype(dt)
-      return (gk + adj - dot(adjc, kc["e"], tb=True, precision=precision), dfq,
-              dot(qt, adjc, ta=True, precision=precision))
-    adjc = adj.astype(dt)
+    adjc = (adj if live is None else jnp.where(live, adj, 0.0)).astype(dt)
     return (gk + adj - dot(adjc, kc["e"], tb=True, precision=precision), dfq,
             dot(qt, adjc, ta=True, precision=precision))
 
