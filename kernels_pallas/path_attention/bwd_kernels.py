@@ -56,7 +56,7 @@ def _eye(D):
   return jnp.where(i == lax.broadcasted_iota(jnp.int32, (D, D), 1), 1.0, 0.0).astype(jnp.float32)
 
 
-def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis=2):
+def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
   (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C])."""
   r = _unpack(refs, _in_spec(transport, gate, segments)

@@ -96,7 +96,7 @@ def _diag(q, kc, vc, d_ref, fq, fk, sq, sk, *, scale, precision):
   return m_i, l_i, dot(p.astype(q.dtype), vc, precision=precision)
 
 
-def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis=2, reverse=False):
+def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, reverse):
   """refs: q [C,D], k, v [n,C,D], (e [n,D,D], diag [C,C]), (fq [C,1], fk [n,1,C]),
   (sq [C,1], sk [n,1,C]) -> o [C,D], lse [C,1]. The query chunk is grid axis chunk_axis
   (reversed with `reverse`, see calls.chunk_grid)."""
