@@ -1,6 +1,6 @@
 """Where the PaTH kernel's time goes, on one GPU: each phase jitted and timed alone.
 
-  python experiments/benchmarks/path_kernel_phases.py --cases 0,3 --prepass split_bf16,one_bwd_bf16
+  python experiments/benchmarks/path_kernel_phases.py --cases 0,3 --prepass split_bf16,fold_bf16
 
 Phases: the pre-pass (forward), the forward kernel, the dk/dv kernel, the dq/dP kernel, the
 pre-pass VJP (recompute + pullback), and the whole fwd+bwd for comparison. bf16, no gate,
@@ -33,10 +33,9 @@ def _block_sizes(spec):
 
 def case_phases(ci, backend="gpu", variant="split_bf16", kv_heads=None, bs_spec="",
                 phases=PHASES, reps=10):
-  import functools
   import jax
   import jax.numpy as jnp
-  from kernels_pallas.path_attention import api, calls, prepass, prepass_kernel
+  from kernels_pallas.path_attention import api, calls, prepass
   B, T, H, D = CASES[ci]
   K = kv_heads or H
   q, k, v, w, beta, _, do = _inputs(B, T, H, D)
@@ -45,10 +44,7 @@ def case_phases(ci, backend="gpu", variant="split_bf16", kv_heads=None, bs_spec=
   cfg = api._Config(scale=D ** -0.5, T=T, backend=backend, block_sizes=bs)
   kw = dict(scale=cfg.scale, precision=None, backend=backend, bs=bs)
   args = (q, k, v, w, beta, None)
-  transport = prepass.transport_jnp if variant == "jnp" else functools.partial(
-      prepass_kernel.transport_pallas, backend=backend, variant=variant)
-  prepare = lambda *a: prepass.prepare(*a, None, scale=cfg.scale, C=bs.block_q, dtype=q.dtype,
-                                       transport=transport)
+  prepare = lambda *a: api._prepare(cfg, *a, None)   # the pre-pass the kernel itself runs
   prep = jax.jit(prepare)
   ops = prep(*args)
   fwd = jax.jit(lambda ops: calls.forward(ops, **kw))
