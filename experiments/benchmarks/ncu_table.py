@@ -45,7 +45,7 @@ def _value(raw, unit, name):
     x = float(raw.replace(",", ""))
   except ValueError:
     return raw
-  if name in ("us",):
+  if name == "us":
     return x * _SCALE.get(unit, 1)
   if name in ("dram_rd", "dram_wr", "l2", "loc_ld", "loc_st"):
     return x * _SCALE.get(unit, 1) / 1e6  # MB

@@ -31,7 +31,7 @@ def _block_sizes(spec):
   return kw
 
 
-def case_phases(ci, backend="gpu", variant="split_bf16", kv_heads=None, bs_spec="",
+def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
                 phases=PHASES, reps=10):
   import jax
   import jax.numpy as jnp
@@ -40,7 +40,8 @@ def case_phases(ci, backend="gpu", variant="split_bf16", kv_heads=None, bs_spec=
   K = kv_heads or H
   q, k, v, w, beta, _, do = _inputs(B, T, H, D)
   k, v, w, beta = k[:, :, :K], v[:, :, :K], w[:, :, :K], beta[:, :, :K]
-  bs = calls.BlockSizes(prepass=variant, **_block_sizes(bs_spec))
+  bs = calls.BlockSizes(**({"prepass": variant} if variant else {}), **_block_sizes(bs_spec))
+  variant = bs.prepass
   cfg = api._Config(scale=D ** -0.5, T=T, backend=backend, block_sizes=bs)
   kw = dict(scale=cfg.scale, precision=None, backend=backend, bs=bs)
   args = (q, k, v, w, beta, None)
@@ -87,7 +88,8 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--cases", default="0,3")
   p.add_argument("--backend", default="gpu", help="interpret: a CPU smoke run of the script")
-  p.add_argument("--prepass", default="split_bf16", help="comma-separated pre-pass variants")
+  p.add_argument("--prepass", default="",
+                 help="comma-separated pre-pass variants (default: BlockSizes' default)")
   p.add_argument("--kv-heads", type=int, default=None, help="K < H: grouped-query heads")
   p.add_argument("--bs", action="append", default=None,
                  help="BlockSizes overrides, e.g. dq_pairs=0,bwd_num_warps=8; repeat to compare")
@@ -97,7 +99,7 @@ def main():
   a = p.parse_args()
   rows = []
   for c in a.cases.split(","):
-    for variant in a.prepass.split(","):
+    for variant in a.prepass.split(",") if a.prepass else [None]:
       for spec in a.bs or [""]:
         try:  # a configuration that does not build (e.g. shared memory) is reported, not fatal
           rows.append(case_phases(int(c), a.backend, variant, a.kv_heads, spec,

@@ -121,12 +121,13 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis):
       r["dfk"][g] = dfk[g]
 
 
-def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs=True):
+def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs):
   """In: as dkv_kernel, except that the query-side operands have their chunks merged into time
   (q, do [G, n*C, D]; lse, delta, (fq) [G, n*C, 1]; (sq [n*C, 1]); (diag [G, n*C, C])), so that
   one load reads the rows of one chunk or of two adjacent ones. Out: dq [G, n*C, D],
   (ddiag [G, n*C, C], dP [n, D, D] of this lane, states [n, R, D] scratch with R = C, 2C with
-  pairs), (dfq [G, n*C, 1]); dP and dfq float32, the rest kernel dtype."""
+  pairs), (dfq [G, n*C, 1]); dP and dfq float32, the rest kernel dtype. `pairs` (transport
+  only) and `lanes` come from calls.backward_dq."""
   r = _unpack(refs, _in_spec(transport, gate, segments)
               + [("dq", True), ("ddiag", transport), ("dp", transport), ("st", transport),
                  ("dfq", gate)])
@@ -271,7 +272,6 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes=1, pairs
   # static trip count (Triton), the tail skips. With pairs and n odd, the last chunk runs alone
   # on lane 0.
   lane = pl.program_id(2) if lanes > 1 else 0
-  pairs = pairs and transport
   units = n // 2 if pairs else n
   for g in range(G):
     def lane_unit(i, carry, g=g):

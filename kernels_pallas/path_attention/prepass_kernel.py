@@ -149,8 +149,9 @@ class _Cfg:
   backend: str
   precision: object
   odt: object = None    # operand dtype of the non-inverse products (None: float32)
-  fold: bool = False    # forward: inverse inside the operands kernel; backward: inverse VJP
-                        # inside the operands-VJP kernel (no Y, dY, partial dW in HBM)
+  fold: bool = False    # forward: inverse inside the operands kernel (no Y in HBM); backward:
+                        # inverse VJP inside the operands-VJP kernel (no dY or second dW in
+                        # HBM; Y is still recomputed by its own kernel)
   time_major: bool = False  # q, k, w (and dq, dk, dw) as [B, Tp, heads, D], read in place
 
 
