@@ -1,7 +1,8 @@
 """PaTH kernel benchmark on one GPU: this repo's Pallas kernel vs cuDNN flash attention (JAX) and
 flash-linear-attention's Triton PaTH kernel (PyTorch, fla-core 0.6.0), at the anchor shapes.
 
-  python experiments/benchmarks/path_kernel.py --part check        # GPU correctness vs dense oracle
+  python experiments/benchmarks/path_kernel.py --part check        # GPU correctness vs dense oracle,
+                                                                    # then the correlated-w rows
   python experiments/benchmarks/path_kernel.py --part jax --cases 0,1,2,3,4
   python experiments/benchmarks/path_kernel.py --part fla --cases 0,1,2,3,4
 
@@ -20,7 +21,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 CASES = [(32, 2048, 32, 64), (32, 4096, 32, 64), (8, 8192, 32, 64), (8, 4096, 16, 128),
-         (4, 16384, 16, 128)]
+         (4, 16384, 16, 128),
+         (16, 2048, 12, 64)]   # 5: one layer of the GPU-training issue's 12-layer model
 OUT = os.environ.get("OUT", ".")
 
 
@@ -54,24 +56,80 @@ def _inputs(B, T, H, D, key=0, dtype=None):
   return q, k, v, w, beta, g, do
 
 
-def part_check(prepass=None):
-  """Forward and every gradient vs the dense oracle on the GPU; bitwise determinism.
-  prepass: the bf16 rows' pre-pass variant (default: BlockSizes' default)."""
+def _correlated_w(B, T, H, D, *, eps, beta, key=1):
+  """w_t = normalize(a + eps n_t) (one a per row and head): the PaTH layer's w share a direction
+  like this, which overflowed the old in-kernel inverse in bf16 training. beta: a number, or
+  "u" for uniform in (0, 2)."""
+  import jax
+  import jax.numpy as jnp
+  ka, kn, kb = jax.random.split(jax.random.key(key), 3)
+  w = jax.random.normal(ka, (B, 1, H, D)) + eps * jax.random.normal(kn, (B, T, H, D))
+  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+  if beta == "u":
+    return w, 2 * jax.random.uniform(kb, (B, T, H))
+  return w, jnp.full((B, T, H), float(beta), jnp.float32)
+
+
+def part_correlated(prepass=None, B=4, T=2048, H=12, D=64):
+  """The bf16 NaN's reproduction (the GPU-training issue): bf16 inputs, w sharing a direction,
+  beta 1, 2 or uniform. Forward and gradients must be finite and match the float32 blockwise jnp
+  oracle (householder.path_attention_chunked: triangular solves, highest precision)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   import kernels_pallas as kp
+  from posenc_jax import householder
+  q, k, v, _, _, _, do = _inputs(B, T, H, D)
+  bs = kp.BlockSizes(**({"prepass": prepass} if prepass else {}))
+  f = lambda *a: kp.path_attention(*a, block_sizes=bs)
+  r = lambda *a: householder.path_attention_chunked(
+      *(x.astype(jnp.float32) for x in a), scale=D ** -0.5)
+  grad = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
+                                     argnums=tuple(range(5))))
+  fwd_f, fwd_r, grad_f, grad_r = jax.jit(f), jax.jit(r), grad(f), grad(r)
+  rows = []
+  for eps in (1.0, 0.1, 0.01):
+    for beta in (1, 2, "u"):
+      w, b = _correlated_w(B, T, H, D, eps=eps, beta=beta)
+      args = (q, k, v, w, b)
+      row = dict(part="correlated", shape=(B, T, H, D), eps=eps, beta=beta, prepass=bs.prepass)
+      try:
+        o = fwd_f(*args)
+        g = grad_f(*args)
+        with jax.default_matmul_precision("highest"):
+          o_r, g_r = fwd_r(*args), grad_r(*args)
+        row.update(finite=bool(np.isfinite(np.asarray(o, np.float32)).all()
+                               and all(np.isfinite(np.asarray(x, np.float32)).all() for x in g)),
+                   fwd=f"{_rel(o, o_r):.1e}", grads=[f"{_rel(a, c):.1e}" for a, c in zip(g, g_r)])
+      except Exception as e:
+        row["error"] = type(e).__name__ + ": " + str(e).splitlines()[0][:200]
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  return rows
+
+
+def _rel(a, b):
+  import numpy as np
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+
+def part_check(prepass=None):
+  """Forward and every gradient vs the dense oracle on the GPU; bitwise determinism; then the
+  correlated-w rows (part_correlated).
+  prepass: the bf16 rows' pre-pass variant (default: BlockSizes' default)."""
+  import jax
+  import jax.numpy as jnp
+  import kernels_pallas as kp
   from kernels_pallas.path_attention.prepass_kernel import usable_variant
   from posenc_jax import householder
 
-  def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
-
+  rel = _rel
   rows = []
   pre16 = prepass or kp.BlockSizes().prepass
   for dtype, (B, T, H, K, D), gate, seg, pre in [
       (jnp.float32, (2, 300, 4, 2, 64), True, True, "jnp"),
+      (jnp.float32, (2, 300, 4, 2, 64), True, True, kp.BlockSizes().prepass),
       (jnp.bfloat16, (2, 1024, 4, 4, 64), True, False, pre16),
       (jnp.bfloat16, (1, 1000, 4, 4, 128), False, True, pre16),
       (jnp.bfloat16, (1, 1000, 4, 2, 128), False, True, pre16)]:
@@ -100,18 +158,18 @@ def part_check(prepass=None):
       row["error"] = type(e).__name__ + ": " + str(e).splitlines()[0][:200]
     rows.append(row)
     print(json.dumps(row), flush=True)
-  return rows
+  return rows + part_correlated(prepass)
 
 
-def part_jax(cases, variants):
+def part_jax(cases, variants, dtype="bfloat16"):
   import jax
   import jax.numpy as jnp
   import kernels_pallas as kp
   rows = []
   for ci in cases:
     B, T, H, D = CASES[ci]
-    q, k, v, w, beta, g, do = _inputs(B, T, H, D)
-    res = {"case": ci, "B": B, "T": T, "H": H, "D": D}
+    q, k, v, w, beta, g, do = _inputs(B, T, H, D, dtype=jnp.dtype(dtype))
+    res = {"case": ci, "B": B, "T": T, "H": H, "D": D, "dtype": dtype}
     fns = {
         "cudnn": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                implementation="cudnn"), (q, k, v)),
@@ -195,16 +253,19 @@ def part_fla(cases):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--part", choices=["check", "jax", "fla"], required=True)
+  p.add_argument("--part", choices=["check", "correlated", "jax", "fla"], required=True)
   p.add_argument("--cases", default="0,1,2,3,4")
   p.add_argument("--variants", default="cudnn,path,path_fox")
   p.add_argument("--prepass", default=None, help="check: the bf16 rows' pre-pass variant")
+  p.add_argument("--dtype", default="bfloat16", help="jax: input dtype (cudnn needs bf16)")
   a = p.parse_args()
   cases = [int(c) for c in a.cases.split(",") if c]
   if a.part == "check":
     rows = part_check(a.prepass)
+  elif a.part == "correlated":
+    rows = part_correlated(a.prepass)
   elif a.part == "jax":
-    rows = part_jax(cases, a.variants.split(","))
+    rows = part_jax(cases, a.variants.split(","), a.dtype)
   else:
     rows = part_fla(cases)
   with open(os.path.join(OUT, f"path_kernel_{a.part}.json"), "w") as f:

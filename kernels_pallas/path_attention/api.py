@@ -21,7 +21,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from kernels_pallas.path_attention import calls
 from kernels_pallas.path_attention import prepass
@@ -39,8 +38,9 @@ class _Config:
   block_sizes: BlockSizes
 
 
-def _precision(dtype):
-  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+def _precision(dtype, backend):
+  """float32 inputs: float32-accurate products (three-pass TF32 on the GPU); else the default."""
+  return calls.float32_precision(backend) if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
@@ -55,7 +55,7 @@ def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
 
 def _forward(cfg, q, k, v, w, beta, log_forget, seg):
   ops = _prepare(cfg, q, k, v, w, beta, log_forget, seg)
-  o, lse = calls.forward(ops, scale=cfg.scale, precision=_precision(q.dtype),
+  o, lse = calls.forward(ops, scale=cfg.scale, precision=_precision(q.dtype, cfg.backend),
                          backend=cfg.backend, bs=cfg.block_sizes)
   return o, lse
 
@@ -80,7 +80,8 @@ def _attend_bwd(cfg, res, do):
   # Recompute the pre-pass under jax.vjp (its residuals are only the inputs), run the backward
   # kernels on it, then pull the operand gradients back.
   ops, pullback = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget)
-  g = calls.backward(ops, do_b, lse, delta, scale=cfg.scale, precision=_precision(q.dtype),
+  g = calls.backward(ops, do_b, lse, delta, scale=cfg.scale,
+                     precision=_precision(q.dtype, cfg.backend),
                      backend=cfg.backend, bs=cfg.block_sizes)
   # P_m = I - E_m, so dL/dE_m = -dL/dP_m (float32, as the kernel accumulated it).
   de = None if w is None else (-g["dp"]).astype(ops.e.dtype)

@@ -29,7 +29,9 @@ class BlockSizes:
   bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
   bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
                                  # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
-  prepass: str = "split_bf16"    # prepass_kernel.VARIANTS ("fold_bf16": -6% peak memory at
+  prepass: str = "split"         # prepass_kernel.VARIANTS: TF32 products ("*_bf16": bf16
+                                 # operands, 2-4x the gradient error when the w of a chunk
+                                 # share a direction); "fold*": -6% peak memory at
                                  # head_dim 64, +6% time), or "jnp" (batched jnp, no kernel)
   dq_pairs: bool = True          # dq/dP kernel: two query chunks as one 2C-row tile per sweep
                                  # (bwd_kernels.py): half the dP read-modify-writes and key loads
@@ -72,6 +74,19 @@ def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, 
 def prepass_compiler_params(backend: str, num_axes: int):
   """The pre-pass kernels (prepass_kernel.py): every grid axis independent, no pipelining."""
   return _compiler_params(backend, BlockSizes(num_stages=1), num_axes, bwd=False, head_dim=0)
+
+
+def float32_precision(backend: str):
+  """Dot precision that keeps float32 accuracy on `backend`.
+
+  On the GPU, Precision.HIGHEST lowers to Triton's IEEE (FMA, no tensor cores) form: float32
+  models ran ~60x slower than bf16 and the pre-pass took minutes to compile. Three-pass TF32
+  (TF32_TF32_F32_X3: hi*hi + hi*lo + lo*hi on tensor cores) keeps ~1e-6 relative error per
+  product. The interpreters and the TPU take HIGHEST (exact float32 / multi-pass bf16).
+  """
+  if backend == "gpu":
+    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+  return jax.lax.Precision.HIGHEST
 
 
 def _interpret(backend: str):

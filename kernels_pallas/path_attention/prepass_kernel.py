@@ -13,20 +13,23 @@ dot_general, iota masks and elementwise ops only; its VJP (chunk_operands_vjp) i
 hand (recompute U, WK, Z from the inputs, then pull back; nothing but the inputs is saved). It
 replaced jax.vjp traced inside the kernel, whose transposed TF32 products and many live float32
 tiles made the pre-pass VJP the largest phase (21.3 -> 8.4 ms at 32,2048,32,64 on the H200).
-The UT inverse (I + A)^{-1}, A = strictLower(diag(beta) W W^T) nilpotent, is the product of
-squarings prod_i (I + (-A)^(2^i)), i < log2 C: matmuls only (no triangular solve inside a
-kernel); its VJP is written in closed form (chunk_inverse_vjp).
+The UT inverse (I + A)^{-1}, A = strictLower(diag(beta) W W^T), is a recursive block inversion
+(chunk_inverse): matmuls only (no triangular solve inside a kernel), every intermediate O(1);
+its VJP is written in closed form (chunk_inverse_vjp).
 
 Kernel split, measured on the H200 (B,T,H,D = 32,2048,32,64 / 8,4096,16,128): "split" variants:
 forward = inverse kernel + operands kernel, backward = inverse (recomputed) + operands-VJP
-kernel + inverse-VJP kernel. "fold_bf16" runs the inverse inside the operands kernel and the
+kernel + inverse-VJP kernel. "fold" variants run the inverse inside the operands kernel and the
 inverse VJP inside the operands-VJP kernel, so Y, dY and a partial dW never reach HBM: peak
 memory of the whole step 4.53 -> 4.28 GiB at the first shape (2.38 -> 2.63 at the second) for
 +6% / +3% time (VJP 8.5 -> 10.3 ms: register pressure). Recomputing Y inside the backward
 kernel as well was slower still (VJP 13.2 ms).
 
-Precision: float32 operands use Precision.HIGHEST (exact float32 products); lower-precision
-inputs use the default (TF32 on the GPU, ~1e-3 relative per product), which is finer than the
+Precision: the inverse and its VJP always take float32-accurate products (exact
+float32 in the interpreter and on the TPU, three-pass TF32 on the GPU): Y feeds every operand,
+and with near-parallel w the products W^T X W cancel, so TF32's ~1e-3 per product gave errors of
+5e-2 in Y (measured in numpy with TF32 rounding, C = D = 64, beta = 2). The other products take
+float32 accuracy for float32 inputs and TF32 or bf16 operands for bf16 inputs, finer than the
 bf16 rounding of the outputs that follow.
 """
 from __future__ import annotations
@@ -59,16 +62,38 @@ def _masks(C):
 
 
 def chunk_inverse(w, beta_c, *, precision):
-  """Y = (I + A)^{-1}, A = strictLower(diag(beta) W W^T): w [C, D], beta_c [C, 1] float32."""
+  """Y = (I + A)^{-1}, A = strictLower(diag(beta) W W^T): w [C, D], beta_c [C, 1] float32.
+
+  Recursive block inversion: with Y_s the block-diagonal inverse at block size s (exact inverses
+  of the principal [s, s] blocks), merging pairs of blocks is one block forward-substitution
+  step, [[Y1, 0], [A21, I]] -> Y21 = -Y2 A21 Y1, i.e. Y_2s = Y_s - Y_s (A21 Y_s) with A21 the
+  lower-left quadrant of every [2s, 2s] block. log2 C levels of two [C, C] products (the first
+  level is free); masks replace slicing, which the Triton lowering lacks.
+
+  Why not the Neumann product prod_i (I + (-A)^(2^i)) used before: its factors are powers of A,
+  whose entries grow like beta^m binom(C, m) when neighbouring w share a direction (the PaTH
+  layer's w do: a low-rank projection and a short convolution), ~1e27 at C = 64 and beta = 2,
+  and cancel to the O(1) entries of Y. Even exact float32 products then return garbage (TF32 on
+  the GPU: 1e24), which reached the attention logits as inf / NaN in bf16 training. Every
+  intermediate here is an inverse of a principal sub-block, i.e. the Y of a shorter chunk,
+  whose entries stay O(1) (|Y_ij| <= 2 for parallel w); the recursion is backward stable like a
+  blocked triangular solve.
+  """
   C = w.shape[0]
   mm = _mm(precision, None)
-  strict, _, eye = _masks(C)
-  power = jnp.where(strict, -beta_c * mm(w, w, tb=True), 0.0)   # N = -A
-  inv = eye + power
-  for _ in range(max(0, C.bit_length() - 2)):                  # (I+N)(I+N^2)(I+N^4)...
-    power = mm(power, power)
-    inv = mm(inv, eye + power)
-  return inv
+  row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+  col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+  a = jnp.where(row > col, beta_c * mm(w, w, tb=True), 0.0)
+  y = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
+  half = 1
+  while half < C:
+    # Lower-left quadrant of each [2 half, 2 half] diagonal block: same block of size 2 half,
+    # different halves (row > col puts the row in the lower half).
+    quad = (row > col) & (row // (2 * half) == col // (2 * half)) & (row // half != col // half)
+    a21 = jnp.where(quad, a, 0.0)
+    y = y - a21 if half == 1 else y - mm(y, mm(a21, y))   # Y_1 = I
+    half *= 2
+  return y
 
 
 def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
@@ -148,6 +173,7 @@ class _Cfg:
   dtype: jnp.dtype      # dtype of q^, k^, E
   backend: str
   precision: object
+  inv_precision: object  # the inverse and its VJP: float32 accuracy at every input dtype
   odt: object = None    # operand dtype of the non-inverse products (None: float32)
   fold: bool = False    # forward: inverse inside the operands kernel (no Y in HBM); backward:
                         # inverse VJP inside the operands-VJP kernel (no dY or second dW in
@@ -182,11 +208,12 @@ def _cts(dqh_ref, dkh_ref, de_ref, dd_ref):
 
 
 def _inv_kernel(w_ref, bc_ref, y_ref, *, cfg):
-  y_ref[...] = chunk_inverse(*_f32(w_ref, bc_ref), precision=cfg.precision)
+  y_ref[...] = chunk_inverse(*_f32(w_ref, bc_ref), precision=cfg.inv_precision)
 
 
 def _inv_bwd_kernel(w_ref, bc_ref, y_ref, dy_ref, dw_ref, dbc_ref, *, cfg):
-  dw, dbc = chunk_inverse_vjp(*_f32(w_ref, bc_ref, y_ref, dy_ref), precision=cfg.precision)
+  dw, dbc = chunk_inverse_vjp(*_f32(w_ref, bc_ref, y_ref, dy_ref),
+                               precision=cfg.inv_precision)
   dw_ref[...] = dw
   dbc_ref[...] = dbc
 
@@ -195,7 +222,7 @@ def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref
   """y_ref: Y from _inv_kernel, or (fold) beta as a column and Y computed here."""
   k, w, y, br = _f32(k_ref, w_ref, y_ref, br_ref)
   if cfg.fold:
-    y = chunk_inverse(w, y, precision=cfg.precision)
+    y = chunk_inverse(w, y, precision=cfg.inv_precision)
   qh, kh, e, d = chunk_operands(_q_heads(q_ref, cfg), k, w, y, br, scale=cfg.scale,
                                 precision=cfg.precision, odt=cfg.odt)
   for g in range(len(qh)):
@@ -213,7 +240,7 @@ def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref
       _q_heads(q_ref, cfg), k, w, y, *_f32(br_ref), _cts(dqh_ref, dkh_ref, de_ref, dd_ref),
       scale=cfg.scale, precision=cfg.precision, odt=cfg.odt)
   if cfg.fold:
-    dw2, dy = chunk_inverse_vjp(w, *_f32(bc_ref), y, dy, precision=cfg.precision)
+    dw2, dy = chunk_inverse_vjp(w, *_f32(bc_ref), y, dy, precision=cfg.inv_precision)
     dw = dw + dw2
   for g in range(len(dqs)):
     _put_q(dq_ref, g, dqs[g], cfg)
@@ -327,24 +354,24 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
-VARIANTS = ("split", "split_bf16", "fold_bf16")
+VARIANTS = ("split", "fold", "split_bf16", "fold_bf16")
 
 
 def usable_variant(requested: str, *, backend: str, dtype) -> str:
   """The pre-pass to run: `requested`, or "jnp" where the Pallas one is known not to build.
 
-  Measured on the H200 (2026-11-21): float32 inputs ask for exact float32 products, whose Triton
-  FMA form did not compile within minutes, so they take the batched jnp pre-pass on the GPU.
-  (Grouped-query heads, G = 2 at D = 128, overflowed shared memory while the backward was jax.vjp
-  traced in the kernel; the hand-written VJP builds and runs there.)
+  History (H200): float32 inputs used to ask for Triton's IEEE (FMA) products, which did not
+  compile within minutes, so they took the batched jnp pre-pass; they now take three-pass TF32
+  (calls.float32_precision) like every other float32 product on the GPU. Grouped-query heads
+  (G = 2 at D = 128) overflowed shared memory only while the backward was jax.vjp traced in the
+  kernel. No known case is left; the hook stays for the next one.
   """
-  if backend == "gpu" and jnp.dtype(dtype) == jnp.float32:
-    return "jnp"
+  del backend, dtype
   return requested
 
 
 def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precision=None,
-                     variant: str = "split_bf16"):
+                     variant: str = "split"):
   """Drop-in for prepass.transport_jnp (same arguments, shapes and dtypes) as Pallas kernels on
   `backend`: q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C].
 
@@ -354,19 +381,29 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   whole (8, 128) tiles in a block's last two dims, which a one-head slice of [.., heads, D] is
   not: there the inputs are blocked first.
 
-  precision None: HIGHEST for float32 q, else the backend's default (TF32 on the GPU). Variants
-  (module docstring): "split_bf16" (default: fastest) gives the non-inverse products bf16
-  operands (float32 q keeps float32), "split" TF32; "fold_bf16" trades ~5% time for less memory
+  precision None: float32-accurate for float32 q (calls.float32_precision), else the backend's
+  default (TF32 on the GPU); the inverse is always float32-accurate. Variants
+  (module docstring): "split" (default) takes TF32 products; "split_bf16" gives the non-inverse
+  products bf16 operands (float32 q keeps float32): faster, but not accurate enough once the w
+  of a chunk share a direction (below); "fold" / "fold_bf16" trade ~5% time for less memory
   at head_dim 64.
+
+  Why TF32 by default: almost every product here meets X (or WK, lower(Q W^T), whose rows are
+  near-identical when the w are), and sums rows of it that cancel: U = X W is small where W's
+  rows are nearly parallel. bf16 rounding of the operands (4e-3, independent per row) then
+  survives the cancellation: in the interpreter, with w_t = normalize(a + eps n_t) and beta = 2,
+  bf16 operands gave gradient errors of 1.1-1.5e-2 (dw, dbeta) against 3-4e-3 for TF32 / float32
+  products, which sit at the floor set by the bf16 outputs; with independent w both are ~4-7e-3.
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
   f32_inputs = jnp.dtype(q.dtype) == jnp.float32
   if precision is None and f32_inputs:
-    precision = lax.Precision.HIGHEST
+    precision = calls.float32_precision(backend)
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
   time_major = backend in ("gpu", "interpret")
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
+             inv_precision=calls.float32_precision(backend),
              odt=odt, fold=variant.startswith("fold"), time_major=time_major)
   if not time_major:
     C = bb.shape[-1]

@@ -14,14 +14,36 @@ from posenc_jax import unipotent
 from tests.util import assert_rel_rms
 
 
-def _inputs(key, B, T, H, K, D, dtype, *, gate, segments):
+def _transport_vectors(key, B, T, K, D, *, mode):
+  """Unit w [B, T, K, D] and beta [B, T, K].
+
+  mode "random": independent w, beta uniform in (0, 2). The others are the inputs that made the
+  old in-kernel inverse (a Neumann product of powers of A) overflow in bf16 training: w sharing
+  a direction, as the PaTH layer's low-rank projection + short convolution make them, w_t =
+  normalize(a + eps n_t) for one a per row and head ("shared:EPS"), or neighbours alternating
+  in sign ("antiparallel"); beta there is 2 (reflections), the hardest case."""
+  ka, kn, kb = jax.random.split(key, 3)
+  n = jax.random.normal(kn, (B, T, K, D), jnp.float32)
+  beta = 2 * jax.random.uniform(kb, (B, T, K), jnp.float32)
+  if mode == "random":
+    w = n
+  else:
+    a = jax.random.normal(ka, (B, 1, K, D), jnp.float32)
+    if mode == "antiparallel":
+      sign = jnp.where(jnp.arange(T) % 2 == 0, 1.0, -1.0)[None, :, None, None]
+      w = sign * (a + 1e-3 * n)
+    else:
+      w = a + float(mode.split(":")[1]) * n
+    beta = jnp.full((B, T, K), 2.0, jnp.float32)
+  return w / jnp.linalg.norm(w, axis=-1, keepdims=True), beta
+
+
+def _inputs(key, B, T, H, K, D, dtype, *, gate, segments, w_mode="random"):
   ks = jax.random.split(key, 8)
   q = jax.random.normal(ks[0], (B, T, H, D), dtype)
   k = jax.random.normal(ks[1], (B, T, K, D), dtype)
   v = jax.random.normal(ks[2], (B, T, K, D), dtype)
-  w = jax.random.normal(ks[3], (B, T, K, D), jnp.float32)
-  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
-  beta = 2 * jax.random.uniform(ks[4], (B, T, K), jnp.float32)
+  w, beta = _transport_vectors(ks[3], B, T, K, D, mode=w_mode)
   lf = jax.nn.log_sigmoid(jax.random.normal(ks[5], (B, T, H)) + 2.0) if gate else None
   seg = None
   if segments:  # random packing: 2-4 segments per row, never attended across
@@ -38,9 +60,10 @@ class PathKernelBase:
   tol = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
   def _check(self, key, *, H, K, dtype, gate, segments, fox=False, determinism=False, T=None,
-             block_sizes=None):
+             block_sizes=None, w_mode="random"):
     B, T, D = 2, T or self.T, self.D
-    q, k, v, w, beta, lf, seg, do = _inputs(key, B, T, H, K, D, dtype, gate=gate, segments=segments)
+    q, k, v, w, beta, lf, seg, do = _inputs(key, B, T, H, K, D, dtype, gate=gate, segments=segments,
+                                            w_mode=w_mode)
     bs = block_sizes or kp.BlockSizes(block_q=self.block, block_k=self.block)
     scale = D ** -0.5
     if fox:
@@ -82,6 +105,42 @@ class PathKernelBase:
   def test_fox_segments_gqa_f32(self, key):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True, fox=True)
 
+  @pytest.mark.parametrize("w_mode,dtype", [
+      ("shared:1.0", jnp.bfloat16), ("shared:0.01", jnp.bfloat16), ("antiparallel", jnp.bfloat16),
+      ("shared:0.01", jnp.float32)])
+  def test_path_correlated_w(self, key, w_mode, dtype):
+    """w sharing a direction, beta = 2: the bf16 training NaN's inputs (finite and accurate)."""
+    self._check(key, H=2, K=1, dtype=dtype, gate=False, segments=False, w_mode=w_mode)
+
+  def test_path_layer_inputs_bf16(self, key):
+    """The PaTH layer's own w, beta (low-rank projection, SiLU, short convolution, at init) through
+    the kernel at the GPU chunk size (64), bf16 q, k, v: the inputs of the bf16 training NaN.
+
+    At init neighbouring w share a direction only weakly (mean cosine 0.04-0.14: SiLU's positive
+    mean). The interpreter's exact float32 products pass this even with the old Neumann inverse,
+    while the GPU's TF32 products (8192x coarser) gave a NaN gradient on such inputs, so this
+    case matters on the GPU subclass; the strongly correlated cases, which the old inverse fails
+    in exact float32 too, are test_path_correlated_w and test_chunk_inverse_correlated_w."""
+    from posenc_jax import encodings
+    from posenc_jax.encodings import transport
+    B, T, H, D, C_model = 1, 128, 2, 32, 64
+    ks = jax.random.split(key, 6)
+    dims = encodings.Dims(d_model=C_model, num_heads=H, num_kv_heads=H, head_dim=D)
+    params = encodings.get("path").init(ks[0], dims)
+    x = jax.random.normal(ks[1], (B, T, C_model))
+    w, beta = transport.transport_inputs(params, x, num_kv_heads=H, head_dim=D)
+    q, k, v, do = (jax.random.normal(k_, (B, T, H, D), jnp.bfloat16) for k_ in ks[2:])
+    fast = lambda *a: kp.path_attention(*a, backend=self.backend)   # default chunk 64
+    ref = lambda *a: householder.path_attention_reference(*a, scale=D ** -0.5)
+    grad = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
+                               argnums=tuple(range(5)))
+    args = (q, k, v, w, beta)
+    with jax.default_matmul_precision("highest"):
+      o_ref, g_ref = ref(*args), grad(ref)(*args)
+    assert_rel_rms(fast(*args), o_ref, 1e-2, "forward")
+    for name, a, b in zip(("q", "k", "v", "w", "beta"), grad(fast)(*args), g_ref):
+      assert_rel_rms(a, b, 1e-2, f"d{name}")
+
 
 class TestInterpret(PathKernelBase):
   backend = "interpret"
@@ -106,6 +165,39 @@ class TestGPU(PathKernelBase):
   D = 64
 
 
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+class TestGPUTraining:
+  """What a researcher runs: the 12-layer llama-style bf16 model (d_model 768, 12 heads x 64)
+  on the packed code corpus at T = 2048 through the project's train step, 20 steps."""
+
+  steps = 20
+
+  @pytest.mark.parametrize("encoding", ["path", "path_fox"])
+  def test_bf16_model_trains(self, encoding):
+    import numpy as np
+    from experiments import data, sharding, train
+    from experiments.configs import base
+    from posenc_jax import model as model_lib
+    c = base.get_config()
+    c.data.task, c.data.seq_len = "text", 2048
+    c.train.update(steps=200, batch_size=8, learning_rate=1e-3, warmup_steps=5)
+    mcfg = model_lib.ModelConfig(vocab_size=data.vocab_size(c.data), encoding=encoding,
+                                 num_layers=12, d_model=768, num_heads=12, head_dim=64,
+                                 dtype="bfloat16")
+    mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+    trainer = train.Trainer(mcfg, c.train, mesh)
+    batches = data.make_train_iter(c.data, batch_size=8, seed=0)
+    losses = []
+    with jax.set_mesh(mesh):
+      state = trainer.init_state(0)
+      for _ in range(self.steps):
+        state, metrics = trainer.train_step(state, trainer.put(next(batches)))
+        losses.append(float(metrics["loss"]))
+        assert np.isfinite(float(metrics["grad_norm"])), f"grad norm not finite: {metrics}"
+    assert np.all(np.isfinite(losses)), losses
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
+
 def test_chunk_operands_vjp_matches_autodiff(key):
   """The hand-written VJP of one chunk's operands against jax.vjp of the forward function."""
   import functools
@@ -128,6 +220,24 @@ def test_chunk_operands_vjp_matches_autodiff(key):
   for name, a, b in zip(("dq0", "dq1", "dk", "dw", "dy", "dbeta"), jax.tree.leaves(got),
                         jax.tree.leaves(pull(cts))):
     assert_rel_rms(a, b, 1e-5, name)
+
+
+@pytest.mark.parametrize("w_mode", ["random", "shared:1.0", "shared:0.1", "shared:0.01",
+                                    "antiparallel"])
+def test_chunk_inverse_correlated_w(key, w_mode):
+  """The in-kernel UT inverse at the GPU chunk size (C = 64) against float64 numpy.
+
+  The Neumann product it replaced was off by 1e10-1e21 (relative) on these inputs in exact
+  float32; float32 rounding of the inputs alone gives up to ~1.3e-5 (worst of 20 seeds each)."""
+  import numpy as np
+  from kernels_pallas.path_attention import prepass_kernel as pk
+  C = D = 64
+  w, beta = _transport_vectors(key, 1, C, 1, D, mode=w_mode)
+  w, beta = w[0, :, 0], beta[0, :, 0]
+  w64, b64 = np.asarray(w, np.float64), np.asarray(beta, np.float64)
+  expected = np.linalg.inv(np.eye(C) + np.tril(b64[:, None] * (w64 @ w64.T), -1))
+  got = pk.chunk_inverse(w, beta[:, None], precision=jax.lax.Precision.HIGHEST)
+  assert_rel_rms(got, expected, 1e-4, "Y")
 
 
 @pytest.mark.parametrize("dtype,variant,backend", [
@@ -210,15 +320,17 @@ def test_lowers_for_tpu(gate):
       assert "tpu_custom_call" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("prepass,pairs,D", [("split", False, 64), ("split_bf16", True, 64),
-                                             ("fold_bf16", True, 128)])
-def test_lowers_for_gpu(prepass, pairs, D):
+@pytest.mark.parametrize("prepass,pairs,D,dtype", [
+    ("split", False, 64, jnp.bfloat16), ("split_bf16", True, 64, jnp.bfloat16),
+    ("fold_bf16", True, 128, jnp.bfloat16),
+    ("split", True, 64, jnp.float32)])   # float32: three-pass TF32 products everywhere
+def test_lowers_for_gpu(prepass, pairs, D, dtype):
   """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
   built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""
   B, T, H, K = 1, 300, 4, 2   # n = 5: query-chunk pairs and the odd tail
   sd = jax.ShapeDtypeStruct
-  args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
-          sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32),
+  args = [sd((B, T, H, D), dtype), sd((B, T, K, D), dtype),
+          sd((B, T, K, D), dtype), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32),
           sd((B, T, H), jnp.float32)]
   seg = sd((B, T), jnp.int32)
   bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs)
