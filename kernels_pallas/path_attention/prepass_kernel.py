@@ -354,7 +354,7 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
-VARIANTS = ("split", "fold", "split_bf16", "fold_bf16")
+VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_f32")
 
 
 def usable_variant(requested: str, *, backend: str, dtype) -> str:
@@ -383,7 +383,8 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
 
   precision None: float32-accurate for float32 q (calls.float32_precision), else the backend's
   default (TF32 on the GPU); the inverse is always float32-accurate. Variants
-  (module docstring): "split" (default) takes TF32 products; "split_bf16" gives the non-inverse
+  (module docstring): "split" (default) takes TF32 products; "split_f32" float32-accurate ones
+  (three-pass TF32 on the GPU) at any input dtype; "split_bf16" gives the non-inverse
   products bf16 operands (float32 q keeps float32): faster, but not accurate enough once the w
   of a chunk share a direction (below); "fold" / "fold_bf16" trade ~5% time for less memory
   at head_dim 64.
@@ -398,7 +399,7 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
   f32_inputs = jnp.dtype(q.dtype) == jnp.float32
-  if precision is None and f32_inputs:
+  if precision is None and (f32_inputs or variant.endswith("_f32")):
     precision = calls.float32_precision(backend)
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
   time_major = backend in ("gpu", "interpret")

@@ -243,6 +243,7 @@ def test_chunk_inverse_correlated_w(key, w_mode):
 @pytest.mark.parametrize("dtype,variant,backend", [
     (dtype, variant, "interpret") for dtype in (jnp.float32, jnp.bfloat16)
     for variant in ("split", "split_bf16", "fold_bf16")] + [
+    (jnp.bfloat16, "split_f32", "interpret")] + [
     (jnp.float32, "fold_bf16", "tpu_interpret")])   # TPU: blocked inputs (time-major elsewhere)
 def test_prepass_kernel_matches_jnp(key, dtype, variant, backend):
   """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass."""

@@ -1,0 +1,840 @@
+"""Whole-training-step throughput of one ~125M llama-style model per encoding, on one GPU.
+
+What is timed is what users run: experiments.train.Trainer's jitted, donating train_step
+(forward, backward, global-norm clipping, AdamW) on real `text` batches (byte-level Python
+stdlib source, packed rows with segment_ids / positions), inside `jax.set_mesh` of a 1 x 1 mesh.
+Model: ModelConfig(vocab_size=32000, num_layers=12, d_model=768, num_heads=12, head_dim=64,
+block="llama", dtype="bfloat16"), 134M parameters with the untied head (each row has the exact
+count). Tokens per step are constant: B = tokens_per_step / T (16 x 2048, 4 x 8192).
+
+  # all encodings at T = 2048; restartable: rows already in --out are skipped, so under a
+  # 10-minute limit per command the same command is repeated until it reports nothing to do.
+  # --out under workdirs/ (git-ignored) survives between calls; copy it to $OUT to keep it.
+  python -m experiments.benchmarks.train_throughput --seq-lens 2048 --deadline 540 \
+      --out workdirs/train_throughput.jsonl
+  # a subset at T = 8192
+  python -m experiments.benchmarks.train_throughput --seq-lens 8192 --deadline 540 \
+      --encodings rope,path,path_fox,fox,alibi --out workdirs/train_throughput.jsonl
+  # the PyTorch anchors (flash-linear-attention's PaTH kernel), both lengths
+  python -m experiments.benchmarks.train_throughput --encodings fla_path,fla_path_fox \
+      --deadline 540 --out workdirs/train_throughput.jsonl
+  # render the table of everything in --out
+  python -m experiments.benchmarks.train_throughput --render-only \
+      --out workdirs/train_throughput.jsonl --markdown experiments/benchmarks/RESULTS_train.md
+
+Each (encoding, T) runs in a fresh subprocess (`--one NAME --seq-len T ...`), so peak memory is
+per encoding and an OOM, crash or timeout becomes a row with its error. The parent never
+initialises a GPU backend. Each finished row is appended at once to --out (JSON lines);
+rows already there (same encoding, T, B, dtype, implementation) are skipped unless --force
+(--retry-errors re-runs only the failed ones); --deadline stops launching (and kills a child
+cut short by it, writing no row) before the caller's wall-clock limit, so the same command run
+again continues where it stopped.
+
+Per row: compile seconds (lower + compile of the train step, separately), --warmup steps, then
+--steps timed steps (wall clock around each step, jax.block_until_ready on its outputs; the
+MEDIAN is reported, tokens/s = B T / median), cycling through --num-batches distinct batches
+put on the device before timing. Loss check: the loss of each of the first --loss-steps steps
+(the timed ones included); `falling` = mean of the last k < mean of the first k, k = min(5,
+half the steps). Peak memory: memory_stats()["peak_bytes_in_use"] (None on CPU). The attention
+implementation: `implementation` is the one requested (auto = ModelConfig.implementation None);
+`attention_impl` says what ran: cudnn or pallas when the compiled step holds their custom calls
+(listed in `kernels`), otherwise the jnp path the auto rule of posenc_jax/attention.py takes
+(xla = jax.nn.dot_product_attention's XLA path, which its implementation=None picks; reference
+up to AUTO_DENSE_MAX_T, chunked beyond).
+
+FLOPs per training step (model FLOPs: what the maths needs, not what a kernel recomputes;
+backward = 2 x forward, so every forward count is multiplied by 3). N = B T tokens, L layers,
+H heads, D head dim, C = 64 the PaTH chunk:
+
+  dense      6 P N, P = all parameters but the embedding table (the lookup is no matmul); P
+             holds the head, the encoding's projections (PaTH's w / beta / gate maps, ...) and
+             also the norm scales and other vectors (< 0.1% of P, counted as if matmuls)
+  attention  3 L B 2 H D T^2: causal softmax attention, QK^T and PV over half the T x T square
+             (forward 2 * 2 H D T^2 / 2 per sequence and layer). The same for every encoding
+             whose extra work is elementwise: rotations (RoPE family, GRAPE-M, accumulated
+             rotations), additive biases (ALiBi, FoX, GRAPE-A), GRAPE-AP's path-integral bias
+             and TAPA's phase modulation are not counted as matmul FLOPs.
+  PaTH       (path, path_fox, fla_path*) adds to the attention:
+             transport  3 L B H (n(n-1)/2) 2 C D^2, n = ceil(T / C): per query chunk and each
+                        earlier key chunk one C x D x D product moves the query tile
+                        (forward ~ 2 H D^2 T^2 / (2 C))
+             pre-pass   3 L B H n (12 C^2 D + 2 C D^2 + 2 C^3 / 3): per chunk W W^T (2 C^2 D),
+                        the triangular inverse (~2 C^3 / 3), U = T^-1 (beta W) (2 C^2 D),
+                        E = W^T U (2 C D^2), and the intra-chunk q and k transforms
+                        (2 x 4 C^2 D)
+
+MFU = FLOPs / median step time / peak, against --peak-tflops (989 = H100 / H200 SXM dense bf16)
+and against a measured peak: the median of 10 bf16 matmuls of --matmul-size (8192^3) in JAX,
+measured once per --out file in its own subprocess (a JAX client in the parent would hold GPU
+memory while the encodings run) and passed to every row.
+
+The anchor (rows fla_path, fla_path_fox; experiments/benchmarks/fla_anchor_model.py): the same
+model in PyTorch with flash-linear-attention's PaTH kernel (fla-core 0.6.0), bf16 autocast,
+fused AdamW, clipping 1.0, the same batches; packed documents are masked through FLA's
+cu_seqlens (--no-fla-varlen: plain [B, T] rows). compile_s is its first step (Triton JIT and
+autotuning), peak memory torch.cuda.max_memory_allocated, steps timed with
+torch.cuda.synchronize around each.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, REPO)  # also runnable as a file, like the other benchmarks
+
+ANCHORS = ("fla_path", "fla_path_fox")
+KV_SHIFT = "+kv_shift"  # "rope+kv_shift": ModelConfig(encoding="rope", kv_shift=True)
+MATMUL = "matmul_bf16"  # the measured-peak row
+PATH_CHUNK = 64
+ROW_PREFIX = "ROW "  # the child's result line on stdout
+KEY_FIELDS = ("encoding", "seq_len", "batch", "dtype", "implementation")
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+  """The model's sizes (the benchmark's are the defaults; the smoke test shrinks them)."""
+  num_layers: int = 12
+  d_model: int = 768
+  num_heads: int = 12
+  head_dim: int = 64
+  vocab_size: int = 32000
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """How many steps of each kind one row runs."""
+  steps: int = 10        # timed
+  warmup: int = 3        # run before timing, after compiling
+  loss_steps: int = 30   # losses recorded from the first step on (timed steps included)
+  num_batches: int = 4   # distinct batches cycled through
+
+
+# --- names ---------------------------------------------------------------------------------
+
+
+def runnable_encodings() -> list[str]:
+  """Every encoding the model can run alone, plus rope with the kv_shift modifier."""
+  from posenc_jax import encodings
+  return [n for n in encodings.NAMES if n not in encodings.MODIFIERS] + ["rope" + KV_SHIFT]
+
+
+def split_name(name: str) -> tuple[str, bool]:
+  """'rope+kv_shift' -> ('rope', True); 'path' -> ('path', False)."""
+  base, plus, modifier = name.partition("+")
+  if plus and modifier != "kv_shift":
+    raise ValueError(f"{name!r}: the only modifier is kv_shift")
+  return base, bool(plus)
+
+
+def family_of(name: str) -> str:
+  if name in ANCHORS:
+    return "path"
+  from posenc_jax import encodings
+  return encodings.get(split_name(name)[0]).family
+
+
+def batch_for(*, tokens_per_step: int, seq_len: int) -> int:
+  if tokens_per_step % seq_len:
+    raise ValueError(f"--tokens-per-step {tokens_per_step} is not a multiple of T={seq_len}")
+  return tokens_per_step // seq_len
+
+
+# --- FLOPs ---------------------------------------------------------------------------------
+
+
+def train_flops(*, family: str, dense_params: int, num_layers: int, num_heads: int,
+                head_dim: int, seq_len: int, batch: int, chunk: int = PATH_CHUNK) -> dict:
+  """FLOPs of one training step (forward + backward), by part; the module docstring explains."""
+  H, D, T, C = num_heads, head_dim, seq_len, chunk
+  per_seq_fwd = {"attention": 2 * H * D * T * T, "transport": 0.0, "prepass": 0.0}
+  if family == "path":
+    n = math.ceil(T / C)
+    per_seq_fwd["transport"] = H * (n * (n - 1) / 2) * 2 * C * D * D
+    per_seq_fwd["prepass"] = H * n * (12 * C * C * D + 2 * C * D * D + 2 * C**3 / 3)
+  out = {"dense": 6.0 * dense_params * batch * T}
+  out.update({k: 3.0 * num_layers * batch * v for k, v in per_seq_fwd.items()})
+  out["total"] = sum(out.values())
+  return out
+
+
+def mfu(flops: float, step_s: float, peak_tflops: float | None) -> float | None:
+  return None if not peak_tflops or not step_s else flops / step_s / (peak_tflops * 1e12)
+
+
+# --- batches and shared row fields ---------------------------------------------------------
+
+
+def text_batches(*, seq_len: int, batch: int, count: int) -> list[dict]:
+  """`count` distinct host batches of the `text` task, as experiments/train.py draws them."""
+  from experiments import data
+  from experiments.configs import base
+  cfg = base.get_config().data
+  cfg.task, cfg.seq_len = "text", seq_len
+  it = data.make_train_iter(cfg, batch_size=batch, seed=0)
+  return [next(it) for _ in range(count)]
+
+
+def loss_summary(losses: list[float]) -> dict:
+  k = max(1, min(5, len(losses) // 2))
+  finite = all(math.isfinite(x) for x in losses)
+  return {"losses": [round(x, 4) for x in losses], "loss_first": losses[0],
+          "loss_last": losses[-1], "loss_finite": finite,
+          "loss_falling": finite and statistics.mean(losses[-k:]) < statistics.mean(losses[:k])}
+
+
+def timing_fields(step_s: list[float], *, tokens: int, flops: dict, peak_tflops,
+                  measured_tflops) -> dict:
+  med = statistics.median(step_s)
+  return {"step_ms": med * 1e3, "step_ms_all": [round(s * 1e3, 3) for s in step_s],
+          "tokens_per_s": tokens / med, "flops": flops, "peak_tflops": peak_tflops,
+          "measured_tflops": measured_tflops, "mfu": mfu(flops["total"], med, peak_tflops),
+          "mfu_measured": mfu(flops["total"], med, measured_tflops)}
+
+
+def now_utc() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _steps_to_run(schedule: Schedule) -> int:
+  return max(schedule.loss_steps, schedule.warmup + schedule.steps)
+
+
+# --- one JAX row ---------------------------------------------------------------------------
+
+
+_KERNEL_PATTERNS = {"cudnn": re.compile(r"cudnn\$fmha|cudnn.*attention", re.I),
+                    "pallas": re.compile(r"triton|mosaic", re.I)}
+
+
+def attention_kernels(hlo_text: str) -> list[str]:
+  """Custom-call targets of the compiled step that are attention kernels (cuDNN, Pallas)."""
+  targets = set(re.findall(r'custom_call_target="([^"]+)"', hlo_text))
+  return sorted(t for t in targets if any(p.search(t) for p in _KERNEL_PATTERNS.values()))
+
+
+def attention_label(*, kernels: list[str], implementation: str, family: str, seq_len: int,
+                    backend: str) -> str:
+  """Which attention ran: a kernel seen in the compiled step, else the jnp path taken."""
+  for label, pattern in _KERNEL_PATTERNS.items():
+    if any(pattern.search(k) for k in kernels):
+      return label
+  if implementation != "auto":
+    return implementation
+  if family == "softmax" and backend == "gpu":
+    # posenc_jax's auto passes implementation=None to jax.nn.dot_product_attention, which
+    # (jax 0.10) means its XLA path, not cuDNN; a cuDNN call would have shown in `kernels`.
+    return "xla"
+  from posenc_jax import attention
+  dense_max = getattr(attention, "AUTO_DENSE_MAX_T", None)
+  if dense_max is None:
+    return "auto"
+  return "reference" if seq_len <= dense_max else "chunked"
+
+
+def jax_peak_gib() -> float | None:
+  import jax
+  stats = jax.local_devices()[0].memory_stats()  # None on CPU
+  if not stats or "peak_bytes_in_use" not in stats:
+    return None
+  return stats["peak_bytes_in_use"] / 2**30
+
+
+def compiled_gib(compiled) -> float | None:
+  """XLA's own estimate (arguments + outputs + temporaries): tells an OOM's size in advance."""
+  try:
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes) / 2**30
+  except Exception:  # not every backend reports it
+    return None
+
+
+def count_params(params) -> tuple[int, int]:
+  """(all parameters, the embedding table's) of the Trainer's params dict."""
+  import jax
+  total = sum(int(x.size) for x in jax.tree.leaves(params))
+  return total, int(params["embed"]["embedding"].size)
+
+
+def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
+            implementation: str, schedule: Schedule, peak_tflops: float | None,
+            measured_tflops: float | None, compile_only: bool = False) -> dict:
+  """Compiles and times the project's train step for one encoding; returns the row.
+
+  compile_only: stop after compiling (the pre-compile phase fills the persistent cache)."""
+  import jax
+  from experiments import sharding
+  from experiments import train
+  from experiments.configs import base
+  from posenc_jax import model as model_lib
+
+  encoding, kv_shift = split_name(name)
+  mcfg = model_lib.ModelConfig(
+      vocab_size=size.vocab_size, encoding=encoding, kv_shift=kv_shift,
+      num_layers=size.num_layers, d_model=size.d_model, num_heads=size.num_heads,
+      head_dim=size.head_dim, block="llama", dtype=dtype,
+      implementation=None if implementation == "auto" else implementation)
+  train_cfg = base.get_config().train
+  mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+  trainer = train.Trainer(mcfg, train_cfg, mesh)
+  host_batches = text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches)
+  row = {}
+  with jax.set_mesh(mesh):
+    batches = jax.block_until_ready([trainer.put(b) for b in host_batches])
+    state = jax.block_until_ready(trainer.init_state(0))
+    total, embedding = count_params(state["params"])
+    t0 = time.perf_counter()
+    # The compiled executable itself is called below, so the step is not compiled twice.
+    step = trainer.train_step.lower(state, batches[0]).compile()
+    row["compile_s"] = time.perf_counter() - t0
+    if compile_only:
+      return row
+    kernels = attention_kernels(step.as_text())
+    row["compiled_gib"] = compiled_gib(step)
+    losses, step_s = [], []
+    for i in range(_steps_to_run(schedule)):
+      t0 = time.perf_counter()
+      state, metrics = step(state, batches[i % len(batches)])
+      jax.block_until_ready((state, metrics))
+      dt = time.perf_counter() - t0
+      if schedule.warmup <= i < schedule.warmup + schedule.steps:
+        step_s.append(dt)
+      if i < schedule.loss_steps:
+        losses.append(float(metrics["loss"]))
+  flops = train_flops(family=family_of(name), dense_params=total - embedding,
+                      num_layers=size.num_layers, num_heads=size.num_heads,
+                      head_dim=size.head_dim, seq_len=seq_len, batch=batch)
+  device = jax.devices()[0]
+  row.update(
+      params=total, params_dense=total - embedding, kernels=kernels,
+      attention_impl=attention_label(kernels=kernels, implementation=implementation,
+                                     family=family_of(name), seq_len=seq_len,
+                                     backend=jax.default_backend()),
+      peak_gib=jax_peak_gib(), device_kind=device.device_kind, jax_version=jax.__version__,
+      **timing_fields(step_s, tokens=batch * seq_len, flops=flops, peak_tflops=peak_tflops,
+                      measured_tflops=measured_tflops),
+      **loss_summary(losses))
+  return row
+
+
+# --- one anchor row (PyTorch) --------------------------------------------------------------
+
+
+def run_fla(*, name: str, seq_len: int, batch: int, size: Size, dtype: str, schedule: Schedule,
+            peak_tflops: float | None, measured_tflops: float | None, varlen: bool) -> dict:
+  """The same measurement of the PyTorch model around FLA's PaTH kernel (needs CUDA)."""
+  try:
+    import torch
+  except ImportError as e:
+    raise ImportError(f"the FLA anchor needs torch, triton, fla-core 0.6.0 and CUDA: {e}") from e
+  from experiments.benchmarks import fla_anchor_model as anchor
+  from experiments.configs import base
+  from posenc_jax import model as model_lib
+
+  if not torch.cuda.is_available():
+    raise RuntimeError("the FLA anchor needs a CUDA GPU (FLA's kernels are Triton)")
+  mlp_dim = model_lib.ModelConfig(vocab_size=size.vocab_size, d_model=size.d_model).mlp_width
+  torch.manual_seed(0)
+  model, layer = anchor.build_model(
+      vocab_size=size.vocab_size, num_layers=size.num_layers, d_model=size.d_model,
+      num_heads=size.num_heads, head_dim=size.head_dim, mlp_dim=mlp_dim,
+      forget_gate=name == "fla_path_fox", device="cuda")
+  train_cfg = base.get_config().train
+  opt, sched = anchor.make_optimizer(model, train_cfg)
+  step = anchor.make_train_step(model, opt, sched, dtype=dtype, grad_clip=train_cfg.grad_clip)
+  batches = [anchor.to_torch_batch(b, device="cuda", varlen=varlen)
+             for b in text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches)]
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  losses, step_s, compile_s = [], [], None
+  # Warm-up covers every distinct batch: cu_seqlens differ per batch, and FLA's chunk indices
+  # (and possibly Triton specialisations) are built per batch on first sight.
+  schedule = dataclasses.replace(schedule, warmup=max(schedule.warmup, len(batches) - 1))
+  for i in range(_steps_to_run(schedule) + 1):  # step 0: Triton JIT + autotuning ("compile")
+    t0 = time.perf_counter()
+    loss = step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    if i == 0:
+      compile_s = dt
+    elif schedule.warmup < i <= schedule.warmup + schedule.steps:
+      step_s.append(dt)
+    if i < schedule.loss_steps:
+      losses.append(float(loss))
+  total, embedding = anchor.count_params(model)
+  flops = train_flops(family="path", dense_params=total - embedding, num_layers=size.num_layers,
+                      num_heads=size.num_heads, head_dim=size.head_dim, seq_len=seq_len,
+                      batch=batch)
+  import triton
+  import fla
+  return dict(
+      compile_s=compile_s, params=total, params_dense=total - embedding, kernels=[],
+      attention_impl="fla (" + layer + (", cu_seqlens" if varlen else ", no doc mask") + ")",
+      peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+      device_kind=torch.cuda.get_device_name(),
+      jax_version=None, torch_version=torch.__version__, triton_version=triton.__version__,
+      fla_version=getattr(fla, "__version__", None), fla_varlen=varlen,
+      warmup_steps=schedule.warmup,
+      **timing_fields(step_s, tokens=batch * seq_len, flops=flops, peak_tflops=peak_tflops,
+                      measured_tflops=measured_tflops),
+      **loss_summary(losses))
+
+
+# --- the measured matmul peak --------------------------------------------------------------
+
+
+def run_matmul_peak(*, n: int, repeats: int = 10) -> dict:
+  """bf16 [n, n] @ [n, n] in JAX: median seconds of `repeats` runs -> TFLOP/s."""
+  import jax
+  import jax.numpy as jnp
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+  b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+  f = jax.jit(jnp.matmul)
+  jax.block_until_ready(f(a, b))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(a, b))
+    times.append(time.perf_counter() - t0)
+  med = statistics.median(times)
+  device = jax.devices()[0]
+  return {"step_ms": med * 1e3, "measured_tflops": 2 * n**3 / med / 1e12,
+          "device_kind": device.device_kind, "jax_version": jax.__version__}
+
+
+# --- the child: one row --------------------------------------------------------------------
+
+
+def row_identity(args, *, name: str, seq_len: int) -> dict:
+  """The fields that identify a row (KEY_FIELDS): what was asked, known before running."""
+  if name == MATMUL:
+    return {"encoding": name, "seq_len": seq_len, "batch": 1, "dtype": "bfloat16",
+            "implementation": "xla"}
+  impl = args.implementation
+  if name in ANCHORS:  # the document masking changes the anchor's work
+    impl = "fla" if args.fla_varlen else "fla_no_doc_mask"
+  return {"encoding": name, "seq_len": seq_len,
+          "batch": batch_for(tokens_per_step=args.tokens_per_step, seq_len=seq_len),
+          "dtype": args.dtype, "implementation": impl}
+
+
+def one_row(args, *, name: str, seq_len: int) -> dict:
+  """Runs one (encoding, T) and returns its row; any exception becomes the row's error."""
+  row = {**row_identity(args, name=name, seq_len=seq_len), "date": now_utc(), "error": None}
+  t0 = time.time()
+  common = dict(seq_len=seq_len, batch=row["batch"], size=size_of(args), dtype=args.dtype,
+                schedule=schedule_of(args), peak_tflops=args.peak_tflops,
+                measured_tflops=args.measured_tflops)
+  try:
+    if name == MATMUL:
+      row.update(run_matmul_peak(n=seq_len))
+    elif name in ANCHORS:
+      row.update(run_fla(name=name, varlen=args.fla_varlen, **common))
+    else:
+      row.update(run_jax(name=name, implementation=args.implementation,
+                         compile_only=args.compile_only, **common))
+  except Exception as e:  # one row's failure is data, not the end of the run
+    row["error"] = f"{type(e).__name__}: {_first_line(str(e))}"
+  row["wall_s"] = time.time() - t0
+  return row
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+  lines = [l for l in text.strip().splitlines() if l.strip()]
+  return (lines[0] if lines else "")[:limit]
+
+
+def size_of(args) -> Size:
+  return Size(num_layers=args.layers, d_model=args.d_model, num_heads=args.heads,
+              head_dim=args.head_dim, vocab_size=args.vocab)
+
+
+def schedule_of(args) -> Schedule:
+  return Schedule(steps=args.steps, warmup=args.warmup, loss_steps=args.loss_steps,
+                  num_batches=args.num_batches)
+
+
+# --- the parent: rows file, subprocesses, tables -------------------------------------------
+
+
+def row_key(row: dict) -> tuple:
+  return tuple(row.get(k) for k in KEY_FIELDS)
+
+
+def read_rows(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def append_row(path: str, row: dict) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a") as f:
+    f.write(json.dumps(row) + "\n")
+
+
+def child_argv(args, *, name: str, seq_len: int) -> list[str]:
+  """The command of one child: this module with --one and the parent's measurement flags."""
+  argv = [sys.executable, "-m", "experiments.benchmarks.train_throughput", "--one", name,
+          "--seq-len", str(seq_len)]
+  for flag in ("tokens_per_step", "dtype", "implementation", "steps", "warmup", "loss_steps",
+               "num_batches", "layers", "d_model", "heads", "head_dim", "vocab", "peak_tflops",
+               "measured_tflops"):
+    value = getattr(args, flag)
+    if value is not None:
+      argv += ["--" + flag.replace("_", "-"), str(value)]
+  argv.append("--fla-varlen" if args.fla_varlen else "--no-fla-varlen")
+  return argv
+
+
+def child_env(args, *, compile_only: bool = False) -> dict:
+  env = dict(os.environ)
+  # JAX preallocates 75% of the GPU by default; let a large step use up to 90% before OOM.
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")
+  if compile_only:  # several compile at once: each takes only the memory it uses
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  if args.cache_dir:  # the timed child loads what the pre-compile child stored
+    env.update(JAX_COMPILATION_CACHE_DIR=os.path.abspath(args.cache_dir),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return env
+
+
+def start_child(args, *, name: str, seq_len: int, compile_only: bool = False):
+  argv = child_argv(args, name=name, seq_len=seq_len) + (["--compile-only"] if compile_only
+                                                         else [])
+  return subprocess.Popen(argv, cwd=REPO, env=child_env(args, compile_only=compile_only),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)  # its own group: a kill reaches ptxas etc.
+
+
+def precompile(args, todo: list[tuple[str, int]], deadline: float | None) -> None:
+  """Compiles the JAX rows in --compile-workers parallel children into --cache-dir.
+
+  Compiling a 12-layer step takes about a minute of mostly single-threaded CPU work, more than
+  timing it; run one after another, compiling would take most of a device call. The timed
+  children then load the executables from the persistent cache (their compile_s shows it)."""
+  queue = [(n, t) for n, t in todo if n not in ANCHORS and n != MATMUL]
+  running = []
+  while queue or running:
+    while queue and len(running) < args.compile_workers:
+      name, seq_len = queue.pop(0)
+      running.append((name, seq_len, time.time(),
+                      start_child(args, name=name, seq_len=seq_len, compile_only=True)))
+    time.sleep(1)
+    for item in list(running):
+      name, seq_len, t0, proc = item
+      late = deadline is not None and time.time() > deadline - 60
+      if proc.poll() is None and not late and time.time() - t0 < args.timeout:
+        continue
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+      proc.communicate()
+      running.remove(item)
+      print(f"precompiled {name} T={seq_len} in {time.time() - t0:.0f} s (exit {proc.returncode})",
+            flush=True)
+    if deadline is not None and time.time() > deadline - 60:
+      queue.clear()
+
+
+def spawn(args, *, name: str, seq_len: int, timeout_s: float) -> tuple[dict, bool]:
+  """(row, killed): the child's row, or an error row when it crashed or ran past timeout_s."""
+  proc = start_child(args, name=name, seq_len=seq_len)
+  t0 = time.time()
+  try:
+    out, err = proc.communicate(timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    return {"error": f"timeout after {timeout_s:.0f} s", "wall_s": time.time() - t0}, True
+  for line in reversed(out.splitlines()):
+    if line.startswith(ROW_PREFIX):
+      return json.loads(line[len(ROW_PREFIX):]), False
+  tail = " | ".join(l for l in err.strip().splitlines()[-3:])[-400:]
+  return {"error": f"exit code {proc.returncode} without a row (OOM kill or crash): {tail}",
+          "wall_s": time.time() - t0}, False
+
+
+def _fmt(x, spec: str, missing: str = "-") -> str:
+  return missing if x is None else format(x, spec)
+
+
+def progress_line(row: dict) -> str:
+  if row["encoding"] == MATMUL:
+    return (f"{MATMUL} {row['seq_len']}^3: {_fmt(row.get('measured_tflops'), '.4g')} TFLOP/s "
+            f"{row.get('error') or ''}")
+  head = f"{row['encoding']:>22} T={row['seq_len']:<5} B={row['batch']:<3}"
+  if row.get("error"):
+    return f"{head} ERROR {row['error'][:200]}"
+  return (f"{head} {row['tokens_per_s']:>9,.0f} tok/s {row['step_ms']:8.1f} ms "
+          f"MFU {_fmt(row['mfu'], '.1%')} ({_fmt(row.get('mfu_measured'), '.1%')} of measured) "
+          f"peak {_fmt(row['peak_gib'], '.1f')} GiB loss {row['loss_first']:.3f}->"
+          f"{row['loss_last']:.3f} compile {row['compile_s']:.0f} s {row['attention_impl']} "
+          f"P={row['params']:,}")
+
+
+def latest_rows(rows: list[dict]) -> dict:
+  """key -> the last row written for it (a re-run after --force or --retry-errors wins)."""
+  return {row_key(r): r for r in rows}
+
+
+def label(row: dict) -> str:
+  """Row name in tables: the encoding, plus what differs from the default measurement."""
+  extra = [x for x in (row["implementation"] if row["implementation"] not in ("auto", "fla")
+                       else None, row["dtype"] if row["dtype"] != "bfloat16" else None) if x]
+  return row["encoding"] + (f" [{', '.join(extra)}]" if extra else "")
+
+
+def _ratio_to_rope(row: dict, by_label_t: dict) -> float | None:
+  rope = by_label_t.get(("rope" + label(row)[len(row["encoding"]):], row["seq_len"]))
+  if row.get("error") or not rope or rope.get("error"):
+    return None
+  return row["tokens_per_s"] / rope["tokens_per_s"]
+
+
+def _order_key(name: str) -> tuple:
+  """Tables list encodings in NAMES order, the anchors last."""
+  known = runnable_encodings() + list(ANCHORS)
+  base = name.split(" [")[0]
+  return (known.index(base) if base in known else len(known), name)
+
+
+def render_markdown(rows: list[dict], *, command: str | None = None) -> str:
+  """One table row per encoding (columns per T), with the header facts."""
+  latest = [r for r in latest_rows(rows).values() if r["encoding"] != MATMUL]
+  peaks = [r for r in latest_rows(rows).values() if r["encoding"] == MATMUL and not r["error"]]
+  seq_lens = sorted({r["seq_len"] for r in latest})
+  by_label_t = {(label(r), r["seq_len"]): r for r in latest}
+  devices = sorted({r["device_kind"] for r in latest + peaks if r.get("device_kind")})
+  jaxes = sorted({r["jax_version"] for r in latest + peaks if r.get("jax_version")})
+  torches = sorted({r["torch_version"] for r in latest if r.get("torch_version")})
+  dates = sorted(r["date"] for r in latest + peaks)
+  commands = sorted({r["command"] for r in latest + peaks if r.get("command")})
+  rope_impl = sorted({f"{r['attention_impl']} at T={r['seq_len']}" for r in latest
+                      if r["encoding"] == "rope" and not r.get("error")})
+  batch = sorted({f"B={r['batch']} at T={r['seq_len']}" for r in latest})
+  given_peak = sorted({f"{r['peak_tflops']:.0f}" for r in latest if r.get("peak_tflops")})
+  measured = [f"{r['measured_tflops']:.4g} TFLOP/s at {r['seq_len']}^3" for r in peaks]
+  params = sorted({f"{r['encoding']}: {r['params']:,}" for r in latest if r.get("params")
+                   and r["encoding"] in ("rope", "path", "fla_path")})
+  lines = ["# Training-step throughput per encoding", "",
+           f"- command: {command or '; '.join(f'`{c}`' for c in commands) or '-'}",
+           f"- machine: {', '.join(devices) or '-'}; jax {', '.join(jaxes) or '-'}"
+           + (f"; torch {', '.join(torches)}" if torches else ""),
+           f"- date: {dates[0] if dates else '-'} .. {dates[-1] if dates else '-'}",
+           f"- batch: {', '.join(batch)} (constant tokens per step); dtype and implementation "
+           f"in brackets where not bfloat16 / auto",
+           f"- parameters (incl. the untied head): {'; '.join(params) or '-'}",
+           f"- ratio = tokens/s over rope's (\"RoPE-on-cuDNN\"); rope's attention ran as: "
+           f"{', '.join(rope_impl) or '-'}",
+           "- MFU: model FLOPs (formula in experiments/benchmarks/train_throughput.py) / step "
+           f"time / peak; first against --peak-tflops ({', '.join(given_peak) or '-'} TFLOP/s), "
+           f"in parentheses against the measured bf16 matmul peak "
+           f"({', '.join(measured) or 'not measured'})",
+           "- loss: first -> last of the loss steps; finite / falling (last 5 mean < first 5)",
+           ""]
+  cols = ["encoding", "attention"]
+  for t in seq_lens:
+    cols += [f"tok/s T={t}", f"ratio T={t}"]
+  cols += ["MFU " + " / ".join(str(t) for t in seq_lens), "peak GiB", "loss first→last",
+           "finite, falling", "compile s", "error"]
+  lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for name in sorted({label(r) for r in latest}, key=_order_key):
+    per_t = [by_label_t.get((name, t)) for t in seq_lens]
+    ok = [r for r in per_t if r and not r.get("error")]
+    cells = [name, " / ".join(sorted({r["attention_impl"] for r in ok})) or "-"]
+    for r in per_t:
+      good = r is not None and not r.get("error")
+      cells += [f"{r['tokens_per_s']:,.0f}" if good else "-",
+                _fmt(_ratio_to_rope(r, by_label_t), ".2f") if good else "-"]
+    both = lambda f: " / ".join(f(r) if r and not r.get("error") else "-" for r in per_t)
+    cells += [both(lambda r: f"{_fmt(r['mfu'], '.1%')} ({_fmt(r.get('mfu_measured'), '.1%')})"),
+              both(lambda r: _fmt(r["peak_gib"], ".1f")),
+              both(lambda r: f"{r['loss_first']:.2f}→{r['loss_last']:.2f}"),
+              both(lambda r: f"{'yes' if r['loss_finite'] else 'NO'}, "
+                             f"{'yes' if r['loss_falling'] else 'NO'}"),
+              both(lambda r: f"{r['compile_s']:.0f}"),
+              "; ".join(f"T={r['seq_len']}: {r['error'][:120]}" for r in per_t
+                        if r and r.get("error")).replace("|", "/")]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def print_table(rows: list[dict]) -> None:
+  """A compact end-of-run table (the device machine returns only the output's tail)."""
+  latest = [r for r in latest_rows(rows).values() if r["encoding"] != MATMUL]
+  for r in latest_rows(rows).values():
+    if r["encoding"] == MATMUL:
+      print(progress_line(r), flush=True)
+  print(f"{'encoding':>24} {'T':>5} {'tok/s':>9} {'xrope':>6} {'MFU':>6} {'GiB':>5} "
+        f"{'loss':>13} {'cmp s':>5}  attention / error", flush=True)
+  by_label_t = {(label(r), r["seq_len"]): r for r in latest}
+  for r in sorted(latest, key=lambda r: (r["seq_len"], _order_key(label(r)))):
+    if r.get("error"):
+      print(f"{label(r):>24} {r['seq_len']:>5} ERROR {r['error'][:90]}", flush=True)
+      continue
+    print(f"{label(r):>24} {r['seq_len']:>5} {r['tokens_per_s']:>9,.0f} "
+          f"{_fmt(_ratio_to_rope(r, by_label_t), '.2f'):>6} {_fmt(r['mfu'], '.1%'):>6} "
+          f"{_fmt(r['peak_gib'], '.1f'):>5} {r['loss_first']:>6.2f}>{r['loss_last']:<6.2f} "
+          f"{r['compile_s']:>5.0f}  {r['attention_impl']}", flush=True)
+
+
+def default_out() -> str:
+  return os.path.join(os.environ["OUT"], "train_throughput.jsonl") if os.environ.get("OUT") \
+      else "/tmp/train_throughput.jsonl"
+
+
+def measured_peak(args, rows: list[dict], deadline: float | None) -> float | None:
+  """The measured bf16 matmul TFLOP/s: from --out if there, else one child measures it."""
+  if args.measured_tflops is not None or not args.matmul_size:
+    return args.measured_tflops
+  found = latest_rows(rows).get(row_key(row_identity(args, name=MATMUL,
+                                                     seq_len=args.matmul_size)))
+  if found is None or args.force:
+    found, _ = run_child(args, name=MATMUL, seq_len=args.matmul_size, deadline=deadline)
+    if found is None:
+      return None
+  return None if found.get("error") else found.get("measured_tflops")
+
+
+def run_child(args, *, name: str, seq_len: int, deadline: float | None) -> tuple[dict | None,
+                                                                                   bool]:
+  """Spawns one child and appends its row; (None, True) when the deadline cut it short."""
+  timeout = args.timeout
+  if deadline is not None:
+    left = deadline - time.time()
+    if left < 30:  # not worth starting: compile alone takes longer
+      print(f"{name} T={seq_len}: not started, {left:.0f} s left before --deadline; run the "
+            f"command again to continue", flush=True)
+      return None, True
+    timeout = min(timeout, left)
+  row, killed = spawn(args, name=name, seq_len=seq_len, timeout_s=timeout)
+  if killed and timeout < args.timeout:  # cut by the deadline, not by its own limit
+    print(f"{name} T={seq_len}: stopped at the deadline; run the command again to continue",
+          flush=True)
+    return None, True
+  if "encoding" not in row:  # the child produced no row: describe what it was asked to do
+    row = {**row_identity(args, name=name, seq_len=seq_len), "date": now_utc(), **row}
+  row["command"] = args.command
+  append_row(args.out, row)
+  print(progress_line(row), flush=True)
+  return row, False
+
+
+def run_all(args) -> list[dict]:
+  """Every requested (encoding, T) not yet in --out, T-major; returns all rows of the file."""
+  rows = read_rows(args.out)
+  deadline = time.time() + args.deadline if args.deadline else None
+  skip = {row_key(r) for r in rows if not (args.retry_errors and r.get("error"))}
+  args.measured_tflops = measured_peak(args, rows, deadline)
+  if args.compile_workers:
+    precompile(args, [(n, t) for t in args.seq_lens for n in args.encodings if args.force
+                      or row_key(row_identity(args, name=n, seq_len=t)) not in skip], deadline)
+  for seq_len in args.seq_lens:
+    todo = [n for n in args.encodings if args.force
+            or row_key(row_identity(args, name=n, seq_len=seq_len)) not in skip]
+    done = [n for n in args.encodings if n not in todo]
+    if done:  # one line: the device machine returns only the output's tail
+      print(f"T={seq_len}: already in {args.out}, skipped: {','.join(done)}", flush=True)
+    for name in todo:
+      _, stopped = run_child(args, name=name, seq_len=seq_len, deadline=deadline)
+      if stopped:
+        return read_rows(args.out)
+  print(f"done: every requested row is in {args.out}", flush=True)
+  return read_rows(args.out)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--encodings", default="all",
+                 help="comma list; 'all' = every runnable encoding + rope+kv_shift (the FLA "
+                      f"anchors {','.join(ANCHORS)} only when named)")
+  p.add_argument("--seq-lens", default="2048,8192")
+  p.add_argument("--tokens-per-step", type=int, default=32768)
+  p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+  p.add_argument("--implementation", default="auto",
+                 help="auto (ModelConfig.implementation=None) or a forced one for every layer")
+  p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--loss-steps", type=int, default=30)
+  p.add_argument("--num-batches", type=int, default=4, help="distinct batches cycled through")
+  p.add_argument("--layers", type=int, default=Size.num_layers)
+  p.add_argument("--d-model", type=int, default=Size.d_model)
+  p.add_argument("--heads", type=int, default=Size.num_heads)
+  p.add_argument("--head-dim", type=int, default=Size.head_dim)
+  p.add_argument("--vocab", type=int, default=Size.vocab_size)
+  p.add_argument("--peak-tflops", type=float, default=989.0,
+                 help="dense bf16 peak for MFU (989: H100 / H200 SXM)")
+  p.add_argument("--matmul-size", type=int, default=8192,
+                 help="n of the measured-peak n^3 bf16 matmul; 0 skips it")
+  p.add_argument("--measured-tflops", type=float, default=None,
+                 help="use this measured peak instead of measuring it")
+  p.add_argument("--timeout", type=float, default=420, help="seconds per subprocess")
+  p.add_argument("--deadline", type=float, default=0,
+                 help="stop after this many seconds of the whole run (0: none); a child cut "
+                      "short by it writes no row, so the same command continues later")
+  p.add_argument("--out", default=None, help="JSON lines file (default $OUT/train_throughput."
+                                             "jsonl, else /tmp/train_throughput.jsonl)")
+  p.add_argument("--force", action="store_true", help="re-run rows already in --out")
+  p.add_argument("--retry-errors", action="store_true", help="re-run rows that failed")
+  p.add_argument("--markdown", default=None, help="write the markdown table of --out here")
+  p.add_argument("--render-only", action="store_true", help="only render --out (no runs)")
+  p.add_argument("--fla-varlen", action=argparse.BooleanOptionalAction, default=True,
+                 help="anchor: mask packed documents through FLA's cu_seqlens")
+  p.add_argument("--compile-workers", type=int, default=0,
+                 help="first compile the JAX rows in this many parallel children into "
+                      "--cache-dir (0: compile in each timed child)")
+  p.add_argument("--cache-dir", default="workdirs/jax_cache",
+                 help="JAX persistent compilation cache shared by the children ('' = none)")
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child mode
+  p.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--seq-len", type=int, default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  args.out = args.out or default_out()
+  if args.implementation.lower() in ("none", "auto"):  # ModelConfig.implementation=None
+    args.implementation = "auto"
+  args.seq_lens = [int(t) for t in args.seq_lens.split(",") if t]
+  args.encodings = (runnable_encodings() if args.encodings == "all"
+                    else [e for e in args.encodings.split(",") if e])
+  args.command = "python -m experiments.benchmarks.train_throughput " + " ".join(
+      shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+  return args
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
+  if args.one:
+    row = one_row(args, name=args.one, seq_len=args.seq_len)
+    print(ROW_PREFIX + json.dumps(row), flush=True)
+    return
+  if not args.render_only:
+    unknown = [n for n in args.encodings if n not in runnable_encodings() + list(ANCHORS)]
+    if unknown:
+      raise SystemExit(f"unknown encodings {unknown}; expected some of "
+                       f"{runnable_encodings() + list(ANCHORS)}")
+    print(f"rows -> {args.out}", flush=True)
+    run_all(args)
+  rows = read_rows(args.out)
+  print_table(rows)
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write(render_markdown(rows))
+    print(f"markdown -> {args.markdown}", flush=True)
+
+
+if __name__ == "__main__":
+  main()

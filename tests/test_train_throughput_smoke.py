@@ -1,0 +1,62 @@
+"""CPU smoke test of experiments/benchmarks/train_throughput.py: the child's measurement of one
+(encoding, T), run in-process at a tiny size for rope and path, the FLOP counts and the table."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from experiments.benchmarks import train_throughput as tt
+
+TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--head-dim", "16", "--vocab", "300",
+        "--tokens-per-step", "128", "--steps", "2", "--loss-steps", "3", "--warmup", "0",
+        "--num-batches", "2", "--matmul-size", "0"]
+T = 64
+
+
+@pytest.fixture(scope="module")
+def rows():
+  args = tt.parse_args(TINY)
+  return {name: tt.one_row(args, name=name, seq_len=T) for name in ("rope", "path")}
+
+
+@pytest.mark.parametrize("name", ["rope", "path"])
+def test_one_row_measures(rows, name):
+  row = rows[name]
+  assert row["error"] is None, row["error"]
+  assert (row["encoding"], row["seq_len"], row["batch"]) == (name, T, 2)
+  assert len(row["losses"]) == 3 and row["loss_finite"]
+  assert all(math.isfinite(x) for x in row["losses"])
+  assert row["tokens_per_s"] > 0 and len(row["step_ms_all"]) == 2
+  assert row["compile_s"] > 0 and row["params"] > row["params_dense"] > 0
+  assert row["mfu"] > 0 and row["peak_gib"] is None  # CPU has no memory_stats
+  assert row["attention_impl"] == "reference"  # the auto rule on CPU at T <= 2048
+
+
+def test_path_counts_more_flops_than_rope(rows):
+  size = dict(num_layers=2, num_heads=2, head_dim=16, seq_len=T, batch=2)
+  rope = tt.train_flops(family="softmax", dense_params=rows["rope"]["params_dense"], **size)
+  path = tt.train_flops(family="path", dense_params=rows["rope"]["params_dense"], **size)
+  assert path["total"] > rope["total"] and path["attention"] == rope["attention"]
+  assert rows["path"]["flops"]["total"] > rows["rope"]["flops"]["total"]
+  # At the benchmark's size the transport grows as T^2 / C: 2 H D^2 T^2 / (2 C) per forward.
+  big = dict(num_layers=1, num_heads=12, head_dim=64, seq_len=8192, batch=1, dense_params=0)
+  fwd = tt.train_flops(family="path", **big)["transport"] / 3
+  assert fwd == pytest.approx(2 * 12 * 64**2 * 8192**2 / (2 * 64), rel=0.01)
+
+
+def test_markdown_has_both_encodings(rows):
+  md = tt.render_markdown(list(rows.values()), command="pytest")
+  table = [line for line in md.splitlines() if line.startswith("| ")]
+  assert table[0].startswith("| encoding")
+  names = [line.split("|")[1].strip() for line in table[1:]]
+  assert names == ["rope", "path"]
+  assert "1.00" in table[1]  # rope's ratio to itself
+
+
+def test_anchor_without_torch_or_cuda_is_an_error_row():
+  """On a machine without torch, fla-core or CUDA the anchor is a row with a clear error."""
+  row = tt.one_row(tt.parse_args(TINY), name="fla_path", seq_len=T)
+  assert row["implementation"] == "fla" and row["batch"] == 2
+  if row["error"] is not None:  # (a GPU machine with FLA runs it)
+    assert "FLA anchor" in row["error"], row["error"]
