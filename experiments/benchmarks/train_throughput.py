@@ -32,9 +32,10 @@ again continues where it stopped.
 
 Per row: compile seconds (lower + compile of the train step, separately), --warmup steps, then
 --steps timed steps (wall clock around each step, jax.block_until_ready on its outputs; the
-MEDIAN is reported, tokens/s = B T / median), cycling through --num-batches distinct batches
-put on the device before timing. Loss check: the loss of each of the first --loss-steps steps
-(the timed ones included); `falling` = mean of the last k < mean of the first k, k = min(5,
+MEDIAN is reported, tokens/s = B T / median), each step on a new batch as in training: the
+first --num-batches are put on the device before timing, later ones (loss steps only) as they
+come, untimed. Loss check: the loss of each of the first --loss-steps steps (the timed ones
+included); `falling` = mean of the last k < mean of the first k, k = min(5,
 half the steps). Peak memory: memory_stats()["peak_bytes_in_use"] (None on CPU). The attention
 implementation: `implementation` is the one requested (auto = ModelConfig.implementation None);
 `attention_impl` says what ran: cudnn or pallas when the compiled step holds their custom calls
@@ -118,7 +119,9 @@ class Schedule:
   steps: int = 10        # timed
   warmup: int = 3        # run before timing, after compiling
   loss_steps: int = 30   # losses recorded from the first step on (timed steps included)
-  num_batches: int = 4   # distinct batches cycled through
+  num_batches: int = 13  # put on the device before timing (warm-up + timed steps: all distinct);
+                         # loss steps past them read fresh batches, untimed, so the loss check
+                         # measures learning, not memorising a few batches
 
 
 # --- names ---------------------------------------------------------------------------------
@@ -176,14 +179,15 @@ def mfu(flops: float, step_s: float, peak_tflops: float | None) -> float | None:
 # --- batches and shared row fields ---------------------------------------------------------
 
 
-def text_batches(*, seq_len: int, batch: int, count: int) -> list[dict]:
-  """`count` distinct host batches of the `text` task, as experiments/train.py draws them."""
+def text_batches(*, seq_len: int, batch: int, count: int) -> tuple[list[dict], object]:
+  """(`count` host batches of the `text` task, the iterator that continues after them), as
+  experiments/train.py draws them."""
   from experiments import data
   from experiments.configs import base
   cfg = base.get_config().data
   cfg.task, cfg.seq_len = "text", seq_len
   it = data.make_train_iter(cfg, batch_size=batch, seed=0)
-  return [next(it) for _ in range(count)]
+  return [next(it) for _ in range(count)], it
 
 
 def loss_summary(losses: list[float]) -> dict:
@@ -288,7 +292,7 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
   train_cfg = base.get_config().train
   mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
   trainer = train.Trainer(mcfg, train_cfg, mesh)
-  host_batches = text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches)
+  host_batches, more = text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches)
   row = {}
   with jax.set_mesh(mesh):
     batches = jax.block_until_ready([trainer.put(b) for b in host_batches])
@@ -304,8 +308,9 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
     row["compiled_gib"] = compiled_gib(step)
     losses, step_s = [], []
     for i in range(_steps_to_run(schedule)):
-      t0 = time.perf_counter()
-      state, metrics = step(state, batches[i % len(batches)])
+      b = batches[i] if i < len(batches) else trainer.put(next(more))
+      t0 = time.perf_counter()  # a fresh batch's transfer is not timed (nor needed: untimed)
+      state, metrics = step(state, b)
       jax.block_until_ready((state, metrics))
       dt = time.perf_counter() - t0
       if schedule.warmup <= i < schedule.warmup + schedule.steps:
@@ -353,17 +358,19 @@ def run_fla(*, name: str, seq_len: int, batch: int, size: Size, dtype: str, sche
   train_cfg = base.get_config().train
   opt, sched = anchor.make_optimizer(model, train_cfg)
   step = anchor.make_train_step(model, opt, sched, dtype=dtype, grad_clip=train_cfg.grad_clip)
-  batches = [anchor.to_torch_batch(b, device="cuda", varlen=varlen)
-             for b in text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches)]
+  host_batches, more = text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches)
+  batches = [anchor.to_torch_batch(b, device="cuda", varlen=varlen) for b in host_batches]
   torch.cuda.synchronize()
   torch.cuda.reset_peak_memory_stats()
   losses, step_s, compile_s = [], [], None
-  # Warm-up covers every distinct batch: cu_seqlens differ per batch, and FLA's chunk indices
-  # (and possibly Triton specialisations) are built per batch on first sight.
-  schedule = dataclasses.replace(schedule, warmup=max(schedule.warmup, len(batches) - 1))
+  # Every step sees a new batch, as in training (and as the JAX rows do): cu_seqlens differ per
+  # batch, so whatever FLA builds per batch on first sight is part of its step time.
   for i in range(_steps_to_run(schedule) + 1):  # step 0: Triton JIT + autotuning ("compile")
+    b = batches[i] if i < len(batches) else anchor.to_torch_batch(next(more), device="cuda",
+                                                                  varlen=varlen)
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
-    loss = step(batches[i % len(batches)])
+    loss = step(b)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     if i == 0:
@@ -771,7 +778,8 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--loss-steps", type=int, default=30)
-  p.add_argument("--num-batches", type=int, default=4, help="distinct batches cycled through")
+  p.add_argument("--num-batches", type=int, default=Schedule.num_batches,
+                 help="batches put on the device before timing (the rest are read as they come)")
   p.add_argument("--layers", type=int, default=Size.num_layers)
   p.add_argument("--d-model", type=int, default=Size.d_model)
   p.add_argument("--heads", type=int, default=Size.num_heads)
