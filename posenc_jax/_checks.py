@@ -11,7 +11,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-IMPLEMENTATIONS = ("reference", "xla", "scan", "chunked", "pallas")
+IMPLEMENTATIONS = ("reference", "xla", "cudnn", "scan", "chunked", "pallas")
 
 
 def check_rank(name: str, x, rank: int, letters: str) -> None:

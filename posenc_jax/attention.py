@@ -4,17 +4,27 @@ Each public function validates its arguments once (shapes, ranges, implementatio
 hands plain arrays to an implementation in the family's module:
 
   reference  dense O(T^2) jnp oracle: trivially correct, holds a T x T array
-  xla        jax.nn.dot_product_attention (plain softmax family only; cuDNN on GPU)
+  xla        jax.nn.dot_product_attention as jax picks it (plain softmax family only; XLA's
+             T x T form today)
+  cudnn      jax.nn.dot_product_attention(implementation="cudnn"): cuDNN flash attention
+             (softmax family, CUDA GPUs, bfloat16/float16; segment_ids go in as a dense mask)
   scan       PaTH only: cumulative Householder products by lax.associative_scan
   chunked    blockwise jnp with an online softmax: never holds a T x T array
-  pallas     kernels_pallas (GPU/TPU; interpret mode elsewhere)
+  pallas     kernels_pallas (GPU/TPU; interpret mode elsewhere); the softmax family runs the
+             FoX kernel with no gate
 
-`implementation=None` picks the Pallas kernel on GPU/TPU where one exists, otherwise the
-dense reference up to AUTO_DENSE_MAX_T tokens (fastest on CPU) and the chunked form beyond.
+`implementation=None` asks `auto_implementation`, one table for every family:
+  CPU        the dense reference up to AUTO_DENSE_MAX_T tokens (fastest there), chunked beyond
+  GPU/TPU    the Pallas kernel for path and forgetting; for softmax on the GPU the choice of
+             `softmax_gpu_path` (cuDNN, else the Pallas kernel, else XLA); chunked for the rest
+             at every T, so nothing holds a T x T array per head on an accelerator.
 
-Shape letters: B batch, T time, H query heads, K kv heads (H % K == 0), D head dim.
+Shape letters: B batch, T time, H query heads, K kv heads (H % K == 0), D head dim,
+Dv value head dim.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,18 +38,168 @@ from posenc_jax import unipotent
 
 AUTO_DENSE_MAX_T = 2048
 
+# The GPU softmax path when segment_ids are given, which is every training step (packed
+# documents): "pallas" (the project's flash kernel masks segments tile by tile, O(T) memory)
+# or "cudnn" (cuDNN flash attention reading a dense [B, 1, T, T] mask, which jax turns into a
+# bias in q's dtype: 2 B T^2 bytes per layer call, 512 MiB at B=4, T=8192, plus the bool mask
+# and, before jax 0.11.1, a bias gradient of the same size). jax's public API has no segment
+# ids for cuDNN. A GPU measurement settles this; flip it here.
+GPU_SOFTMAX_WITH_SEGMENTS = "pallas"
 
-def _pick(implementation, T: int, allowed, *, has_kernel: bool):
+CUDNN_DTYPES = ("bfloat16", "float16")
+# cuDNN flash attention takes head dims that are multiples of 8 up to 128 (256 on Hopper and
+# later; the rule stays device-free, so it keeps the bound every cuDNN GPU accepts).
+CUDNN_MAX_HEAD_DIM = 128
+PALLAS_DTYPES = ("float32", "bfloat16", "float16")
+# The Pallas kernel takes power-of-two head dims >= 16; its tiles are tuned up to 128.
+PALLAS_MAX_HEAD_DIM = 128
+
+FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa")
+_KERNEL_FAMILIES = ("path", "forgetting")
+
+
+class Choice(NamedTuple):
+  """An implementation name and the one-line reason it was chosen (for logs and benchmarks)."""
+  implementation: str
+  reason: str
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def cudnn_head_dim(D: int, Dv: int) -> int:
+  """The one head dim cuDNN runs at: q, k, v zero-padded to max(D, Dv), a multiple of 8."""
+  return _round_up(max(D, Dv), 8)
+
+
+def pallas_head_dim(D: int, Dv: int) -> int:
+  """The one head dim the Pallas kernel runs at: the next power of two >= max(D, Dv, 16)."""
+  return max(16, 1 << (max(D, Dv) - 1).bit_length())
+
+
+def cudnn_unsupported(dtype, D: int, Dv: int, *, T: int, has_segments: bool) -> str | None:
+  """Why cuDNN flash attention cannot run this call (None when it can), from shapes alone.
+
+  The conditions are jax's (jax/_src/cudnn/fused_attention_stablehlo.py, check_layout and
+  check_is_flash_attention), which raise only when the call is lowered on a GPU.
+  """
+  name = jnp.dtype(dtype).name
+  if name not in CUDNN_DTYPES:
+    return f"dtype {name} is not {' or '.join(CUDNN_DTYPES)}"
+  width = cudnn_head_dim(D, Dv)
+  if width > CUDNN_MAX_HEAD_DIM:
+    return f"head dim {width} > CUDNN_MAX_HEAD_DIM={CUDNN_MAX_HEAD_DIM}"
+  if has_segments and T % 2:
+    return f"odd T={T} with a segment mask: cuDNN's bias backward needs an even length"
+  return None
+
+
+def pallas_unsupported(dtype, D: int, Dv: int) -> str | None:
+  """Why the Pallas flash kernel cannot run softmax attention (None when it can)."""
+  name = jnp.dtype(dtype).name
+  if name not in PALLAS_DTYPES:
+    return f"dtype {name} is not one of {', '.join(PALLAS_DTYPES)}"
+  width = pallas_head_dim(D, Dv)
+  if width > PALLAS_MAX_HEAD_DIM:
+    return f"head dim {width} > PALLAS_MAX_HEAD_DIM={PALLAS_MAX_HEAD_DIM}"
+  return None
+
+
+def softmax_gpu_path(dtype, D: int, Dv: int, *, has_segments: bool, T: int) -> Choice:
+  """Which implementation runs causal softmax attention on a GPU, and why.
+
+  Preference: cuDNN (bf16/fp16, supported head dim; with segment_ids only when
+  GPU_SOFTMAX_WITH_SEGMENTS says so), else the Pallas flash kernel (segments, GQA, float32),
+  else XLA's T x T form.
+  """
+  name = jnp.dtype(dtype).name
+  no_cudnn = cudnn_unsupported(dtype, D, Dv, T=T, has_segments=has_segments)
+  no_pallas = pallas_unsupported(dtype, D, Dv)
+  prefer_pallas = has_segments and GPU_SOFTMAX_WITH_SEGMENTS == "pallas"
+  if no_cudnn is None and (not prefer_pallas or no_pallas is not None):
+    masked = ", segments as a dense [B,1,T,T] mask" if has_segments else ""
+    fallback = f" (the Pallas kernel cannot: {no_pallas})" if prefer_pallas else ""
+    return Choice("cudnn", f"{name}, head dim {cudnn_head_dim(D, Dv)}: cuDNN flash attention"
+                           f"{masked}{fallback}")
+  if no_pallas is None:
+    why = f"cuDNN cannot: {no_cudnn}" if no_cudnn else "GPU_SOFTMAX_WITH_SEGMENTS='pallas'"
+    per_tile = " masks segments per tile" if has_segments else ""
+    return Choice("pallas", f"{why}; the Pallas flash kernel{per_tile}")
+  return Choice("xla", f"neither cuDNN ({no_cudnn}) nor the Pallas kernel ({no_pallas}): "
+                       "XLA, which holds a T x T array")
+
+
+def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim: int | None = None,
+                        has_segments: bool = False, backend: str | None = None) -> Choice:
+  """What `implementation=None` runs for `family` on `backend` (default: jax's), and why.
+
+  head_dim is q's (after any encoding lifts it, e.g. GRAPE-A); v_head_dim defaults to it.
+  """
+  if family not in FAMILIES:
+    raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+  backend = backend or jax.default_backend()
+  Dv = head_dim if v_head_dim is None else v_head_dim
+  if backend not in ("gpu", "tpu"):
+    if T <= AUTO_DENSE_MAX_T:
+      return Choice("reference", f"{backend}: dense jnp up to AUTO_DENSE_MAX_T={AUTO_DENSE_MAX_T}")
+    return Choice("chunked", f"{backend}: T={T} > AUTO_DENSE_MAX_T={AUTO_DENSE_MAX_T}, blockwise jnp")
+  if family in _KERNEL_FAMILIES:
+    return Choice("pallas", f"{backend}: the Pallas {family} kernel")
+  if family == "softmax" and backend == "gpu":
+    return softmax_gpu_path(dtype, head_dim, Dv, has_segments=has_segments, T=T)
+  return Choice("chunked", f"{backend}: blockwise jnp for {family}, never a T x T array per head")
+
+
+def _pick(implementation, family: str, allowed, q, v, segment_ids):
   if implementation is None:
-    if has_kernel and jax.default_backend() in ("gpu", "tpu"):
-      return "pallas"
-    return "reference" if T <= AUTO_DENSE_MAX_T else "chunked"
+    return auto_implementation(family, T=q.shape[1], dtype=q.dtype, head_dim=q.shape[-1],
+                               v_head_dim=v.shape[-1],
+                               has_segments=segment_ids is not None).implementation
   _checks.check_implementation(implementation, allowed)
   return implementation
 
 
 def _scale(scale, D: int) -> float:
   return 1.0 / D**0.5 if scale is None else scale
+
+
+def _pad_head_dims(q, k, v, width: int):
+  """q, k, v zero-padded to one head dim: zero channels change neither logits nor outputs."""
+  pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+  return pad(q), pad(k), pad(v)
+
+
+def _check_explicit(implementation: str, problem: str | None, *, gpu_only: bool) -> None:
+  """An explicit implementation that cannot run here raises now, not at lowering time."""
+  backend = jax.default_backend()
+  if gpu_only and backend != "gpu":
+    raise ValueError(f"implementation={implementation!r} needs a CUDA GPU (cuDNN); the default "
+                     f"backend is {backend!r}: use None (auto), 'xla', 'chunked' or 'reference'")
+  if problem is not None:
+    raise ValueError(f"implementation={implementation!r} cannot run this call: {problem}")
+
+
+def _cudnn_attention(q, k, v, segment_ids, scale):
+  T, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+  _check_explicit("cudnn", cudnn_unsupported(q.dtype, D, Dv, T=T,
+                                             has_segments=segment_ids is not None), gpu_only=True)
+  # is_causal lets cuDNN skip the blocks above the diagonal; the mask matters for segments.
+  mask = None if segment_ids is None else masking.causal_dense_mask(T, segment_ids)
+  o = jax.nn.dot_product_attention(*_pad_head_dims(q, k, v, cudnn_head_dim(D, Dv)), scale=scale,
+                                   is_causal=True, mask=mask, implementation="cudnn")
+  return o[..., :Dv]
+
+
+def _pallas_softmax(q, k, v, segment_ids, scale):
+  D, Dv = q.shape[-1], v.shape[-1]
+  _check_explicit("pallas", pallas_unsupported(q.dtype, D, Dv), gpu_only=False)
+  import kernels_pallas  # imported lazily: the kernels are optional on CPU
+  # The FoX kernel with no gate is plain causal softmax attention (segments and GQA included).
+  o = kernels_pallas.forgetting_attention(*_pad_head_dims(q, k, v, pallas_head_dim(D, Dv)), None,
+                                          scale=scale, segment_ids=segment_ids,
+                                          interpret=jax.default_backend() == "cpu")
+  return o[..., :Dv]
 
 
 def softmax_attention(q, k, v, *, segment_ids=None, scale=None, implementation=None,
@@ -50,20 +210,21 @@ def softmax_attention(q, k, v, *, segment_ids=None, scale=None, implementation=N
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)
-  impl = _pick(implementation, T, ("reference", "xla", "chunked"), has_kernel=False)
-  if implementation is None and jax.default_backend() == "gpu":
-    impl = "xla"
+  impl = _pick(implementation, "softmax", ("reference", "xla", "cudnn", "chunked", "pallas"),
+               q, v, segment_ids)
   scale = _scale(scale, D)
   if impl == "reference":
     return masking.dense_attention(masking.dot_logits(q, k, scale), v,
                                    masking.causal_dense_mask(T, segment_ids))
+  if impl == "cudnn":
+    return _cudnn_attention(q, k, v, segment_ids, scale)
+  if impl == "pallas":
+    return _pallas_softmax(q, k, v, segment_ids, scale)
   if impl == "xla":
     mask = None if segment_ids is None else masking.causal_dense_mask(T, segment_ids)
-    Dv = v.shape[-1]
-    if Dv != D:  # it wants one head dim: zero channels change neither logits nor outputs
-      width = lambda x, n: jnp.pad(x, [(0, 0)] * 3 + [(0, n - x.shape[-1])])
-      q, k, v = width(q, max(D, Dv)), width(k, max(D, Dv)), width(v, max(D, Dv))
-    o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, mask=mask)
+    Dv = v.shape[-1]  # jax wants one head dim for q, k and v
+    o = jax.nn.dot_product_attention(*_pad_head_dims(q, k, v, max(D, Dv)), scale=scale,
+                                     is_causal=True, mask=mask)
     return o[..., :Dv]
   Tp = blockwise.padded_length(T, block_size)
   qp, kp = blockwise.pad_time(q, Tp), blockwise.pad_time(k, Tp)
@@ -100,7 +261,8 @@ def path_attention(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale
   log_forget [B, T, H] <= 0 (PaTH-FoX, unscaled); segment_ids [B, T] -> o [B, T, H, D].
   """
   _, T, _, _, D = _check_path_inputs(q, k, v, w, beta, log_forget, segment_ids)
-  impl = _pick(implementation, T, ("reference", "scan", "chunked", "pallas"), has_kernel=True)
+  impl = _pick(implementation, "path", ("reference", "scan", "chunked", "pallas"), q, v,
+               segment_ids)
   kwargs = dict(log_forget=log_forget, segment_ids=segment_ids, scale=_scale(scale, D))
   if impl == "pallas":
     import kernels_pallas  # imported lazily: the kernels are optional on CPU
@@ -124,7 +286,8 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale=None,
   _checks.check_shape("log_forget", log_forget, (B, T, H), "BTH")
   _checks.check_range("log_forget", log_forget, -float("inf"), 0.0)
   _checks.check_segment_ids(segment_ids, B, T)
-  impl = _pick(implementation, T, ("reference", "chunked", "pallas"), has_kernel=True)
+  impl = _pick(implementation, "forgetting", ("reference", "chunked", "pallas"), q, v,
+               segment_ids)
   scale = _scale(scale, D)
   if impl == "pallas":
     import kernels_pallas
@@ -150,7 +313,7 @@ def path_integral_attention(q, k, v, p, alpha, *, segment_ids=None, scale=None,
   _checks.check_shape("alpha", alpha, (H,), "H")
   _checks.check_range("alpha", alpha, 0.0, float("inf"))
   _checks.check_segment_ids(segment_ids, B, T)
-  impl = _pick(implementation, T, ("reference", "chunked"), has_kernel=False)
+  impl = _pick(implementation, "path_integral", ("reference", "chunked"), q, v, segment_ids)
   fn = {"reference": unipotent.path_integral_attention_reference,
         "chunked": unipotent.path_integral_attention_chunked}[impl]
   return fn(q, k, v, p, alpha, segment_ids=segment_ids, scale=_scale(scale, D))
@@ -171,6 +334,6 @@ def tapa_attention(q, k, v, *, alpha=0.1, theta=0.5, linear_phase=False, segment
     raise ValueError(f"theta={theta} with head_dim D={D} leaves an empty amplitude or phase part")
   if alpha < 0:
     raise ValueError(f"alpha={alpha} must be >= 0")
-  impl = _pick(implementation, T, ("reference", "chunked"), has_kernel=False)
+  impl = _pick(implementation, "tapa", ("reference", "chunked"), q, v, segment_ids)
   fn = {"reference": tapa.tapa_attention_reference, "chunked": tapa.tapa_attention_chunked}[impl]
   return fn(q, k, v, alpha=alpha, theta=theta, linear_phase=linear_phase, segment_ids=segment_ids)

@@ -9,6 +9,26 @@ pytree; it is stored as nnx.Param leaves) and calls `enc.apply`; the model never
 the encoding name. Parameters carry logical axis names as sharding metadata; activations
 are constrained through `shard`, which the training code resolves against a mesh.
 
+Precision policy (`ModelConfig.dtype`, "bfloat16" for training on accelerators):
+  - Parameters (encodings' included) are float32, and so is the AdamW state (optax keeps the
+    parameters' dtype).
+  - Activations and matmuls run in `dtype`: embeddings, projections, the residual stream,
+    q, k, v, the attention output and the LM head. Norm statistics are float32 (Flax
+    promotes them); the logits are cast to float32 for the loss.
+  - Numerically sensitive transport inputs are float32 whatever `dtype` is: PaTH's w (and its
+    normalisation) and beta, forget gates and their prefix sums (FoX, ALiBi, PaTH-FoX),
+    GRAPE-AP probes and potentials, rotation angles and accumulated phases (the rotation runs
+    in float32 and the rotated q, k, v are cast back to `dtype`), GRAPE-A's gates (computed
+    in float32; their lifted channels are exact bf16 pieces, except that a bf16 model rounds
+    each gate to bf16 once), and every softmax statistic (logits, running max and sum: the
+    jnp paths, cuDNN and the Pallas kernel all keep them in float32).
+  - The Pallas PaTH kernel takes q, k, v in `dtype` and w, beta in float32. Its per-chunk
+    pre-pass does the transport algebra in float32 (the UT inverse with float32-accurate
+    products) and stores q^, k^, E and the in-chunk logits in `dtype`; the attention kernel
+    carries the moving query tile and the softmax state in float32 and multiplies `dtype`
+    operands with float32 accumulation.
+  tests/test_encodings.py (test_bfloat16_precision_policy) checks the encodings' side of this.
+
 Shape letters: B batch, T time, C d_model, H query heads, K kv heads, D head dim,
 F mlp width, V vocabulary.
 """

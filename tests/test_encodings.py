@@ -104,3 +104,38 @@ def test_segments_are_isolated(name, key):
   # And by gradients: nothing flows from the first document into the second.
   g = jax.grad(lambda x: jnp.sum(f(x, tokens, seg)[:, cut:] ** 2))(x)
   assert np.abs(np.asarray(g[:, :cut])).max() <= 1e-6 * np.abs(np.asarray(g[:, cut:])).max()
+
+
+# Family inputs that carry transport, gates or phases: float32 whatever the model dtype.
+_FLOAT32_INPUTS = ("w", "beta", "log_forget", "p", "alpha")
+
+
+@pytest.mark.parametrize("name", STANDALONE)
+def test_bfloat16_precision_policy(name, key):
+  """model.py's precision policy: q, k, v and the output stay in the model dtype (bf16), the
+  sensitive transport inputs are float32, and so every softmax encoding of a bf16 model reaches
+  cuDNN on the GPU (a float32 q would silently take a slower path)."""
+  from posenc_jax import attention
+  _registered(name)
+  enc = encodings.get(name)
+  kp, kx, kq, kk, kv, kr = jax.random.split(key, 6)
+  bf16 = jnp.bfloat16
+  x = jax.random.normal(kx, (B, T, C)).astype(bf16)
+  q = jax.random.normal(kq, (B, T, H, D)).astype(bf16)
+  k = jax.random.normal(kk, (B, T, K, D)).astype(bf16)
+  v = jax.random.normal(kv, (B, T, K, D)).astype(bf16)
+  layer = dict(x=x, q=q, k=k, v=v, positions=jnp.broadcast_to(jnp.arange(T), (B, T)),
+               segment_ids=None, tokens=jnp.zeros((B, T), jnp.int32), rng=kr, train=True)
+  prep = enc.prepare(enc.init(kp, DIMS), **layer)
+  assert (prep.q.dtype, prep.k.dtype, prep.v.dtype) == (bf16,) * 3, prep.family
+  for arg in _FLOAT32_INPUTS:
+    if isinstance(prep.inputs.get(arg), jax.Array):   # tapa's alpha is a Python float
+      assert prep.inputs[arg].dtype == jnp.float32, arg
+  if prep.out_angles is not None:
+    assert prep.out_angles.dtype == jnp.float32
+  assert encodings.attend(prep, implementation="reference").dtype == bf16
+  if prep.family == "softmax":
+    choice = attention.auto_implementation("softmax", T=T, dtype=prep.q.dtype,
+                                           head_dim=prep.q.shape[-1], v_head_dim=prep.v.shape[-1],
+                                           backend="gpu")
+    assert choice.implementation == "cudnn", choice

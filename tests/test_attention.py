@@ -1,0 +1,192 @@
+"""posenc_jax.attention dispatch: the auto rule's table, the softmax kernels against the dense
+oracle, explicit-implementation errors, and O(T) gradient memory of the blockwise forms."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from posenc_jax import attention
+from tests.util import assert_rel_rms
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+@pytest.mark.parametrize("dtype,D,Dv,segments,T,expected,why", [
+    (BF16, 64, 64, False, 2048, "cudnn", "cuDNN flash attention"),
+    (F16, 128, 128, False, 8192, "cudnn", "head dim 128"),
+    (BF16, 72, 64, False, 2048, "cudnn", "head dim 72"),          # GRAPE-A's lifted q, k
+    (BF16, 60, 64, False, 2048, "cudnn", "head dim 64"),          # padded to a multiple of 8
+    (BF16, 64, 64, True, 2048, "pallas", "GPU_SOFTMAX_WITH_SEGMENTS='pallas'"),
+    (F32, 64, 64, False, 2048, "pallas", "dtype float32 is not bfloat16 or float16"),
+    (F32, 64, 64, True, 8192, "pallas", "dtype float32"),
+    (BF16, 192, 192, False, 2048, "xla", "head dim 192 > CUDNN_MAX_HEAD_DIM=128"),
+    (jnp.float64, 64, 64, False, 16, "xla", "dtype float64 is not one of"),
+])
+def test_softmax_gpu_path_table(dtype, D, Dv, segments, T, expected, why):
+  choice = attention.softmax_gpu_path(dtype, D, Dv, has_segments=segments, T=T)
+  assert choice.implementation == expected, choice
+  assert why in choice.reason, choice
+
+
+@pytest.mark.parametrize("dtype,T,expected,why", [
+    (BF16, 2048, "cudnn", "segments as a dense [B,1,T,T] mask"),
+    (BF16, 2047, "pallas", "odd T=2047"),                 # cuDNN's bias backward: even T only
+    (F32, 2048, "pallas", "dtype float32"),
+])
+def test_softmax_gpu_path_segments_via_cudnn(monkeypatch, dtype, T, expected, why):
+  """Flipping GPU_SOFTMAX_WITH_SEGMENTS sends packed documents to cuDNN where it can take them."""
+  monkeypatch.setattr(attention, "GPU_SOFTMAX_WITH_SEGMENTS", "cudnn")
+  choice = attention.softmax_gpu_path(dtype, 64, 64, has_segments=True, T=T)
+  assert (choice.implementation, why in choice.reason) == (expected, True), choice
+
+
+def test_softmax_gpu_path_segments_fall_back_to_cudnn(monkeypatch):
+  """Where the preferred Pallas kernel cannot run, packed documents go to cuDNN, not to XLA."""
+  monkeypatch.setattr(attention, "PALLAS_MAX_HEAD_DIM", 64)
+  choice = attention.softmax_gpu_path(BF16, 96, 96, has_segments=True, T=2048)
+  assert choice.implementation == "cudnn", choice
+  assert "the Pallas kernel cannot: head dim 128 > PALLAS_MAX_HEAD_DIM=64" in choice.reason, choice
+
+
+@pytest.mark.parametrize("family,backend,T,expected", [
+    ("softmax", "cpu", 2048, "reference"), ("softmax", "cpu", 2049, "chunked"),
+    ("tapa", "cpu", 512, "reference"), ("path_integral", "cpu", 8192, "chunked"),
+    ("path", "cpu", 512, "reference"), ("forgetting", "cpu", 4096, "chunked"),
+    ("softmax", "gpu", 2048, "pallas"), ("softmax", "tpu", 512, "chunked"),
+    ("path", "gpu", 512, "pallas"), ("forgetting", "tpu", 8192, "pallas"),
+    # No kernel: blockwise at every T on an accelerator, never the dense reference.
+    ("tapa", "gpu", 512, "chunked"), ("tapa", "tpu", 8192, "chunked"),
+    ("path_integral", "gpu", 16, "chunked"), ("path_integral", "tpu", 2048, "chunked"),
+])
+def test_auto_implementation_table(family, backend, T, expected):
+  choice = attention.auto_implementation(family, T=T, dtype=BF16, head_dim=64, has_segments=True,
+                                         backend=backend)
+  assert choice.implementation == expected, choice
+  assert choice.reason.startswith(backend) or family == "softmax", choice
+
+
+def test_auto_implementation_unknown_family_raises():
+  with pytest.raises(ValueError, match="family='rope'"):
+    attention.auto_implementation("rope", T=16, dtype=F32, head_dim=8)
+
+
+def test_none_on_an_accelerator_runs_the_blockwise_tapa(monkeypatch, key):
+  """implementation=None dispatches by auto_implementation: chunked TAPA at T <= 2048 on a GPU."""
+  from posenc_jax import tapa
+  ran = []
+  chunked = tapa.tapa_attention_chunked
+  monkeypatch.setattr(tapa, "tapa_attention_chunked", lambda *a, **kw: ran.append(1) or chunked(*a, **kw))
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q, k, v = (jax.random.normal(k_, (1, 16, 2, 8)) for k_ in jax.random.split(key, 3))
+  o = attention.tapa_attention(q, k, v)
+  assert ran == [1]
+  assert_rel_rms(o, attention.tapa_attention(q, k, v, implementation="reference"), 1e-5)
+
+
+def _inputs(key, *, B=2, T=37, H=4, K=2, D=12, Dv=8, dtype=F32):
+  ks = jax.random.split(key, 5)
+  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+  k = jax.random.normal(ks[1], (B, T, K, D), dtype)
+  v = jax.random.normal(ks[2], (B, T, K, Dv), dtype)
+  # Random packing, 2-4 segments per row; T is not a multiple of the kernel's 64-token tile.
+  seg = jnp.cumsum(jax.random.uniform(ks[3], (B, T)) < 3.0 / T, axis=1).astype(jnp.int32)
+  do = jax.random.normal(ks[4], (B, T, H, Dv), dtype)
+  return q, k, v, seg, do
+
+
+@pytest.mark.parametrize("implementation,tol", [("pallas", 1e-4), ("xla", 1e-5)])
+def test_softmax_implementation_matches_reference(key, implementation, tol):
+  """Forward and every gradient against the dense oracle: segments, GQA, Dv != D (padded)."""
+  q, k, v, seg, do = _inputs(key)
+
+  def loss(impl):
+    return lambda q, k, v: jnp.sum(attention.softmax_attention(
+        q, k, v, segment_ids=seg, implementation=impl) * do)
+
+  with jax.default_matmul_precision("highest"):
+    o_ref = attention.softmax_attention(q, k, v, segment_ids=seg, implementation="reference")
+    g_ref = jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
+    o = attention.softmax_attention(q, k, v, segment_ids=seg, implementation=implementation)
+    g = jax.grad(loss(implementation), argnums=(0, 1, 2))(q, k, v)
+  assert o.shape == o_ref.shape == (2, 37, 4, 8)
+  assert_rel_rms(o, o_ref, tol, "o")
+  for name, a, b in zip(("dq", "dk", "dv"), g, g_ref):
+    assert_rel_rms(a, b, tol, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a CUDA GPU")
+@pytest.mark.parametrize("segments", [False, True])
+def test_cudnn_matches_reference_on_gpu(key, segments):
+  """bf16 cuDNN (packed documents through the dense mask), GQA and Dv != D, forward and grads."""
+  q, k, v, seg, do = _inputs(key, T=256, D=72, Dv=64, dtype=BF16)
+  seg = seg if segments else None
+
+  def loss(impl):
+    return lambda q, k, v: jnp.sum(attention.softmax_attention(
+        q, k, v, segment_ids=seg, implementation=impl).astype(F32) * do)
+
+  for a, b, name in zip((attention.softmax_attention(q, k, v, segment_ids=seg, implementation="cudnn"),)
+                        + jax.grad(loss("cudnn"), argnums=(0, 1, 2))(q, k, v),
+                        (attention.softmax_attention(q, k, v, segment_ids=seg, implementation="reference"),)
+                        + jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v),
+                        ("o", "dq", "dk", "dv")):
+    assert_rel_rms(a, b, 1e-2, name)
+
+
+def _zeros(B=1, T=8, H=2, K=1, D=8, Dv=8, dtype=F32):
+  """Inputs for the error tests: their values never matter."""
+  return (jnp.zeros((B, T, H, D), dtype), jnp.zeros((B, T, K, D), dtype),
+          jnp.zeros((B, T, K, Dv), dtype))
+
+
+def test_cudnn_off_gpu_raises():
+  q, k, v = _zeros(dtype=BF16)
+  seg = jnp.ones((1, 8), jnp.int32)
+  with pytest.raises(ValueError, match=r"implementation='cudnn' needs a CUDA GPU"):
+    attention.softmax_attention(q, k, v, segment_ids=seg, implementation="cudnn")
+
+
+def test_cudnn_unsupported_dtype_raises_before_lowering(monkeypatch):
+  """On a GPU an explicit cudnn with float32 inputs names the reason, not a lowering error."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q, k, v = _zeros()
+  with pytest.raises(ValueError, match=r"implementation='cudnn' cannot run.*dtype float32"):
+    attention.softmax_attention(q, k, v, implementation="cudnn")
+
+
+def test_cudnn_is_not_an_implementation_of_other_families():
+  q, k, v = _zeros()
+  with pytest.raises(ValueError, match="implementation='cudnn'"):
+    attention.tapa_attention(q, k, v, implementation="cudnn")
+
+
+def _grad_temp_bytes(family: str, T: int) -> int:
+  """Temporary memory of the compiled gradient of the chunked form at length T."""
+  B, H, D = 1, 2, 16
+  q = k = v = jax.ShapeDtypeStruct((B, T, H, D), F32)
+  seg = jnp.ones((B, T), jnp.int32)
+  if family == "tapa":
+    fn = lambda q, k, v: attention.tapa_attention(q, k, v, segment_ids=seg, implementation="chunked")
+  elif family == "path_integral":
+    p, alpha = jnp.ones((B, T, H, 8)), jnp.ones((H,))
+    fn = lambda q, k, v: attention.path_integral_attention(q, k, v, p, alpha, segment_ids=seg,
+                                                           implementation="chunked")
+  elif family == "forgetting":
+    lf = jnp.full((B, T, H), -0.1)
+    fn = lambda q, k, v: attention.forgetting_attention(q, k, v, lf, segment_ids=seg,
+                                                        implementation="chunked")
+  else:
+    fn = lambda q, k, v: attention.softmax_attention(q, k, v, segment_ids=seg,
+                                                     implementation="chunked")
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1, 2)))
+  return grad.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("family", ["tapa", "path_integral", "forgetting", "softmax"])
+def test_chunked_gradient_memory_is_subquadratic(family):
+  """4x the length must cost well under 16x the temporary memory: the per-tile steps are
+  rematerialised in the backward, not stored (T x T would be 16x; O(T) is 4x)."""
+  small, large = _grad_temp_bytes(family, 512), _grad_temp_bytes(family, 2048)
+  assert large / small < 6, f"{family}: temp {small} -> {large} bytes ({large / small:.1f}x)"
