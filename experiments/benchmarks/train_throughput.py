@@ -229,22 +229,17 @@ def attention_kernels(hlo_text: str) -> list[str]:
 
 
 def attention_label(*, kernels: list[str], implementation: str, family: str, seq_len: int,
-                    backend: str) -> str:
-  """Which attention ran: a kernel seen in the compiled step, else the jnp path taken."""
+                    dtype: str, head_dim: int, backend: str) -> str:
+  """Which attention ran: a kernel seen in the compiled step, else what the auto rule picks
+  (posenc_jax.attention.auto_implementation; the training step always passes segment_ids)."""
   for label, pattern in _KERNEL_PATTERNS.items():
     if any(pattern.search(k) for k in kernels):
       return label
   if implementation != "auto":
     return implementation
-  if family == "softmax" and backend == "gpu":
-    # posenc_jax's auto passes implementation=None to jax.nn.dot_product_attention, which
-    # (jax 0.10) means its XLA path, not cuDNN; a cuDNN call would have shown in `kernels`.
-    return "xla"
   from posenc_jax import attention
-  dense_max = getattr(attention, "AUTO_DENSE_MAX_T", None)
-  if dense_max is None:
-    return "auto"
-  return "reference" if seq_len <= dense_max else "chunked"
+  return attention.auto_implementation(family, T=seq_len, dtype=dtype, head_dim=head_dim,
+                                       has_segments=True, backend=backend).implementation
 
 
 def jax_peak_gib() -> float | None:
@@ -324,8 +319,8 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
   row.update(
       params=total, params_dense=total - embedding, kernels=kernels,
       attention_impl=attention_label(kernels=kernels, implementation=implementation,
-                                     family=family_of(name), seq_len=seq_len,
-                                     backend=jax.default_backend()),
+                                     family=family_of(name), seq_len=seq_len, dtype=dtype,
+                                     head_dim=size.head_dim, backend=jax.default_backend()),
       peak_gib=jax_peak_gib(), device_kind=device.device_kind, jax_version=jax.__version__,
       **timing_fields(step_s, tokens=batch * seq_len, flops=flops, peak_tflops=peak_tflops,
                       measured_tflops=measured_tflops),
@@ -575,6 +570,10 @@ def spawn(args, *, name: str, seq_len: int, timeout_s: float) -> tuple[dict, boo
           "wall_s": time.time() - t0}, False
 
 
+def _yes_no(x) -> str:
+  return "n/a" if x is None else ("yes" if x else "NO")
+
+
 def _fmt(x, spec: str, missing: str = "-") -> str:
   return missing if x is None else format(x, spec)
 
@@ -606,7 +605,11 @@ def label(row: dict) -> str:
 
 
 def _ratio_to_rope(row: dict, by_label_t: dict) -> float | None:
-  rope = by_label_t.get(("rope" + label(row)[len(row["encoding"]):], row["seq_len"]))
+  """tokens/s over RoPE-on-cuDNN's at the same T ("rope [cudnn]"), else over rope's with the
+  same dtype / implementation label."""
+  rope = (by_label_t.get(("rope [cudnn]", row["seq_len"])) if row["dtype"] == "bfloat16"
+          else None) or by_label_t.get(("rope" + label(row)[len(row["encoding"]):],
+                                        row["seq_len"]))
   if row.get("error") or not rope or rope.get("error"):
     return None
   return row["tokens_per_s"] / rope["tokens_per_s"]
@@ -645,7 +648,8 @@ def render_markdown(rows: list[dict], *, command: str | None = None) -> str:
            f"- batch: {', '.join(batch)} (constant tokens per step); dtype and implementation "
            f"in brackets where not bfloat16 / auto",
            f"- parameters (incl. the untied head): {'; '.join(params) or '-'}",
-           f"- ratio = tokens/s over rope's (\"RoPE-on-cuDNN\"); rope's attention ran as: "
+           f"- ratio = tokens/s over `rope [cudnn]`'s (RoPE on cuDNN, segments as a dense "
+           f"mask) at the same T where measured, else over `rope`'s; rope's attention ran as: "
            f"{', '.join(rope_impl) or '-'}",
            "- MFU: model FLOPs (formula in experiments/benchmarks/train_throughput.py) / step "
            f"time / peak; first against --peak-tflops ({', '.join(given_peak) or '-'} TFLOP/s), "
@@ -672,7 +676,7 @@ def render_markdown(rows: list[dict], *, command: str | None = None) -> str:
               both(lambda r: _fmt(r["peak_gib"], ".1f")),
               both(lambda r: f"{r['loss_first']:.2f}→{r['loss_last']:.2f}"),
               both(lambda r: f"{'yes' if r['loss_finite'] else 'NO'}, "
-                             f"{'yes' if r['loss_falling'] else 'NO'}"),
+                             f"{_yes_no(r['loss_falling'])}"),
               both(lambda r: f"{r['compile_s']:.0f}"),
               "; ".join(f"T={r['seq_len']}: {r['error'][:120]}" for r in per_t
                         if r and r.get("error")).replace("|", "/")]

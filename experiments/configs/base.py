@@ -11,8 +11,9 @@ Experiment files start from `base.get_config()` and override what they study. Fi
   model.block             "llama" (RMSNorm, SwiGLU, optional qk_norm) | "acc_rot" (LayerNorm,
                           GELU, dropout)
   model.dtype             "float32" | "bfloat16" compute (parameters stay float32)
-  model.implementation    None = auto (Pallas on GPU/TPU, dense jnp on CPU), or one of
-                          reference / xla / scan / chunked / pallas
+  model.implementation    None = auto (posenc_jax.attention.auto_implementation: Pallas or
+                          cuDNN on GPU, Pallas / blockwise on TPU, dense jnp on CPU), or one
+                          of reference / xla / cudnn / scan / chunked / pallas
   train.*                 AdamW with linear warmup, cosine decay to 10%, global-norm clipping
                           (grad_clip 0 turns it off); batch_size is global (all devices)
   eval.lengths            evaluate at these sequence lengths (() = data.seq_len only)
