@@ -258,3 +258,73 @@ def make_train_step(model, opt, sched, *, dtype: str, grad_clip: float):
     return loss.detach()
 
   return step
+
+
+# --- one benchmark row (experiments/benchmarks/train_throughput.py's --one fla_path*) ---
+
+
+def run_row(*, name: str, seq_len: int, batch: int, size, dtype: str, schedule,
+            peak_tflops: float | None, measured_tflops: float | None, varlen: bool) -> dict:
+  """The same measurement of the PyTorch model around FLA's PaTH kernel (needs CUDA); size and
+  schedule are train_throughput's Size and Schedule."""
+  try:
+    import torch
+  except ImportError as e:
+    raise ImportError(f"the FLA anchor needs torch, triton, fla-core 0.6.0 and CUDA: {e}") from e
+  import sys
+  import time
+  anchor = sys.modules[__name__]
+  from experiments.benchmarks.train_throughput import (  # imported here: it imports this lazily
+      _steps_to_run, loss_summary, text_batches, timing_fields, train_flops)
+  from experiments.configs import base
+  from posenc_jax import model as model_lib
+
+  if not torch.cuda.is_available():
+    raise RuntimeError("the FLA anchor needs a CUDA GPU (FLA's kernels are Triton)")
+  mlp_dim = model_lib.ModelConfig(vocab_size=size.vocab_size, d_model=size.d_model).mlp_width
+  torch.manual_seed(0)
+  model, layer = anchor.build_model(
+      vocab_size=size.vocab_size, num_layers=size.num_layers, d_model=size.d_model,
+      num_heads=size.num_heads, head_dim=size.head_dim, mlp_dim=mlp_dim,
+      forget_gate=name == "fla_path_fox", device="cuda")
+  train_cfg = base.get_config().train
+  opt, sched = anchor.make_optimizer(model, train_cfg)
+  step = anchor.make_train_step(model, opt, sched, dtype=dtype, grad_clip=train_cfg.grad_clip)
+  host_batches, more = text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches)
+  batches = [anchor.to_torch_batch(b, device="cuda", varlen=varlen) for b in host_batches]
+  torch.cuda.synchronize()
+  torch.cuda.reset_peak_memory_stats()
+  losses, step_s, compile_s = [], [], None
+  # Every step sees a new batch, as in training (and as the JAX rows do): cu_seqlens differ per
+  # batch, so whatever FLA builds per batch on first sight is part of its step time.
+  for i in range(_steps_to_run(schedule) + 1):  # step 0: Triton JIT + autotuning ("compile")
+    b = batches[i] if i < len(batches) else anchor.to_torch_batch(next(more), device="cuda",
+                                                                  varlen=varlen)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss = step(b)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    if i == 0:
+      compile_s = dt
+    elif schedule.warmup < i <= schedule.warmup + schedule.steps:
+      step_s.append(dt)
+    if i < schedule.loss_steps:
+      losses.append(float(loss))
+  total, embedding = anchor.count_params(model)
+  flops = train_flops(family="path", dense_params=total - embedding, num_layers=size.num_layers,
+                      num_heads=size.num_heads, head_dim=size.head_dim, seq_len=seq_len,
+                      batch=batch)
+  import triton
+  import fla
+  return dict(
+      compile_s=compile_s, params=total, params_dense=total - embedding, kernels=[],
+      attention_impl="fla (" + layer + (", cu_seqlens" if varlen else ", no doc mask") + ")",
+      peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+      device_kind=torch.cuda.get_device_name(),
+      jax_version=None, torch_version=torch.__version__, triton_version=triton.__version__,
+      fla_version=getattr(fla, "__version__", None), fla_varlen=varlen,
+      warmup_steps=schedule.warmup,
+      **timing_fields(step_s, tokens=batch * seq_len, flops=flops, peak_tflops=peak_tflops,
+                      measured_tflops=measured_tflops),
+      **loss_summary(losses))

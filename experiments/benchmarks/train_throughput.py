@@ -95,12 +95,12 @@ import time
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, REPO)  # also runnable as a file, like the other benchmarks
 
-ANCHORS = ("fla_path", "fla_path_fox")
-KV_SHIFT = "+kv_shift"  # "rope+kv_shift": ModelConfig(encoding="rope", kv_shift=True)
-MATMUL = "matmul_bf16"  # the measured-peak row
+from experiments.benchmarks.throughput_tables import (  # noqa: E402 (after the path insert)
+    ANCHORS, MATMUL, append_row, latest_rows, print_table, progress_line, read_rows,
+    render_markdown, row_key, runnable_encodings)
+
 PATH_CHUNK = 64
 ROW_PREFIX = "ROW "  # the child's result line on stdout
-KEY_FIELDS = ("encoding", "seq_len", "batch", "dtype", "implementation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +125,6 @@ class Schedule:
 
 
 # --- names ---------------------------------------------------------------------------------
-
-
-def runnable_encodings() -> list[str]:
-  """Every encoding the model can run alone, plus rope with the kv_shift modifier."""
-  from posenc_jax import encodings
-  return [n for n in encodings.NAMES if n not in encodings.MODIFIERS] + ["rope" + KV_SHIFT]
 
 
 def split_name(name: str) -> tuple[str, bool]:
@@ -328,71 +322,6 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
   return row
 
 
-# --- one anchor row (PyTorch) --------------------------------------------------------------
-
-
-def run_fla(*, name: str, seq_len: int, batch: int, size: Size, dtype: str, schedule: Schedule,
-            peak_tflops: float | None, measured_tflops: float | None, varlen: bool) -> dict:
-  """The same measurement of the PyTorch model around FLA's PaTH kernel (needs CUDA)."""
-  try:
-    import torch
-  except ImportError as e:
-    raise ImportError(f"the FLA anchor needs torch, triton, fla-core 0.6.0 and CUDA: {e}") from e
-  from experiments.benchmarks import fla_anchor_model as anchor
-  from experiments.configs import base
-  from posenc_jax import model as model_lib
-
-  if not torch.cuda.is_available():
-    raise RuntimeError("the FLA anchor needs a CUDA GPU (FLA's kernels are Triton)")
-  mlp_dim = model_lib.ModelConfig(vocab_size=size.vocab_size, d_model=size.d_model).mlp_width
-  torch.manual_seed(0)
-  model, layer = anchor.build_model(
-      vocab_size=size.vocab_size, num_layers=size.num_layers, d_model=size.d_model,
-      num_heads=size.num_heads, head_dim=size.head_dim, mlp_dim=mlp_dim,
-      forget_gate=name == "fla_path_fox", device="cuda")
-  train_cfg = base.get_config().train
-  opt, sched = anchor.make_optimizer(model, train_cfg)
-  step = anchor.make_train_step(model, opt, sched, dtype=dtype, grad_clip=train_cfg.grad_clip)
-  host_batches, more = text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches)
-  batches = [anchor.to_torch_batch(b, device="cuda", varlen=varlen) for b in host_batches]
-  torch.cuda.synchronize()
-  torch.cuda.reset_peak_memory_stats()
-  losses, step_s, compile_s = [], [], None
-  # Every step sees a new batch, as in training (and as the JAX rows do): cu_seqlens differ per
-  # batch, so whatever FLA builds per batch on first sight is part of its step time.
-  for i in range(_steps_to_run(schedule) + 1):  # step 0: Triton JIT + autotuning ("compile")
-    b = batches[i] if i < len(batches) else anchor.to_torch_batch(next(more), device="cuda",
-                                                                  varlen=varlen)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    loss = step(b)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    if i == 0:
-      compile_s = dt
-    elif schedule.warmup < i <= schedule.warmup + schedule.steps:
-      step_s.append(dt)
-    if i < schedule.loss_steps:
-      losses.append(float(loss))
-  total, embedding = anchor.count_params(model)
-  flops = train_flops(family="path", dense_params=total - embedding, num_layers=size.num_layers,
-                      num_heads=size.num_heads, head_dim=size.head_dim, seq_len=seq_len,
-                      batch=batch)
-  import triton
-  import fla
-  return dict(
-      compile_s=compile_s, params=total, params_dense=total - embedding, kernels=[],
-      attention_impl="fla (" + layer + (", cu_seqlens" if varlen else ", no doc mask") + ")",
-      peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-      device_kind=torch.cuda.get_device_name(),
-      jax_version=None, torch_version=torch.__version__, triton_version=triton.__version__,
-      fla_version=getattr(fla, "__version__", None), fla_varlen=varlen,
-      warmup_steps=schedule.warmup,
-      **timing_fields(step_s, tokens=batch * seq_len, flops=flops, peak_tflops=peak_tflops,
-                      measured_tflops=measured_tflops),
-      **loss_summary(losses))
-
-
 # --- the measured matmul peak --------------------------------------------------------------
 
 
@@ -443,7 +372,8 @@ def one_row(args, *, name: str, seq_len: int) -> dict:
     if name == MATMUL:
       row.update(run_matmul_peak(n=seq_len))
     elif name in ANCHORS:
-      row.update(run_fla(name=name, varlen=args.fla_varlen, **common))
+      from experiments.benchmarks import fla_anchor_model  # torch only here
+      row.update(fla_anchor_model.run_row(name=name, varlen=args.fla_varlen, **common))
     else:
       row.update(run_jax(name=name, implementation=args.implementation,
                          compile_only=args.compile_only, **common))
@@ -469,23 +399,6 @@ def schedule_of(args) -> Schedule:
 
 
 # --- the parent: rows file, subprocesses, tables -------------------------------------------
-
-
-def row_key(row: dict) -> tuple:
-  return tuple(row.get(k) for k in KEY_FIELDS)
-
-
-def read_rows(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
-def append_row(path: str, row: dict) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "a") as f:
-    f.write(json.dumps(row) + "\n")
 
 
 def child_argv(args, *, name: str, seq_len: int) -> list[str]:
@@ -568,139 +481,6 @@ def spawn(args, *, name: str, seq_len: int, timeout_s: float) -> tuple[dict, boo
   tail = " | ".join(l for l in err.strip().splitlines()[-3:])[-400:]
   return {"error": f"exit code {proc.returncode} without a row (OOM kill or crash): {tail}",
           "wall_s": time.time() - t0}, False
-
-
-def _yes_no(x) -> str:
-  return "n/a" if x is None else ("yes" if x else "NO")
-
-
-def _fmt(x, spec: str, missing: str = "-") -> str:
-  return missing if x is None else format(x, spec)
-
-
-def progress_line(row: dict) -> str:
-  if row["encoding"] == MATMUL:
-    return (f"{MATMUL} {row['seq_len']}^3: {_fmt(row.get('measured_tflops'), '.4g')} TFLOP/s "
-            f"{row.get('error') or ''}")
-  head = f"{row['encoding']:>22} T={row['seq_len']:<5} B={row['batch']:<3}"
-  if row.get("error"):
-    return f"{head} ERROR {row['error'][:200]}"
-  return (f"{head} {row['tokens_per_s']:>9,.0f} tok/s {row['step_ms']:8.1f} ms "
-          f"MFU {_fmt(row['mfu'], '.1%')} ({_fmt(row.get('mfu_measured'), '.1%')} of measured) "
-          f"peak {_fmt(row['peak_gib'], '.1f')} GiB loss {row['loss_first']:.3f}->"
-          f"{row['loss_last']:.3f} compile {row['compile_s']:.0f} s {row['attention_impl']} "
-          f"P={row['params']:,}")
-
-
-def latest_rows(rows: list[dict]) -> dict:
-  """key -> the last row written for it (a re-run after --force or --retry-errors wins)."""
-  return {row_key(r): r for r in rows}
-
-
-def label(row: dict) -> str:
-  """Row name in tables: the encoding, plus what differs from the default measurement."""
-  extra = [x for x in (row["implementation"] if row["implementation"] not in ("auto", "fla")
-                       else None, row["dtype"] if row["dtype"] != "bfloat16" else None) if x]
-  return row["encoding"] + (f" [{', '.join(extra)}]" if extra else "")
-
-
-def _ratio_to_rope(row: dict, by_label_t: dict) -> float | None:
-  """tokens/s over RoPE-on-cuDNN's at the same T ("rope [cudnn]"), else over rope's with the
-  same dtype / implementation label."""
-  rope = (by_label_t.get(("rope [cudnn]", row["seq_len"])) if row["dtype"] == "bfloat16"
-          else None) or by_label_t.get(("rope" + label(row)[len(row["encoding"]):],
-                                        row["seq_len"]))
-  if row.get("error") or not rope or rope.get("error"):
-    return None
-  return row["tokens_per_s"] / rope["tokens_per_s"]
-
-
-def _order_key(name: str) -> tuple:
-  """Tables list encodings in NAMES order, the anchors last."""
-  known = runnable_encodings() + list(ANCHORS)
-  base = name.split(" [")[0]
-  return (known.index(base) if base in known else len(known), name)
-
-
-def render_markdown(rows: list[dict], *, command: str | None = None) -> str:
-  """One table row per encoding (columns per T), with the header facts."""
-  latest = [r for r in latest_rows(rows).values() if r["encoding"] != MATMUL]
-  peaks = [r for r in latest_rows(rows).values() if r["encoding"] == MATMUL and not r["error"]]
-  seq_lens = sorted({r["seq_len"] for r in latest})
-  by_label_t = {(label(r), r["seq_len"]): r for r in latest}
-  devices = sorted({r["device_kind"] for r in latest + peaks if r.get("device_kind")})
-  jaxes = sorted({r["jax_version"] for r in latest + peaks if r.get("jax_version")})
-  torches = sorted({r["torch_version"] for r in latest if r.get("torch_version")})
-  dates = sorted(r["date"] for r in latest + peaks)
-  commands = sorted({r["command"] for r in latest + peaks if r.get("command")})
-  rope_impl = sorted({f"{r['attention_impl']} at T={r['seq_len']}" for r in latest
-                      if r["encoding"] == "rope" and not r.get("error")})
-  batch = sorted({f"B={r['batch']} at T={r['seq_len']}" for r in latest})
-  given_peak = sorted({f"{r['peak_tflops']:.0f}" for r in latest if r.get("peak_tflops")})
-  measured = [f"{r['measured_tflops']:.4g} TFLOP/s at {r['seq_len']}^3" for r in peaks]
-  params = sorted({f"{r['encoding']}: {r['params']:,}" for r in latest if r.get("params")
-                   and r["encoding"] in ("rope", "path", "fla_path")})
-  lines = ["# Training-step throughput per encoding", "",
-           f"- command: {command or '; '.join(f'`{c}`' for c in commands) or '-'}",
-           f"- machine: {', '.join(devices) or '-'}; jax {', '.join(jaxes) or '-'}"
-           + (f"; torch {', '.join(torches)}" if torches else ""),
-           f"- date: {dates[0] if dates else '-'} .. {dates[-1] if dates else '-'}",
-           f"- batch: {', '.join(batch)} (constant tokens per step); dtype and implementation "
-           f"in brackets where not bfloat16 / auto",
-           f"- parameters (incl. the untied head): {'; '.join(params) or '-'}",
-           f"- ratio = tokens/s over `rope [cudnn]`'s (RoPE on cuDNN, segments as a dense "
-           f"mask) at the same T where measured, else over `rope`'s; rope's attention ran as: "
-           f"{', '.join(rope_impl) or '-'}",
-           "- MFU: model FLOPs (formula in experiments/benchmarks/train_throughput.py) / step "
-           f"time / peak; first against --peak-tflops ({', '.join(given_peak) or '-'} TFLOP/s), "
-           f"in parentheses against the measured bf16 matmul peak "
-           f"({', '.join(measured) or 'not measured'})",
-           "- loss: first -> last of the loss steps; finite / falling (last 5 mean < first 5)",
-           ""]
-  cols = ["encoding", "attention"]
-  for t in seq_lens:
-    cols += [f"tok/s T={t}", f"ratio T={t}"]
-  cols += ["MFU " + " / ".join(str(t) for t in seq_lens), "peak GiB", "loss first→last",
-           "finite, falling", "compile s", "error"]
-  lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  for name in sorted({label(r) for r in latest}, key=_order_key):
-    per_t = [by_label_t.get((name, t)) for t in seq_lens]
-    ok = [r for r in per_t if r and not r.get("error")]
-    cells = [name, " / ".join(sorted({r["attention_impl"] for r in ok})) or "-"]
-    for r in per_t:
-      good = r is not None and not r.get("error")
-      cells += [f"{r['tokens_per_s']:,.0f}" if good else "-",
-                _fmt(_ratio_to_rope(r, by_label_t), ".2f") if good else "-"]
-    both = lambda f: " / ".join(f(r) if r and not r.get("error") else "-" for r in per_t)
-    cells += [both(lambda r: f"{_fmt(r['mfu'], '.1%')} ({_fmt(r.get('mfu_measured'), '.1%')})"),
-              both(lambda r: _fmt(r["peak_gib"], ".1f")),
-              both(lambda r: f"{r['loss_first']:.2f}→{r['loss_last']:.2f}"),
-              both(lambda r: f"{'yes' if r['loss_finite'] else 'NO'}, "
-                             f"{_yes_no(r['loss_falling'])}"),
-              both(lambda r: f"{r['compile_s']:.0f}"),
-              "; ".join(f"T={r['seq_len']}: {r['error'][:120]}" for r in per_t
-                        if r and r.get("error")).replace("|", "/")]
-    lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
-
-
-def print_table(rows: list[dict]) -> None:
-  """A compact end-of-run table (the device machine returns only the output's tail)."""
-  latest = [r for r in latest_rows(rows).values() if r["encoding"] != MATMUL]
-  for r in latest_rows(rows).values():
-    if r["encoding"] == MATMUL:
-      print(progress_line(r), flush=True)
-  print(f"{'encoding':>24} {'T':>5} {'tok/s':>9} {'xrope':>6} {'MFU':>6} {'GiB':>5} "
-        f"{'loss':>13} {'cmp s':>5}  attention / error", flush=True)
-  by_label_t = {(label(r), r["seq_len"]): r for r in latest}
-  for r in sorted(latest, key=lambda r: (r["seq_len"], _order_key(label(r)))):
-    if r.get("error"):
-      print(f"{label(r):>24} {r['seq_len']:>5} ERROR {r['error'][:90]}", flush=True)
-      continue
-    print(f"{label(r):>24} {r['seq_len']:>5} {r['tokens_per_s']:>9,.0f} "
-          f"{_fmt(_ratio_to_rope(r, by_label_t), '.2f'):>6} {_fmt(r['mfu'], '.1%'):>6} "
-          f"{_fmt(r['peak_gib'], '.1f'):>5} {r['loss_first']:>6.2f}>{r['loss_last']:<6.2f} "
-          f"{r['compile_s']:>5.0f}  {r['attention_impl']}", flush=True)
 
 
 def default_out() -> str:
