@@ -84,7 +84,7 @@ def path_integral_attention_reference(q, k, v, p, alpha, *, segment_ids=None, sc
 
 
 def right_to_left_attention(psi_tile: Callable, logit_tile: Callable, v_BTKD, *, num_heads: int,
-                            segment_ids=None, block_size: int = 64):
+                            segment_ids=None, block_size: int = 64, parallel: bool | None = None):
   """Causal attention with a path-sum bias, blocked, walking key blocks right to left.
 
   Args:
@@ -92,7 +92,7 @@ def right_to_left_attention(psi_tile: Callable, logit_tile: Callable, v_BTKD, *,
       of query rows q_start.. and path positions l = k_start.. (padded index space).
     logit_tile: (q_start, k_start) -> [B, H, Q, C] float32 content logits (scale q.k).
     v_BTKD: values (unpadded); the callers pad their own inputs to padded_length(T, Q).
-    num_heads, segment_ids, block_size: as blockwise.blockwise_attention.
+    num_heads, segment_ids, block_size, parallel: as blockwise.blockwise_attention.
 
   Returns:
     [B, T, H, Dv] in v's dtype.
@@ -130,8 +130,7 @@ def right_to_left_attention(psi_tile: Callable, logit_tile: Callable, v_BTKD, *,
     (state, _), _ = jax.lax.scan(step, init, jnp.arange(n))
     return blockwise.finalize(state)
 
-  # Rematerialise each query block's walk in the backward pass too: only its inputs are kept.
-  out = jax.lax.map(jax.checkpoint(query_block), jnp.arange(n))   # [n, B, Q, H, Dv]
+  out = blockwise.map_query_blocks(query_block, n, parallel=parallel)   # [n, B, Q, H, Dv]
   out = jnp.moveaxis(out, 0, 1).reshape(B, Tp, H, Dv)
   return out[:, :T].astype(v_BTKD.dtype)
 
@@ -148,7 +147,7 @@ def content_logit_tile(q_BTHD, k_BTKD, scale, Tp: int, block_size: int):
 
 
 def path_integral_attention_chunked(q, k, v, p, alpha, *, segment_ids=None, scale,
-                                    block_size: int = 64):
+                                    block_size: int = 64, parallel: bool | None = None):
   """Blocked GRAPE-AP (never T x T); same arguments and result as the reference."""
   B, T, H, _ = q.shape
   Tp = blockwise.padded_length(T, block_size)
@@ -160,4 +159,5 @@ def path_integral_attention_chunked(q, k, v, p, alpha, *, segment_ids=None, scal
                            jax.lax.dynamic_slice_in_dim(rp, k_start, block_size, 1), alpha)
 
   return right_to_left_attention(psi_tile, content_logit_tile(q, k, scale, Tp, block_size), v,
-                                 num_heads=H, segment_ids=segment_ids, block_size=block_size)
+                                 num_heads=H, segment_ids=segment_ids, block_size=block_size,
+                                 parallel=parallel)

@@ -79,7 +79,7 @@ def tapa_attention_reference(q, k, v, *, alpha, theta, linear_phase, segment_ids
 
 
 def tapa_attention_chunked(q, k, v, *, alpha, theta, linear_phase, segment_ids,
-                           block_size: int = 128):
+                           block_size: int = 128, parallel: bool | None = None):
   """Blockwise online-softmax TAPA: logits tile by tile, never a T x T array."""
   B, T, H, D = q.shape
   Tp = blockwise.padded_length(T, block_size)
@@ -91,4 +91,4 @@ def tapa_attention_chunked(q, k, v, *, alpha, theta, linear_phase, segment_ids,
     return _logits(sl(qa, q0), sl(ka, k0), sl(qp, q0), sl(kp, k0), dpow, linear_phase)
 
   return blockwise.blockwise_attention(tile, v, num_heads=H, segment_ids=segment_ids,
-                                       block_size=block_size)
+                                       block_size=block_size, parallel=parallel)

@@ -42,12 +42,12 @@ def _fox(impl):
       q, k, v, g, segment_ids=seg, scale=SCALE, block_size=BLOCK)
 
 
-def _ap(impl):
+def _ap(impl, parallel=None):
   if impl == "reference":
     return lambda q, k, v, p, a, seg: unipotent.path_integral_attention_reference(
         q, k, v, p, a, segment_ids=seg, scale=SCALE)
   return lambda q, k, v, p, a, seg: unipotent.path_integral_attention_chunked(
-      q, k, v, p, a, segment_ids=seg, scale=SCALE, block_size=BLOCK)
+      q, k, v, p, a, segment_ids=seg, scale=SCALE, block_size=BLOCK, parallel=parallel)
 
 
 def _value_and_grads(f, args, key):
@@ -77,14 +77,15 @@ def test_forgetting_chunked_matches_reference(key, segmented):
 
 
 @pytest.mark.parametrize("segmented", [False, True])
-def test_path_integral_chunked_matches_reference(key, segmented):
+@pytest.mark.parametrize("parallel", [False, True])   # the CPU's and the accelerators' schedule
+def test_path_integral_chunked_matches_reference(key, segmented, parallel):
   k1, k2, k3 = jax.random.split(key, 3)
   q, k, v = _qkv(k1)
   p, alpha = _probes(k2)
   seg = SEG if segmented else None
   args = (q, k, v, p, alpha)
   ref = _value_and_grads(lambda *a: _ap("reference")(*a, seg), args, k3)
-  got = _value_and_grads(lambda *a: _ap("chunked")(*a, seg), args, k3)
+  got = _value_and_grads(lambda *a: _ap("chunked", parallel)(*a, seg), args, k3)
   assert_rel_rms(got[0], ref[0], 1e-5, "forward")
   assert_trees_rel_rms(got[1], ref[1], 1e-5, "grad q,k,v,p,alpha")
 
