@@ -21,5 +21,8 @@ setuptools.setup(
         "matplotlib",
         "tqdm",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-xdist"]},
+    # parity: transformers as the reference in tests/test_transformers_parity.py (CPU, seconds);
+    # kept out of "test" so that CI's clean install stays small.
+    extras_require={"test": ["pytest>=8", "pytest-xdist"],
+                    "parity": ["torch", "transformers>=5"]},
 )

@@ -61,6 +61,27 @@ def stored_model_config(workdir: str) -> dict | None:
     mngr.close()
 
 
+def restore_params(workdir: str, abstract_params: Any) -> tuple[int, Any]:
+  """(step, the model parameters) of the latest checkpoint, without the optimizer state.
+
+  abstract_params: the params tree of jax.ShapeDtypeStruct (nnx.to_pure_dict of the model's
+  abstract nnx.Param state); only this part of the train state is read.
+  """
+  # Onto this process's first device (the sharding is stated, so Orbax need not guess it).
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  item = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                                 abstract_params)}
+  mngr = _reader(_directory(workdir))
+  try:
+    step = mngr.latest_step()
+    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True)))
+    return step, restored["state"]["params"]
+  finally:
+    mngr.close()
+
+
 def config_mismatch(stored: dict, current: dict) -> str | None:
   """A one-line description of the first field that differs, or None when equal."""
   for key in sorted(set(stored) | set(current)):

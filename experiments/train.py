@@ -36,6 +36,7 @@ from experiments import sharding
 from posenc_jax import model as model_lib
 
 SUMMARY = "summary.json"
+CONFIG = "config.json"   # the run's whole config, for readers such as experiments.generate
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 
 
@@ -169,6 +170,9 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
   if finished is not None:
     return finished
   os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, CONFIG), "w") as f:
+      f.write(config.to_json_best_effort(indent=1))
   t = config.train
   data_n, fsdp_n = config_checks.check_mesh(config, jax.device_count())
   mesh = sharding.make_mesh(data=data_n, fsdp=fsdp_n)

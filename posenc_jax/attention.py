@@ -300,15 +300,20 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale=None,
 
 
 def path_integral_attention(q, k, v, p, alpha, *, segment_ids=None, scale=None,
-                            implementation=None):
+                            implementation=None, p_query=None):
   """GRAPE-AP: l_ij = scale * q_i . k_j + sum_{l=j+1}^{i} alpha_h log_sigmoid(<p_i, R_l p_l>/d_p).
 
   q [B, T, H, D]; k, v [B, T, K, D]; p [B, T, H, d_p] (d_p even); alpha [H] >= 0.
+  p_query: [B, T, H, d_p] probes for the query side p_i (the official GRAPE code's variant:
+  raw query probes, RMS-normalised key probes), or None to use p on both sides (the paper).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_rank("p", p, 4, "BTHP")
   if p.shape[:3] != (B, T, H):
     raise ValueError(f"p must have shape [B={B}, T={T}, H={H}, d_p], got {tuple(p.shape)}")
+  if p_query is not None and p_query.shape != p.shape:
+    raise ValueError(f"p_query must have the shape of p {tuple(p.shape)}, "
+                     f"got {tuple(p_query.shape)}")
   _checks.check_even("p.shape[-1] (d_p)", p.shape[-1])
   _checks.check_shape("alpha", alpha, (H,), "H")
   _checks.check_range("alpha", alpha, 0.0, float("inf"))
@@ -316,7 +321,7 @@ def path_integral_attention(q, k, v, p, alpha, *, segment_ids=None, scale=None,
   impl = _pick(implementation, "path_integral", ("reference", "chunked"), q, v, segment_ids)
   fn = {"reference": unipotent.path_integral_attention_reference,
         "chunked": unipotent.path_integral_attention_chunked}[impl]
-  return fn(q, k, v, p, alpha, segment_ids=segment_ids, scale=_scale(scale, D))
+  return fn(q, k, v, p, alpha, segment_ids=segment_ids, scale=_scale(scale, D), p_query=p_query)
 
 
 def tapa_attention(q, k, v, *, alpha=0.1, theta=0.5, linear_phase=False, segment_ids=None,

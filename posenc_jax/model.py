@@ -6,8 +6,11 @@ Two block styles, chosen by `ModelConfig.block`:
 
 Each attention layer owns its encoding's parameters (`encodings.get(name).init` gives the
 pytree; it is stored as nnx.Param leaves) and calls `enc.apply`; the model never branches on
-the encoding name. Parameters carry logical axis names as sharding metadata; activations
-are constrained through `shard`, which the training code resolves against a mesh.
+the encoding name. For generation, `Transformer.prefill` / `decode` thread an explicit cache
+pytree (`init_cache`: the encodings' caches, kv_shift's previous k, v, and each row's slots)
+through the same layers; posenc_jax.generation compiles them into a sampling loop.
+Parameters carry logical axis names as sharding metadata; activations are constrained
+through `shard`, which the training code resolves against a mesh.
 
 Precision policy (`ModelConfig.dtype`, "bfloat16" for training on accelerators):
   - Parameters (encodings' included) are float32, and so is the AdamW state (optax keeps the
@@ -42,10 +45,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax import encodings
+from posenc_jax import kv_cache
 
-# The kv_shift modifier lives with the additive encodings.
+# The kv_shift modifier lives with the additive encodings (its decoding step beside them).
 from posenc_jax.encodings.additive import kv_shift_apply
 from posenc_jax.encodings.additive import kv_shift_init
+from posenc_jax.encodings.additive_decode import kv_shift_prefill_state
+from posenc_jax.encodings.additive_decode import kv_shift_step
 
 BLOCKS = ("llama", "acc_rot")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -147,7 +153,8 @@ class Attention(nnx.Module):
     if cfg.kv_shift:
       self.kv_shift_params = _as_params(kv_shift_init(rngs.params(), cfg.dims))
 
-  def __call__(self, x_BTC, *, tokens_BT, positions_BT, segment_ids_BT, rngs, train):
+  def _project(self, x_BTC):
+    """q [B,T,H,D], k, v [B,T,K,D] (after QK-norm, before kv_shift and the encoding)."""
     cfg, (B, T, _) = self.cfg, x_BTC.shape
     q = self.q_proj(x_BTC).reshape(B, T, cfg.num_heads, cfg.head_dim)
     k = self.k_proj(x_BTC).reshape(B, T, cfg.kv_heads, cfg.head_dim)
@@ -157,6 +164,51 @@ class Attention(nnx.Module):
     v = self.shard(v, ("batch", "length", "kv_heads", "head_dim"))
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
+    return q, k, v
+
+  def _out(self, o_BTHD, x_BTC):
+    B, T, _ = x_BTC.shape
+    o = self.shard(o_BTHD.astype(x_BTC.dtype), ("batch", "length", "heads", "head_dim"))
+    return self.o_proj(o.reshape(B, T, self.cfg.num_heads * self.cfg.head_dim))
+
+  def init_cache(self, batch_size: int, max_len: int) -> dict:
+    """This layer's empty decoding cache (the encoding's, plus kv_shift's previous k, v)."""
+    cfg = self.cfg
+    cache = {"enc": self.enc.init_cache(cfg.dims, batch_size=batch_size, max_len=max_len,
+                                        dtype=DTYPES[cfg.dtype])}
+    if cfg.kv_shift:
+      prev = jnp.zeros((batch_size, cfg.kv_heads, cfg.head_dim), DTYPES[cfg.dtype])
+      cache["kv_shift"] = {"k": prev, "v": prev}
+    return cache
+
+  def prefill(self, x_BPC, *, tokens_BT, positions_BT, segment_ids_BT, slots, cache):
+    """The prompt's forward (as __call__ at evaluation) and the cache it leaves."""
+    q, k, v = self._project(x_BPC)
+    cache = dict(cache)
+    if self.cfg.kv_shift:
+      cache["kv_shift"] = kv_shift_prefill_state(k, v, slots)
+      k, v = kv_shift_apply(_values(self.kv_shift_params), x=x_BPC, k=k, v=v,
+                            segment_ids=segment_ids_BT)
+    o, cache["enc"] = self.enc.prefill(
+        _values(self.enc_params), cache["enc"], slots=slots, x=x_BPC, q=q, k=k, v=v,
+        positions=positions_BT, segment_ids=segment_ids_BT, tokens=tokens_BT, rng=None,
+        train=False, implementation=self.cfg.implementation)
+    return self._out(o, x_BPC), cache
+
+  def decode(self, x_B1C, *, tokens_BT, slots, cache):
+    """One new token per row, written at slot slots.end: (output [B, 1, C], cache)."""
+    q, k, v = self._project(x_B1C)
+    cache = dict(cache)
+    if self.cfg.kv_shift:
+      k, v, cache["kv_shift"] = kv_shift_step(_values(self.kv_shift_params), cache["kv_shift"],
+                                              x=x_B1C, k=k, v=v)
+    o, cache["enc"] = self.enc.decode(_values(self.enc_params), cache["enc"], slots=slots,
+                                      x=x_B1C, q=q, k=k, v=v, tokens=tokens_BT)
+    return self._out(o, x_B1C), cache
+
+  def __call__(self, x_BTC, *, tokens_BT, positions_BT, segment_ids_BT, rngs, train):
+    cfg = self.cfg
+    q, k, v = self._project(x_BTC)
     if cfg.kv_shift:
       k, v = kv_shift_apply(_values(self.kv_shift_params), x=x_BTC, k=k, v=v,
                             segment_ids=segment_ids_BT)
@@ -167,8 +219,7 @@ class Attention(nnx.Module):
     o = self.enc.apply(_values(self.enc_params), x=x_BTC, q=q, k=k, v=v,
                        positions=positions_BT, segment_ids=segment_ids_BT, tokens=tokens_BT,
                        rng=rng, train=train, implementation=cfg.implementation)
-    o = self.shard(o.astype(x_BTC.dtype), ("batch", "length", "heads", "head_dim"))
-    return self.o_proj(o.reshape(B, T, cfg.num_heads * cfg.head_dim))
+    return self._out(o, x_BTC)
 
 
 class Mlp(nnx.Module):
@@ -207,6 +258,14 @@ class Block(nnx.Module):
                                rngs, train)
     return x_BTC + self._drop(self.mlp(self.mlp_norm(x_BTC)), rngs, train)
 
+  def cached(self, x_BTC, *, step: bool, cache, **layer):
+    """The block at evaluation on a prompt (step=False: Attention.prefill) or on one new
+    token per row (step=True: Attention.decode); returns (x, cache)."""
+    attend = self.attn.decode if step else self.attn.prefill
+    a, cache = attend(self.attn_norm(x_BTC), cache=cache, **layer)
+    x_BTC = x_BTC + a
+    return x_BTC + self.mlp(self.mlp_norm(x_BTC)), cache
+
 
 class Transformer(nnx.Module):
   """tokens [B, T] -> logits [B, T, V] (float32)."""
@@ -239,9 +298,56 @@ class Transformer(nnx.Module):
     layer = dict(tokens_BT=tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
     for block in self.blocks:
       x = self.shard(block(x, rngs=rngs, train=train, **layer), ("batch", "length", "embed"))
-    x = self.final_norm(x)
+    return self._logits(x)
+
+  def _logits(self, x_BTC):
+    x = self.final_norm(x_BTC)
     if self.cfg.tie_embeddings:  # 1/sqrt(C): unit-variance embeddings would give huge logits
       logits = self.embed.attend(x) / jnp.sqrt(jnp.asarray(self.cfg.d_model, x.dtype))
     else:
       logits = self.head(x)
     return self.shard(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+  # Decoding with a fixed-size cache. The cache is a plain pytree the caller threads through
+  # (nothing is stored on the module), so prefill and decode are pure and jit/scan-friendly:
+  #   {"layers": (per-layer caches), "start": [B], "end": [B]}  (kv_cache.Slots per row)
+  # posenc_jax.generation compiles them and runs the sampling loop.
+
+  def init_cache(self, batch_size: int, max_len: int) -> dict:
+    """An empty cache of max_len slots per row."""
+    zeros = jnp.zeros((batch_size,), jnp.int32)
+    return {"layers": tuple(b.attn.init_cache(batch_size, max_len) for b in self.blocks),
+            "start": zeros, "end": zeros}
+
+  def prefill(self, tokens_BP, *, lengths_B, cache, padding: str = "right"):
+    """Runs a padded prompt batch and fills `cache` (from init_cache, max_len >= P).
+
+    tokens_BP holds lengths_B[b] >= 1 real tokens per row, at the start of the row
+    (padding="right") or at its end ("left"); the padding is a separate segment, so every
+    row is computed as if alone. Returns (logits [B, P, V] float32, cache): row b's next
+    token is predicted at time end_b - 1 (lengths - 1 for right padding, P - 1 for left).
+    """
+    P = tokens_BP.shape[1]
+    slots = kv_cache.prompt_slots(lengths_B, P, padding=padding)
+    valid = kv_cache.prompt_mask(slots, P)
+    layer = dict(tokens_BT=tokens_BP, segment_ids_BT=valid.astype(jnp.int32),
+                 positions_BT=jnp.where(valid, jnp.arange(P)[None] - slots.start[:, None], 0),
+                 slots=slots)
+    x = self.embed(tokens_BP)
+    layers = []
+    for block, c in zip(self.blocks, cache["layers"]):
+      x, c = block.cached(x, step=False, cache=c, **layer)
+      layers.append(c)
+    return self._logits(x), {"layers": tuple(layers), "start": slots.start, "end": slots.end}
+
+  def decode(self, tokens_B, *, cache):
+    """Appends one token per row at its slot `end`: (logits [B, V] float32 of the next token,
+    cache). The caller keeps end below max_len (posenc_jax.generation checks it)."""
+    slots = kv_cache.Slots(cache["start"], cache["end"])
+    x = self.embed(tokens_B[:, None])
+    layers = []
+    for block, c in zip(self.blocks, cache["layers"]):
+      x, c = block.cached(x, step=True, cache=c, tokens_BT=tokens_B[:, None], slots=slots)
+      layers.append(c)
+    return self._logits(x)[:, 0], {"layers": tuple(layers), "start": slots.start,
+                                    "end": slots.end + 1}

@@ -6,6 +6,9 @@ Both biases sum edge potentials over the path (j, i] from key j to query i:
   GRAPE-AP  b_ij = sum_{l=j+1}^{i} psi(i, l),
             psi(i, l) = alpha_h log_sigmoid(<p_i, R_l p_l> / d_p)    (GRAPE §5, (5.1)-(5.2))
 
+The query side of psi may use its own probe (`p_query`, in place of p_i): the official GRAPE
+code RMS-normalises only the key-side probe p_l and takes the raw projection for p_i.
+
 R_l rotates every adjacent pair (p[2m], p[2m+1]) by the angle l (all frequencies 1). Here l is
 the index of the position inside its packed segment (0 at the segment start; the absolute
 index when segment_ids is None), so a packed document is encoded exactly as if it were alone.
@@ -69,14 +72,16 @@ def path_sum_bias(psi_BHTS, q_pos, k_pos):
   return sum_after(w), w.sum(-1)
 
 
-def path_integral_attention_reference(q, k, v, p, alpha, *, segment_ids=None, scale):
+def path_integral_attention_reference(q, k, v, p, alpha, *, segment_ids=None, scale,
+                                      p_query=None):
   """Dense GRAPE-AP oracle: builds psi and the bias as T x T arrays.
 
-  q [B,T,H,D]; k, v [B,T,K,D]; p [B,T,H,P]; alpha [H] -> o [B,T,H,Dv].
+  q [B,T,H,D]; k, v [B,T,K,D]; p [B,T,H,P]; alpha [H]; p_query [B,T,H,P] or None (= p)
+  -> o [B,T,H,Dv].
   """
   B, T = q.shape[:2]
   r = rotate_probes(p, segment_positions(segment_ids, B, T))
-  psi = edge_potentials(p, r, alpha)
+  psi = edge_potentials(p if p_query is None else p_query, r, alpha)
   pos = jnp.arange(T)
   bias, _ = path_sum_bias(psi, pos, pos)
   logits = masking.dot_logits(q, k, scale) + bias
@@ -147,12 +152,14 @@ def content_logit_tile(q_BTHD, k_BTKD, scale, Tp: int, block_size: int):
 
 
 def path_integral_attention_chunked(q, k, v, p, alpha, *, segment_ids=None, scale,
-                                    block_size: int = 64, parallel: bool | None = None):
+                                    block_size: int = 64, p_query=None,
+                                    parallel: bool | None = None):
   """Blocked GRAPE-AP (never T x T); same arguments and result as the reference."""
   B, T, H, _ = q.shape
   Tp = blockwise.padded_length(T, block_size)
   r = rotate_probes(p, segment_positions(segment_ids, B, T))
-  pp, rp = blockwise.pad_time(p.astype(jnp.float32), Tp), blockwise.pad_time(r, Tp)
+  pq = p if p_query is None else p_query
+  pp, rp = blockwise.pad_time(pq.astype(jnp.float32), Tp), blockwise.pad_time(r, Tp)
 
   def psi_tile(q_start, k_start):
     return edge_potentials(jax.lax.dynamic_slice_in_dim(pp, q_start, block_size, 1),

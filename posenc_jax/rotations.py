@@ -1,4 +1,4 @@
-"""Planar rotations, RoPE and its length extensions (PI, NTK, YaRN), accumulated phases.
+"""Planar rotations, RoPE and its length extensions (PI, NTK, YaRN, Llama 3), accumulated phases.
 
 Conventions (SPEC.md): rotation planes are adjacent channel pairs (x[2m], x[2m+1]),
 m = 0..D/2-1, and `R(phi) x` maps each pair to (x0 cos - x1 sin, x0 sin + x1 cos).
@@ -115,25 +115,94 @@ def ntk_base(head_dim: int, *, base: float = 10000.0, scale: float):
   return base * scale ** (head_dim / (head_dim - 2))
 
 
+YARN_RAMPS = ("paper", "hf")
+
+
 def yarn_frequencies(head_dim: int, *, base: float = 10000.0, scale: float, train_len: int,
-                     beta_fast: float = 32.0, beta_slow: float = 1.0):
+                     beta_fast: float = 32.0, beta_slow: float = 1.0, ramp: str = "paper",
+                     truncate: bool = True):
   """YaRN "NTK-by-parts" frequencies (Peng et al. 2023, defaults beta_fast=32, beta_slow=1).
 
-  With r_m = train_len * omega_m / (2 pi) the number of full turns plane m makes over the
-  training context, the ramp gamma_m = clip((r_m - beta_slow) / (beta_fast - beta_slow), 0, 1)
-  blends interpolation and extrapolation: omega'_m = (1 - gamma_m) omega_m / s + gamma_m omega_m.
-  Fast planes (many turns, gamma = 1) keep omega; slow planes (< 1 turn) are interpolated by s.
-  The ramp runs over r_m directly rather than over rounded dimension indices.
+  Every plane blends interpolation and extrapolation, omega'_m = (1 - gamma_m) omega_m / s +
+  gamma_m omega_m: fast planes (gamma = 1) keep omega, slow ones are interpolated by s. The
+  two ramps agree outside [beta_slow, beta_fast] turns and differ (by tens of percent in omega')
+  inside it:
+
+    ramp="paper" (default)  gamma_m = clip((r_m - beta_slow) / (beta_fast - beta_slow), 0, 1),
+        r_m = train_len omega_m / (2 pi) the turns plane m makes over the training context:
+        the formula of the YaRN paper (§3.2). The default because SPEC.md follows the papers,
+        and it is continuous in train_len and the betas (no rounding).
+    ramp="hf"  linear in the plane index m instead: gamma_m = 1 - clip((m - lo) / (hi - lo), 0, 1)
+        with lo = floor(m(beta_fast)), hi = ceil(m(beta_slow)) clipped to [0, D - 1] and
+        m(n) = D ln(train_len / (2 pi n)) / (2 ln base) the plane that makes n turns. This is
+        what transformers' "yarn", the original YaRN code (jquesnelle/yarn) and vLLM compute,
+        so checkpoints trained with YaRN expect it; `posenc_jax.encodings.from_hf_rope` picks
+        it. truncate=False skips the floor/ceil (transformers' `truncate: false`).
   """
+  if ramp not in YARN_RAMPS:
+    raise ValueError(f"ramp={ramp!r} is not one of {YARN_RAMPS}")
+  if not truncate and ramp != "hf":
+    raise ValueError("truncate=False applies to ramp='hf' only (the paper's ramp has no rounding)")
   omega = rope_frequencies(head_dim, base=base)
-  r = train_len * omega / (2 * math.pi)
-  gamma = jnp.clip((r - beta_slow) / (beta_fast - beta_slow), 0.0, 1.0)
+  if ramp == "paper":
+    r = train_len * omega / (2 * math.pi)
+    gamma = jnp.clip((r - beta_slow) / (beta_fast - beta_slow), 0.0, 1.0)
+  else:
+    def plane(turns):  # the (fractional) plane index that makes `turns` turns over train_len
+      return head_dim * math.log(train_len / (2 * math.pi * turns)) / (2 * math.log(base))
+    lo, hi = plane(beta_fast), plane(beta_slow)
+    if truncate:
+      lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    hi = hi + 0.001 if hi == lo else hi          # as transformers: a step, not 0 / 0
+    m = jnp.arange(head_dim // 2, dtype=jnp.float32)
+    gamma = 1.0 - jnp.clip((m - lo) / (hi - lo), 0.0, 1.0)
   return (1.0 - gamma) * omega / scale + gamma * omega
 
 
 def yarn_attention_factor(scale: float) -> float:
   """sqrt(1/t) = 0.1 ln(s) + 1: multiplies q and k, so logits get 1/t = (0.1 ln s + 1)^2."""
   return 1.0 if scale <= 1.0 else 0.1 * math.log(scale) + 1.0
+
+
+def dynamic_ntk_base(head_dim: int, *, base: float = 10000.0, factor: float, train_len: int,
+                     seq_len):
+  """transformers' "dynamic" NTK base: base * (s L' / L - s + 1)^(D / (D - 2)).
+
+  s = factor, L = train_len (transformers' max_position_embeddings), L' = max(seq_len, L) the
+  current length (a Python or traced scalar). Up to L it is RoPE; at L' = s L the base has
+  grown by (s^2 - s + 1)^(D/(D-2)), more than ntk_base's s^(D/(D-2)) (the two agree only at
+  s = 1). transformers recomputes the base whenever a forward call's max(position_ids) + 1
+  exceeds every length seen so far; the keys already in a cache keep their old rotation.
+  """
+  if head_dim <= 2:
+    raise ValueError(f"head_dim={head_dim} must be > 2 for the NTK base")
+  if train_len <= 0:
+    raise ValueError(f"train_len={train_len} must be positive")
+  length = jnp.maximum(jnp.asarray(seq_len, jnp.float32), float(train_len))
+  return base * (factor * length / train_len - factor + 1.0) ** (head_dim / (head_dim - 2))
+
+
+def llama3_frequencies(head_dim: int, *, base: float = 500000.0, factor: float = 8.0,
+                       train_len: int = 8192, low_freq_factor: float = 1.0,
+                       high_freq_factor: float = 4.0):
+  """Llama 3.1 RoPE scaling (transformers' "llama3"), defaults as Llama 3.1 ships them.
+
+  With the wavelength lambda_m = 2 pi / omega_m and L = train_len (the original context):
+  lambda_m < L / high_freq_factor keeps omega_m; lambda_m > L / low_freq_factor interpolates,
+  omega_m / factor; in between the blend is linear in L / lambda_m (the turns over L):
+  g = (L / lambda_m - low) / (high - low), omega'_m = (1 - g) omega_m / factor + g omega_m.
+  No attention temperature. Continuous in omega, so the boundary conventions do not matter.
+  """
+  if factor <= 0 or train_len <= 0:
+    raise ValueError(f"factor={factor} and train_len={train_len} must be positive")
+  if not 0 < low_freq_factor < high_freq_factor:
+    raise ValueError(f"need 0 < low_freq_factor={low_freq_factor} < "
+                     f"high_freq_factor={high_freq_factor}")
+  omega = rope_frequencies(head_dim, base=base)
+  turns = train_len * omega / (2 * math.pi)                         # L / lambda_m
+  g = jnp.clip((turns - low_freq_factor) / (high_freq_factor - low_freq_factor), 0.0, 1.0)
+  return (1.0 - g) * omega / factor + g * omega
 
 
 # ----------------------------------------------------------------------------------------
@@ -156,4 +225,16 @@ def random_step_angles(key, shape_BT, frequencies_P, *, width: float = 2.0):
   width=2 gives mean omega_m, i.e. RoPE on average (accumulated_rotations App. C).
   """
   u = jax.random.uniform(key, tuple(shape_BT) + frequencies_P.shape, jnp.float32)
+  return u * (width * frequencies_P)
+
+
+def positional_step_angles(key, positions_BT, frequencies_P, *, width: float = 2.0):
+  """delta_{t,m} ~ U(0, width * omega_m), one draw per position value: [B, T, P].
+
+  The draw for position n comes from fold_in(key, n), so it does not depend on the length or
+  batch of the call: a sequence decoded one token at a time draws exactly the angles of its
+  full forward (random_step_angles' draws depend on the array shape). Rows share the draw.
+  """
+  draw = lambda n: jax.random.uniform(jax.random.fold_in(key, n), frequencies_P.shape, jnp.float32)
+  u = jax.vmap(draw)(positions_BT.reshape(-1)).reshape(positions_BT.shape + frequencies_P.shape)
   return u * (width * frequencies_P)

@@ -69,6 +69,16 @@ def _dist(q_pos, k_pos):
   return jnp.abs(q_pos[:, None] - k_pos[None, :])
 
 
+def tapa_logits(q_BQHD, k_BCKD, dist, *, alpha, theta, linear_phase):
+  """TAPA logits [B, H, Q, C] of queries against keys at integer distances |i - j|.
+
+  dist broadcasts against [B, Q, C] (e.g. [B, 1, S] for one decoded query over a cache).
+  """
+  qa, ka, qp, kp = _parts(q_BQHD, k_BCKD, theta)
+  dpow = distance_power(jnp.broadcast_to(dist, (q_BQHD.shape[0],) + jnp.shape(dist)[-2:]), alpha)
+  return _logits(qa, ka, qp, kp, dpow[:, None], linear_phase)
+
+
 def tapa_attention_reference(q, k, v, *, alpha, theta, linear_phase, segment_ids):
   """Dense O(T^2) oracle. q [B, T, H, D]; k, v [B, T, K, D(v)] -> o [B, T, H, Dv]."""
   T = q.shape[1]

@@ -4,7 +4,8 @@ GRAPE (§4-5, App. C) derives every one of them from a unipotent action in homog
 coordinates; they all end up as a logit bias l_ij = scale q_i.k_j + b_ij with b_ij <= 0:
 
   FoX       b_ij = sum_{s=j+1}^{i} log_forget_s      (unscaled; per query head)
-  ALiBi     FoX with the constant gate log_forget[..., h] = -slope_h, slope_h = 2^(-8h/H)
+  ALiBi     FoX with the constant gate log_forget[..., h] = -slope_h, slope_h = 2^(-8h/H) for H a
+            power of two (any H: `alibi_slopes`, the ALiBi reference code's rule)
   GRAPE-A   b_ij = -(i-j) omega_h [lambda_q(q_i) + lambda_k(k_j)]   (posenc_jax.grape_a)
   GRAPE-AP  b_ij = sum_{l=j+1}^{i} psi_h(i, l)        (posenc_jax.path_integral)
 
@@ -33,9 +34,20 @@ from posenc_jax.path_integral import right_to_left_attention
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
-  """ALiBi slopes 2^(-8h/H), h = 1..H (float32 [H]); the ALiBi paper's geometric sequence."""
-  h = np.arange(1, num_heads + 1, dtype=np.float64)
-  return (2.0 ** (-8.0 * h / num_heads)).astype(np.float32)
+  """ALiBi slopes for any head count, as the ALiBi reference code and BLOOM compute them.
+
+  With n = 2^floor(log2 H): the n slopes 2^(-8h/n), h = 1..n, then the first H - n of the
+  odd-h slopes 2^(-8h/(2n)) = 2^(-4h/n) of the 2n-head set (h = 1, 3, 5, ...). For H a power
+  of two this is 2^(-8h/H). The simpler 2^(-8h/H) for every H would change what a model
+  moved from PyTorch computes (at H = 6 its attention outputs differ by ~50%).
+  Returns float32 [H] (computed in float64).
+  """
+  if num_heads < 1:
+    raise ValueError(f"num_heads={num_heads} must be >= 1 for ALiBi slopes")
+  n = 1 << (int(num_heads).bit_length() - 1)             # largest power of two <= H
+  base = 2.0 ** (-8.0 * np.arange(1, n + 1, dtype=np.float64) / n)
+  odd = 2.0 ** (-8.0 * np.arange(1, 2 * (num_heads - n), 2, dtype=np.float64) / (2 * n))
+  return np.concatenate([base, odd]).astype(np.float32)
 
 
 def alibi_log_forget(B: int, T: int, num_heads: int):

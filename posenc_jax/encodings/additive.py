@@ -7,13 +7,21 @@
                b_ij = -(i-j) omega_h [softplus(v_h.q_i/sqrt D) + softplus(u_h.k_j/sqrt D)].
                The augmentation assumes attend(..., scale=None) (the model's call).
   grape_ap     family "path_integral": p_t = RMSNorm(W_p x_t) per head (d_p channels),
-               alpha_h = softplus(raw_h) >= 0.
+               alpha_h = softplus(raw_h) >= 0. variant="paper" (default) uses these probes on
+               both sides of <p_i, R_l p_l>, as GRAPE §5 writes it; variant="official" is the
+               official GRAPE code (model/llama-mha-grape-ap-v1.py): RMSNorm on the key-side
+               probe p_l only, the raw projection W_p x_i on the query side. What else that
+               code does needs no variant: its half-split rotation of p_l by -l is ours after
+               a signed permutation of W_p's columns, its fixed alpha_h = slope_h is our
+               initial value, its unweighted RMSNorm our initial p_scale = 1 (its eps is
+               float32's machine epsilon: pass eps=1.19e-7 to match it to the last bit).
   kv_shift     modifier: k'_t = a_t k_{t-1} + (1 - a_t) k_t (same for v), a_t =
                sigmoid(x_t W_s + b_s) per kv head, k_{-1} = 0 at segment starts. The model
                applies it through kv_shift_init / kv_shift_apply (config.model.kv_shift).
 
-Initialisation. Every learned slope starts at the ALiBi slopes 2^(-8h/H), so each additive
-encoding begins as ALiBi plus a small data-dependent part:
+Initialisation. Every learned slope starts at the ALiBi slopes (unipotent.alibi_slopes: 2^(-8h/H)
+for H a power of two, the ALiBi reference code's rule for other H), so each additive encoding
+begins as ALiBi plus a small data-dependent part:
   fox       b_f,h = -log(expm1(slope_h)), i.e. log f = -slope_h (gates near 1, decay time
             1/slope_h: the FoX paper's decay-time bias init with its T_min..T_max replaced by
             the ALiBi range); W_f ~ N(0, 0.02^2) as FoX's initializer_range.
@@ -21,7 +29,8 @@ encoding begins as ALiBi plus a small data-dependent part:
   grape_a   v, u = 0 so every gate is softplus(0) = log 2, and omega_h = slope_h / (n log 2)
             with n the number of gates (1 or 2): the initial bias is exactly ALiBi.
   grape_ap  alpha_h = slope_h / log 2: psi = alpha log_sigmoid(z), z in [-1, 1] after the
-            RMSNorm, so the mean edge potential is about -slope_h.
+            RMSNorm, so the mean edge potential is about -slope_h. variant="official" starts
+            at alpha_h = slope_h, the official code's (fixed) head scalars.
   kv_shift  W_s ~ N(0, 0.02^2), b_s = 0: a_t ~ 0.5, as the shift gates of FoX-Pro.
 
 Shape letters: B batch, T time, C d_model, H query heads, K kv heads, D head dim, P = d_p.
@@ -51,7 +60,7 @@ HPARAMS = {
     "grape_a_q": {},
     "grape_a_k": {},
     "grape_a_qk": {},
-    "grape_ap": dict(d_p=16, eps=1e-6),
+    "grape_ap": dict(d_p=16, eps=1e-6, variant="paper"),
 }
 
 
@@ -144,34 +153,45 @@ for _name, _gates in (("grape_a_q", (True, False)), ("grape_a_k", (False, True))
 
 # GRAPE-AP ---------------------------------------------------------------------------------
 
-def _check_d_p(d_p):
+_AP_VARIANTS = ("paper", "official")
+
+
+def _check_d_p(d_p, variant="paper"):
   _checks.check_even("d_p", d_p)
   if d_p <= 0:
     raise ValueError(f"d_p={d_p} must be a positive even number")
+  if variant not in _AP_VARIANTS:
+    raise ValueError(f"variant={variant!r} must be one of {_AP_VARIANTS}")
 
 
-def _grape_ap_init(key, dims, *, d_p, eps):
+def _grape_ap_init(key, dims, *, d_p, eps, variant):
   del eps
-  _check_d_p(d_p)
+  _check_d_p(d_p, variant)
   H, C = dims.num_heads, dims.d_model
-  alpha = unipotent.alibi_slopes(H) / math.log(2.0)
+  alpha = unipotent.alibi_slopes(H) / (math.log(2.0) if variant == "paper" else 1.0)
   return {"w_p": jax.random.normal(key, (C, H, d_p)) / C**0.5,
           "p_scale": jnp.ones((H, d_p), jnp.float32),
           "alpha_raw": jnp.asarray(_inv_softplus(alpha), jnp.float32)}
 
 
+def raw_probes(params, x_BTC):
+  """W_p x_t per head, not normalised: [B, T, H, P] float32 (the official code's query probes)."""
+  return jnp.einsum("btc,chp->bthp", x_BTC.astype(jnp.float32), params["w_p"])
+
+
 def probes(params, x_BTC, *, eps):
   """p_t = RMSNorm(W_p x_t) per head: [B, T, H, P] float32."""
-  p = jnp.einsum("btc,chp->bthp", x_BTC.astype(jnp.float32), params["w_p"])
+  p = raw_probes(params, x_BTC)
   p = p * jax.lax.rsqrt(jnp.mean(p * p, axis=-1, keepdims=True) + eps)
   return p * params["p_scale"]
 
 
-def _grape_ap_prepare(params, layer, *, d_p, eps):
-  _check_d_p(d_p)
-  p = probes(params, layer["x"], eps=eps)
-  return Prepared("path_integral", layer["q"], layer["k"], layer["v"],
-                  {"p": p, "alpha": jax.nn.softplus(params["alpha_raw"])})
+def _grape_ap_prepare(params, layer, *, d_p, eps, variant):
+  _check_d_p(d_p, variant)
+  inputs = {"p": probes(params, layer["x"], eps=eps), "alpha": jax.nn.softplus(params["alpha_raw"])}
+  if variant == "official":
+    inputs["p_query"] = raw_probes(params, layer["x"])
+  return Prepared("path_integral", layer["q"], layer["k"], layer["v"], inputs)
 
 
 _add("grape_ap", "path_integral", _grape_ap_init, _grape_ap_prepare)

@@ -12,9 +12,18 @@ GRAPE-M parameters live per kv head: the query heads of a GQA group share their 
 map, so keys are transformed once, at K heads. Hyperparameters (defaults in HPARAMS) are
 keyword-only; an unknown one raises ValueError.
 
+Reference-code variants (hyperparameters; defaults follow the papers, SPEC.md):
+  rope_ntk    variant="static" | "dynamic" (transformers' dynamic NTK; see _rope_family)
+  rope_yarn   ramp="paper" | "hf" (transformers / original YaRN code; rotations.yarn_frequencies)
+  rope_llama3 Llama 3.1's RoPE scaling (transformers' "llama3"), Llama 3.1's values by default
+  grape_m_ctx variant="paper" (softplus gate) | "official" (the official code's sigmoid(z/16))
+posenc_jax.encodings.from_hf_rope maps a transformers config to one of these.
+
 acc_rot_random draws its step angles from `rng` when train=True and from
-jax.random.key(eval_seed) otherwise; the paper samples each layer independently, so a model
-should hand each layer its own rng (and its own eval_seed if evaluation must differ by layer).
+jax.random.key(eval_seed) otherwise, one draw per in-document position (so decoding token by
+token repeats the full forward's angles); the paper samples each layer independently, so a
+model should hand each layer its own rng (and its own eval_seed if evaluation must differ by
+layer).
 
 Shape letters: B batch, T time, C d_model, H query heads, K kv heads, D head dim, P = D/2.
 """
@@ -26,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax import grape_m
+from posenc_jax import path_integral
 from posenc_jax import rotations
 from posenc_jax.encodings import Prepared
 from posenc_jax.encodings import register
@@ -38,12 +48,16 @@ _EXTENSION = dict(base=10000.0, layout="interleaved", train_len=2048, eval_len=8
 HPARAMS = {
     "rope": dict(base=10000.0, layout="interleaved"),
     "rope_pi": dict(_EXTENSION),
-    "rope_ntk": dict(_EXTENSION),
-    "rope_yarn": dict(_EXTENSION, beta_fast=32.0, beta_slow=1.0),
+    "rope_ntk": dict(_EXTENSION, variant="static"),
+    "rope_yarn": dict(_EXTENSION, beta_fast=32.0, beta_slow=1.0, ramp="paper", truncate=True,
+                      attention_factor=None),
+    # Llama 3.1's own values; train_len is its original_max_position_embeddings.
+    "rope_llama3": dict(base=500000.0, layout="interleaved", train_len=8192, factor=8.0,
+                        low_freq_factor=1.0, high_freq_factor=4.0),
     "grape_m": dict(base=10000.0),
     "grape_m_rank2": dict(base=10000.0, num_planes=None),     # None: D/2 planes
     "grape_m_noncommuting": dict(base=10000.0, rank=None),    # None: rank D
-    "grape_m_ctx": dict(base=10000.0),
+    "grape_m_ctx": dict(base=10000.0, variant="paper"),
     "acc_rot_random": dict(base=10000.0, width=2.0, eval_seed=0),
     "acc_rot_learned": dict(base=10000.0),
     "rope_v": dict(base=10000.0),
@@ -106,27 +120,56 @@ def _rotated(layer, angles, *, values: bool = False, layout: str = "interleaved"
 # RoPE and its length extensions.
 
 
+_NTK_VARIANTS = ("static", "dynamic")
+
+
 def _rope_family(kind: str, *, values: bool = False):
+  """prepare for RoPE and its extensions; s = eval_len / train_len (at least 1).
+
+  rope_ntk variant="static" (default): base * s^(D/(D-2)) for every length.
+  rope_ntk variant="dynamic": transformers' "dynamic" NTK, factor s, L = train_len, and the
+    current length L' = max(positions) + 1 over the whole batch, as transformers takes it from
+    one forward call's position_ids (rotations.dynamic_ntk_base). Stateless: transformers also
+    keeps the largest L' since it last dropped below L; here each call uses its own.
+  rope_yarn ramp / truncate: rotations.yarn_frequencies; attention_factor=None is
+    0.1 ln s + 1 (a number overrides it, as transformers' attention_factor does).
+  rope_llama3: rotations.llama3_frequencies.
+  """
   def prepare(params, layer, *, base, layout="interleaved", train_len=None, eval_len=None,
-              beta_fast=None, beta_slow=None):
+              beta_fast=None, beta_slow=None, variant="static", ramp="paper", truncate=True,
+              attention_factor=None, factor=None, low_freq_factor=None, high_freq_factor=None):
     del params
     D = layer["q"].shape[-1]
     pos = layer["positions"]
     if kind == "rope":
       freqs = rotations.rope_frequencies(D, base=base)
+    elif kind == "llama3":
+      freqs = rotations.llama3_frequencies(D, base=base, factor=factor, train_len=train_len,
+                                           low_freq_factor=low_freq_factor,
+                                           high_freq_factor=high_freq_factor)
     else:
       s = rotations.length_scale(train_len=train_len, eval_len=eval_len)
       if kind == "pi":
         freqs = rotations.rope_frequencies(D, base=base)
         pos = rotations.pi_positions(pos, train_len=train_len, eval_len=eval_len)
       elif kind == "ntk":
-        freqs = rotations.rope_frequencies(D, base=rotations.ntk_base(D, base=base, scale=s))
+        if variant not in _NTK_VARIANTS:
+          raise ValueError(f"variant={variant!r} must be one of {_NTK_VARIANTS}")
+        if variant == "static":
+          ntk = rotations.ntk_base(D, base=base, scale=s)
+        else:
+          ntk = rotations.dynamic_ntk_base(D, base=base, factor=s, train_len=train_len,
+                                           seq_len=jnp.max(pos) + 1)
+        freqs = rotations.rope_frequencies(D, base=ntk)
       else:
         freqs = rotations.yarn_frequencies(D, base=base, scale=s, train_len=train_len,
-                                           beta_fast=beta_fast, beta_slow=beta_slow)
+                                           beta_fast=beta_fast, beta_slow=beta_slow, ramp=ramp,
+                                           truncate=truncate)
     prep = _rotated(layer, rotations.rope_angles(pos, freqs), values=values, layout=layout)
     if kind == "yarn":  # attention temperature, split evenly between q and k
-      m = rotations.yarn_attention_factor(s)
+      if attention_factor is not None and not attention_factor > 0:
+        raise ValueError(f"attention_factor={attention_factor} must be positive (or None)")
+      m = rotations.yarn_attention_factor(s) if attention_factor is None else attention_factor
       prep = prep._replace(q=(prep.q * m).astype(prep.q.dtype), k=(prep.k * m).astype(prep.k.dtype))
     return prep
   return prepare
@@ -204,18 +247,38 @@ def _thin_prepare(params, layer, *, base, rank):
   return Prepared("softmax", q2, grape_m.thin_apply(k, angles, frame), layer["v"], {})
 
 
-def _ctx_init(key, dims, *, base):
+# GRAPE-M-ctx phase gates w_s = gate(u.x_s + c) >= 0, by variant:
+#   paper     softplus(z) (GRAPE §5, App. B), c = softplus^-1(1): RoPE at initialisation;
+#   official  sigmoid(z / 16), the official GRAPE code (model/llama-mha-grape-m-ctx.py, whose
+#             comments still say softplus), c = softplus^-1(1e-3) as that code initialises it:
+#             w = sigmoid(-0.432) = 0.394 at init, i.e. RoPE with every frequency x 0.394.
+# The rest of that code is ours up to reparameterisation: its half-split rotation by -Phi theta
+# is ours after a signed permutation of the q/k channels, its theta shared by all heads is our
+# per-kv-head theta with equal rows (tests/test_reference_formulas.py checks both variants).
+_CTX_GATES = {
+    "paper": (jax.nn.softplus, math.log(math.e - 1.0)),
+    "official": (lambda z: jax.nn.sigmoid(z / 16.0), math.log(math.expm1(1e-3))),
+}
+
+
+def _ctx_variant(variant):
+  if variant not in _CTX_GATES:
+    raise ValueError(f"variant={variant!r} must be one of {tuple(_CTX_GATES)}")
+  return _CTX_GATES[variant]
+
+
+def _ctx_init(key, dims, *, base, variant):
   del key
-  # u = 0 and softplus(c) = 1 make Phi_t = t - (segment start): RoPE at initialisation.
-  return {"u": jnp.zeros((dims.d_model,), jnp.float32),
-          "c": jnp.asarray(math.log(math.e - 1.0), jnp.float32),
+  _, c = _ctx_variant(variant)
+  return {"u": jnp.zeros((dims.d_model,), jnp.float32), "c": jnp.asarray(c, jnp.float32),
           "log_theta": _log_rope(dims, base)}
 
 
-def _ctx_prepare(params, layer, *, base):
+def _ctx_prepare(params, layer, *, base, variant):
   del base
+  gate, _ = _ctx_variant(variant)
   x = layer["x"]
-  w = jax.nn.softplus(x.astype(jnp.float32) @ params["u"] + params["c"])       # [B, T] >= 0
+  w = gate(x.astype(jnp.float32) @ params["u"] + params["c"])                  # [B, T] >= 0
   phi = rotations.accumulate_phases(w, layer.get("segment_ids"), exclusive=True)   # sum_{s<t} w_s
   return _rotated(layer, phi[:, :, None, None] * jnp.exp(params["log_theta"]))
 
@@ -229,10 +292,12 @@ def _random_prepare(values: bool):
     del params
     q = layer["q"]
     rng, train = layer.get("rng"), layer.get("train", False)
-    # Fresh angles every training step; a fixed seed otherwise, so evaluations repeat.
-    key = rng if (train and rng is not None) else jax.random.key(eval_seed)
     freqs = rotations.rope_frequencies(q.shape[-1], base=base)
-    steps = rotations.random_step_angles(key, q.shape[:2], freqs, width=width)   # [B, T, P]
+    if train and rng is not None:  # fresh angles every training step
+      steps = rotations.random_step_angles(rng, q.shape[:2], freqs, width=width)   # [B, T, P]
+    else:  # a fixed draw per in-document position: evaluations and decoding repeat it exactly
+      pos = path_integral.segment_positions(layer.get("segment_ids"), *q.shape[:2])
+      steps = rotations.positional_step_angles(jax.random.key(eval_seed), pos, freqs, width=width)
     phi = rotations.accumulate_phases(steps, layer.get("segment_ids"))
     return _rotated(layer, phi[:, :, None, :], values=values)
   return prepare
@@ -260,6 +325,7 @@ _add("rope", _no_params, _rope_family("rope"))
 _add("rope_pi", _no_params, _rope_family("pi"))
 _add("rope_ntk", _no_params, _rope_family("ntk"))
 _add("rope_yarn", _no_params, _rope_family("yarn"))
+_add("rope_llama3", _no_params, _rope_family("llama3"))
 _add("grape_m", _grape_m_init, _grape_m_prepare)
 _add("grape_m_rank2", _rank2_init, _rank2_prepare)
 _add("grape_m_noncommuting", _thin_init, _thin_prepare)

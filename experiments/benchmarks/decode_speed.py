@@ -1,0 +1,163 @@
+r"""Decode speed and cache memory per encoding at long contexts (issue 13).
+
+    python -m experiments.benchmarks.decode_speed [--encodings=rope,fox,path,grape_m_ctx] \
+        [--contexts=2048,8192,32768] [--batch_size=1 --num_layers=2 --d_model=256 \
+        --num_heads=4 --head_dim=64 --dtype=float32 --new_tokens=32 --runs=5] \
+        [--out=FILE]
+
+For each (encoding, context S) it builds a randomly initialised Transformer, a cache of S
+slots whose rows hold S - new_tokens tokens (random contents: a decode step's work does not
+depend on the values, and every step reads all S slots, masked), and times the compiled
+greedy decoding loop of posenc_jax.generation (lax.while_loop, one token per row per step):
+one warm-up call, then --runs rounds that time one call of every encoding in turn (so load on
+a shared machine hits them alike), the median per encoding. Reported: milliseconds per step, tokens/s
+(batch x new_tokens / time), the ratio of the step time to rope's at the same context, the
+cache's size (every layer) and XLA's temporary buffers of the compiled loop. The prefill is
+not timed (it is the training forward).
+
+The same command runs on a CPU or a GPU; it writes the table (command, machine, date, jax
+version) to --out (default: print only) and prints it.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+_ENCODINGS = flags.DEFINE_list("encodings", ["rope", "fox", "path", "grape_m_ctx"], "Encodings.")
+_CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192", "32768"], "Cache sizes (max_len).")
+_BATCH = flags.DEFINE_integer("batch_size", 1, "Rows decoded together.")
+_LAYERS = flags.DEFINE_integer("num_layers", 2, "Transformer layers.")
+_D_MODEL = flags.DEFINE_integer("d_model", 256, "Model width.")
+_HEADS = flags.DEFINE_integer("num_heads", 4, "Query heads (= kv heads).")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dim.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Model compute dtype.")
+_NEW = flags.DEFINE_integer("new_tokens", 32, "Tokens decoded per timed call.")
+_RUNS = flags.DEFINE_integer("runs", 5, "Timed calls per case (median).")
+_OUT = flags.DEFINE_string("out", None, "Write the markdown table here too.")
+
+MIB = 2**20
+
+
+def _setup(name: str, S: int) -> dict:
+  """Builds, compiles and warms up one case; returns its `call` (one timed decode) and sizes."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from posenc_jax import generation
+  from posenc_jax import model as model_lib
+
+  cfg = model_lib.ModelConfig(vocab_size=256, encoding=name, num_layers=_LAYERS.value,
+                              d_model=_D_MODEL.value, num_heads=_HEADS.value,
+                              head_dim=_HEAD_DIM.value, dtype=_DTYPE.value)
+  model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=0))
+  B, N = _BATCH.value, _NEW.value
+  gen = generation.Generator(model, max_len=S)
+  shapes = jax.eval_shape(lambda: model.init_cache(B, S))
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(shapes))))
+
+  def fill(x):  # random contents; rows hold S - N tokens
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jax.random.normal(next(keys), x.shape, jnp.float32).astype(x.dtype)
+    return jnp.zeros(x.shape, x.dtype)
+
+  state = {"cache": {**jax.tree.map(fill, shapes), "end": jnp.full((B,), S - N, jnp.int32)}}
+  end = np.asarray(state["cache"]["end"])   # a host copy: the cache (end included) is donated
+  logits = jnp.zeros((B, cfg.vocab_size), jnp.float32)
+
+  def call() -> float:
+    _, _, seconds, cache = gen.decode(state["cache"], logits, max_new_tokens=N)
+    state["cache"] = {**cache, "end": jnp.asarray(end)}
+    return seconds
+
+  started = time.perf_counter()
+  call()                                                            # compiles, warms up
+  mem = gen.memory_analysis("decode")
+  return dict(encoding=name, context=S, call=call, first_s=time.perf_counter() - started,
+              cache_mib=sum(x.nbytes for x in jax.tree.leaves(state["cache"])) / MIB,
+              temp_mib=mem.temp_size_in_bytes / MIB if mem else None)
+
+
+def _measure(cases: list[dict]) -> None:
+  """Interleaved rounds (one call of every case per round), so that a burst of load on a
+  shared machine hits every encoding alike; each case keeps the median of its calls."""
+  times = {id(c): [] for c in cases}
+  for _ in range(_RUNS.value):
+    for c in cases:
+      times[id(c)].append(c["call"]())
+  for c in cases:
+    t = times[id(c)]
+    step_s = statistics.median(t) / _NEW.value
+    c.update(step_ms=1e3 * step_s, tok_s=_BATCH.value / step_s,
+             spread=(max(t) - min(t)) / statistics.median(t))
+    del c["call"]
+
+
+def _machine() -> str:
+  import jax
+  d = jax.devices()[0]
+  if d.platform == "cpu":
+    return f"{os.cpu_count()}-core CPU ({platform.machine()}), jax {jax.__version__}"
+  return f"{jax.device_count()} x {d.device_kind}, jax {jax.__version__}"
+
+
+def _table(rows: list[dict]) -> str:
+  rope = {r["context"]: r["step_ms"] for r in rows if r["encoding"] == "rope"}
+  out = ["| encoding | context | ms / step | tokens/s | step vs rope | cache (MiB) "
+         "| XLA temp (MiB) | compile+1st call (s) |",
+         "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    ratio = f"{r['step_ms'] / rope[r['context']]:.2f}x" if r["context"] in rope else "-"
+    temp = "-" if r["temp_mib"] is None else f"{r['temp_mib']:.1f}"
+    out.append(f"| {r['encoding']} | {r['context']} | {r['step_ms']:.2f} | {r['tok_s']:,.0f} "
+               f"| {ratio} | {r['cache_mib']:.1f} | {temp} | {r['first_s']:.1f} |")
+  return "\n".join(out)
+
+
+def main(argv) -> None:
+  del argv
+  contexts = [int(c) for c in _CONTEXTS.value]
+  if _NEW.value < 1 or min(contexts) <= _NEW.value:
+    print(f"error: --new_tokens={_NEW.value} must be >= 1 and below every context {contexts}",
+          file=sys.stderr)
+    sys.exit(2)
+  started = datetime.datetime.now().isoformat(timespec="minutes")
+  rows = []
+  for S in contexts:
+    cases = [_setup(name, S) for name in _ENCODINGS.value]
+    _measure(cases)
+    for r in cases:
+      print(f"{r['encoding']:12s} S={S:6d}  {r['step_ms']:8.2f} ms/step  {r['tok_s']:9,.0f} "
+            f"tok/s  cache {r['cache_mib']:8.1f} MiB  (spread {100 * r['spread']:.0f}%)",
+            file=sys.stderr, flush=True)
+    rows += cases
+  rows.sort(key=lambda r: (_ENCODINGS.value.index(r["encoding"]), r["context"]))
+  load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+  text = "\n".join([
+      "# Decode speed and cache memory",
+      "",
+      f"- command: `python -m experiments.benchmarks.decode_speed {' '.join(sys.argv[1:])}`",
+      f"- machine: {_machine()}; load average {load:.1f} at the end",
+      f"- date: {started}",
+      f"- model: {_LAYERS.value} layers, d_model {_D_MODEL.value}, {_HEADS.value} heads x "
+      f"{_HEAD_DIM.value}, {_DTYPE.value}, batch {_BATCH.value}; greedy, {_NEW.value} tokens "
+      f"per call, median of {_RUNS.value} interleaved rounds after one warm-up; every step "
+      f"reads all `context` slots of the cache",
+      "",
+      _table(rows), ""])
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      f.write(text)
+  print(text)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,135 @@
+r"""Sample from a trained run: its latest checkpoint, its model config, a prompt.
+
+  python -m experiments.generate --workdir=DIR --prompt="..." [--max_new_tokens=32 \
+      --temperature=0 --top_k=0 --top_p=1 --seed=0 --max_len=0]
+
+DIR is a run's workdir (for a sweep, one run's: WORKDIR/<encoding>). The model is rebuilt from
+the config saved with the checkpoint, and only its parameters are read. The prompt and the
+continuation are text for byte-level text models, flip-flop symbols for flip-flop runs and
+token ids otherwise (experiments/codecs.py). temperature=0 is greedy and deterministic;
+otherwise top-k / top-p sampling with --seed. The continuation goes to stdout; progress and
+the speed (prefill time, decode tokens/s, compile time) to stderr.
+
+A bad input (no checkpoint in DIR, an empty prompt, a prompt longer than --max_len, a
+sampling parameter out of range) prints one `error: ...` line and exits with status 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "A training run's workdir (holds checkpoints/).")
+_PROMPT = flags.DEFINE_string("prompt", None, "Text to continue (see the module docstring).")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "Tokens to generate.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = all).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample within this much probability (1 = all).")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 0, "Cache slots (0 = prompt + max_new_tokens).")
+flags.mark_flags_as_required(["workdir", "prompt"])
+
+
+def _log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def _runs_below(workdir: str) -> list[str]:
+  """Subdirectories holding a run (a sweep's WORKDIR/<encoding>), to suggest one."""
+  from experiments import checkpoint
+  subs = sorted(os.path.join(workdir, d) for d in os.listdir(workdir))
+  return [d for d in subs if os.path.isdir(d) and checkpoint.has_checkpoint(d)]
+
+
+def load_model(workdir: str):
+  """(model, model config, step) of the latest checkpoint in workdir; ValueError if none."""
+  from flax import nnx
+
+  from experiments import checkpoint
+  from posenc_jax import model as model_lib
+
+  if not os.path.isdir(workdir):
+    raise ValueError(f"--workdir={workdir} does not exist")
+  stored = checkpoint.stored_model_config(workdir)
+  if stored is None:
+    runs = _runs_below(workdir)
+    hint = (f"; it holds the runs {', '.join(runs)}" if runs else
+            "; train one with python -m experiments.main --config=... --workdir=" + workdir)
+    raise ValueError(f"--workdir={workdir} holds no checkpoint{hint}")
+  fields = dict(stored)
+  fields["encoding_kwargs"] = tuple((k, _frozen(v)) for k, v in fields["encoding_kwargs"])
+  cfg = model_lib.ModelConfig(**fields)
+  abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(params=0)))
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  step, values = checkpoint.restore_params(workdir, nnx.to_pure_dict(params))
+  nnx.replace_by_pure_dict(params, values)
+  return nnx.merge(graphdef, params, rest), cfg, step
+
+
+def _frozen(x):
+  """JSON lists back to the tuples ModelConfig holds (hashable)."""
+  return tuple(_frozen(v) for v in x) if isinstance(x, list) else x
+
+
+def generate(workdir: str, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int,
+             top_p: float, seed: int, max_len: int, log=_log) -> dict:
+  """Continues `prompt` with the run in workdir; raises ValueError for bad input.
+
+  Returns {"text", "tokens", "prompt_tokens", "output": generation.Output}.
+  """
+  from experiments import codecs
+  from posenc_jax import generation
+  from posenc_jax import sampling
+
+  sampling.check(temperature=temperature, top_k=top_k, top_p=top_p)
+  if max_new_tokens < 1:
+    raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 1")
+  if max_len < 0:
+    raise ValueError(f"--max_len={max_len} must be >= 0 (0 = prompt + max_new_tokens)")
+  if not prompt:
+    raise ValueError("--prompt is empty: give at least one token to continue")
+  model, cfg, step = load_model(workdir)
+  codec = codecs.for_task(codecs.run_task(workdir, cfg.vocab_size), cfg.vocab_size)
+  ids = codec.encode(prompt)
+  if not ids:
+    raise ValueError(f"--prompt={prompt!r} holds no token")
+  slots = max_len or len(ids) + max_new_tokens
+  generation.check_lengths(prompt_len=len(ids), max_new_tokens=max_new_tokens, max_len=slots)
+  log(f"step {step} of {workdir}: {cfg.encoding}{' + kv_shift' if cfg.kv_shift else ''}, "
+      f"{cfg.num_layers} layer(s), d_model {cfg.d_model}, task {codec.task}; "
+      f"{len(ids)} prompt tokens, cache of {slots} slots; compiling ...")
+  gen = generation.Generator(model, max_len=slots)
+  tokens, lengths = generation.pad_prompts([ids])
+  out = gen.generate(tokens, lengths, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_k=top_k, top_p=top_p, seed=seed, eos_id=codec.eos_id)
+  new = out.tokens[0, :out.lengths[0]].tolist()
+  # The loop sampled decode_steps tokens, the first from the prefill's logits: it ran the
+  # model decode_steps - 1 times (it stops early once every row has ended).
+  steps = out.decode_steps - 1
+  speed = (f"{steps} decode steps, {steps / max(out.decode_s, 1e-9):,.0f} tokens/s" if steps
+           else "no decode step")
+  log(f"prefill {len(ids)} tokens in {1e3 * out.prefill_s:.1f} ms; sampled {out.decode_steps} "
+      f"tokens in {out.decode_s:.3f} s ({speed}); compile {out.compile_s:.1f} s")
+  return {"text": codec.decode(new), "tokens": new, "prompt_tokens": ids, "output": out}
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:  # Orbax logs every restore at INFO
+    logging.set_verbosity(logging.WARNING)
+  try:
+    result = generate(_WORKDIR.value, _PROMPT.value, max_new_tokens=_MAX_NEW.value,
+                      temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+                      seed=_SEED.value, max_len=_MAX_LEN.value)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(result["text"])
+
+
+if __name__ == "__main__":
+  app.run(main)
