@@ -78,18 +78,27 @@ def pallas_head_dim(D: int, Dv: int) -> int:
   return max(16, 1 << (max(D, Dv) - 1).bit_length())
 
 
+def _dtype_or_width_problem(dtype, dtypes, width: int, max_width: int, max_name: str, *,
+                            joiner: str, prefix: str = "") -> str | None:
+  """The dtype / padded head-dim limits both fused attention paths have (None when met)."""
+  name = jnp.dtype(dtype).name
+  if name not in dtypes:
+    return f"dtype {name} is not {prefix}{joiner.join(dtypes)}"
+  if width > max_width:
+    return f"head dim {width} > {max_name}={max_width}"
+  return None
+
+
 def cudnn_unsupported(dtype, D: int, Dv: int, *, T: int, has_segments: bool) -> str | None:
   """Why cuDNN flash attention cannot run this call (None when it can), from shapes alone.
 
   The conditions are jax's (jax/_src/cudnn/fused_attention_stablehlo.py, check_layout and
   check_is_flash_attention), which raise only when the call is lowered on a GPU.
   """
-  name = jnp.dtype(dtype).name
-  if name not in CUDNN_DTYPES:
-    return f"dtype {name} is not {' or '.join(CUDNN_DTYPES)}"
-  width = cudnn_head_dim(D, Dv)
-  if width > CUDNN_MAX_HEAD_DIM:
-    return f"head dim {width} > CUDNN_MAX_HEAD_DIM={CUDNN_MAX_HEAD_DIM}"
+  problem = _dtype_or_width_problem(dtype, CUDNN_DTYPES, cudnn_head_dim(D, Dv),
+                                    CUDNN_MAX_HEAD_DIM, "CUDNN_MAX_HEAD_DIM", joiner=" or ")
+  if problem:
+    return problem
   if has_segments and T % 2:
     return f"odd T={T} with a segment mask: cuDNN's bias backward needs an even length"
   return None
@@ -97,13 +106,9 @@ def cudnn_unsupported(dtype, D: int, Dv: int, *, T: int, has_segments: bool) -> 
 
 def pallas_unsupported(dtype, D: int, Dv: int) -> str | None:
   """Why the Pallas flash kernel cannot run softmax attention (None when it can)."""
-  name = jnp.dtype(dtype).name
-  if name not in PALLAS_DTYPES:
-    return f"dtype {name} is not one of {', '.join(PALLAS_DTYPES)}"
-  width = pallas_head_dim(D, Dv)
-  if width > PALLAS_MAX_HEAD_DIM:
-    return f"head dim {width} > PALLAS_MAX_HEAD_DIM={PALLAS_MAX_HEAD_DIM}"
-  return None
+  return _dtype_or_width_problem(dtype, PALLAS_DTYPES, pallas_head_dim(D, Dv),
+                                 PALLAS_MAX_HEAD_DIM, "PALLAS_MAX_HEAD_DIM", joiner=", ",
+                                 prefix="one of ")
 
 
 def softmax_gpu_path(dtype, D: int, Dv: int, *, has_segments: bool, T: int) -> Choice:
