@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from posenc_jax import path_integral
 from posenc_jax.masking import NEG_INF
 
 
@@ -149,7 +150,4 @@ def sum_after(x, mask_BS, *, axis: int):
   """
   mask = jnp.expand_dims(mask_BS, [d for d in range(x.ndim) if d not in (0, axis)])
   x = jnp.where(mask, x.astype(jnp.float32), 0.0)
-  rc = jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis=axis), axis)        # sum over l >= j
-  n = x.shape[axis]
-  return jnp.concatenate([jax.lax.slice_in_dim(rc, 1, n, axis=axis),
-                          jnp.zeros_like(jax.lax.slice_in_dim(rc, 0, 1, axis=axis))], axis=axis)
+  return jnp.moveaxis(path_integral.sum_after(jnp.moveaxis(x, axis, -1)), -1, axis)
