@@ -47,13 +47,16 @@ def model_config(config, vocab_size: int) -> model_lib.ModelConfig:
       kv_shift=bool(m.kv_shift), num_layers=m.num_layers, d_model=m.d_model,
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
       mlp_dim=m.mlp_dim, block=m.block, qk_norm=bool(m.qk_norm), dropout=float(m.dropout),
-      tie_embeddings=bool(m.tie_embeddings), dtype=m.dtype, implementation=m.implementation)
+      tie_embeddings=bool(m.tie_embeddings), dtype=m.dtype, implementation=m.implementation,
+      scan_layers=bool(m.scan_layers))
 
 
 def stored_form(mcfg: model_lib.ModelConfig) -> dict:
-  """What a checkpoint records of the model: everything but the speed-only choice of kernel."""
+  """What a checkpoint records of the model: everything but the speed-only choices (kernel,
+  layer scan), which leave the parameters as they are."""
   d = dataclasses.asdict(mcfg)
   d.pop("implementation")
+  d.pop("scan_layers")
   d["encoding_kwargs"] = [list(kv) for kv in d["encoding_kwargs"]]
   return d
 

@@ -113,3 +113,33 @@ def test_tied_embeddings_share_the_table(key):
 def test_bad_model_config_raises(key):
   with pytest.raises(ValueError, match="model.block"):
     _model(key, "rope", block="gpt2")
+
+
+@pytest.mark.parametrize("encoding,kv_shift", [("rope", False), ("path", False),
+                                               ("acc_rot_learned", False), ("fox", True)])
+def test_scanned_layers_match_the_loop(encoding, kv_shift, key):
+  """scan_layers=True is the same function of the same parameters, forward and gradients."""
+  k1, k2 = jax.random.split(key)
+  kw = dict(num_layers=3, kv_shift=kv_shift, qk_norm=True)
+  loop, scanned = (_model(k1, encoding, scan_layers=s, **kw) for s in (False, True))
+  tok = _tokens(k2)
+  assert_rel_rms(scanned(tok), loop(tok), 1e-5, "logits")
+  loss = lambda m: jnp.sum(jax.nn.log_softmax(m(tok))[..., 0])
+  g_loop, g_scan = (nnx.to_pure_dict(nnx.grad(loss)(m)) for m in (loop, scanned))
+  for path, g in jax.tree_util.tree_leaves_with_path(g_loop):
+    got = g_scan
+    for p in path:
+      got = got[p.key]
+    assert_rel_rms(got, g, 1e-5, jax.tree_util.keystr(path))
+
+
+def test_scanned_layers_draw_per_layer_keys_from_rngs(key):
+  """Training through the scan is keyed by rngs alone: same seeds, same output."""
+  k1, k2 = jax.random.split(key)
+  model = _model(k1, "acc_rot_random", num_layers=3, block="acc_rot", dropout=0.3,
+                 scan_layers=True)
+  tok = _tokens(k2)
+  rngs = lambda s: nnx.Rngs(dropout=s, encoding=s + 1)
+  a, b, c = (model(tok, rngs=rngs(s), train=True) for s in (1, 1, 2))
+  np.testing.assert_array_equal(a, b)
+  assert not np.allclose(a, c)

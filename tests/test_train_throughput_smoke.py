@@ -60,3 +60,21 @@ def test_anchor_without_torch_or_cuda_is_an_error_row():
   assert row["implementation"] == "fla" and row["batch"] == 2
   if row["error"] is not None:  # (a GPU machine with FLA runs it)
     assert "FLA anchor" in row["error"], row["error"]
+
+
+def test_scanned_rows_are_keyed_apart_and_compared_with_scanned_rope():
+  from experiments.benchmarks import throughput_tables as tables
+  args = tt.parse_args(TINY + ["--scan-layers"])
+  ident = tt.row_identity(args, name="path", seq_len=T)
+  loop = tt.row_identity(tt.parse_args(TINY), name="path", seq_len=T)
+  assert ident["scan_layers"] is True and loop["scan_layers"] is None
+  assert tables.row_key(ident) != tables.row_key(loop)
+  row = lambda name, impl, scan, tps: {"encoding": name, "seq_len": T, "dtype": "bfloat16",
+                                       "implementation": impl, "scan_layers": scan,
+                                       "tokens_per_s": tps}
+  rows = [row("rope", "cudnn", None, 100.0), row("rope", "cudnn", True, 80.0),
+          row("path", "auto", True, 40.0), row("path", "auto", None, 60.0)]
+  by_label_t = {(tables.label(r), T): r for r in rows}
+  assert tables.label(rows[2]) == "path [scan]" and tables.label(rows[1]) == "rope [cudnn, scan]"
+  assert tables._ratio_to_rope(rows[2], by_label_t) == pytest.approx(0.5)
+  assert tables._ratio_to_rope(rows[3], by_label_t) == pytest.approx(0.6)

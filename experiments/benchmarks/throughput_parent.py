@@ -29,6 +29,8 @@ def child_argv(args, *, name: str, seq_len: int) -> list[str]:
     if value is not None:
       argv += ["--" + flag.replace("_", "-"), str(value)]
   argv.append("--fla-varlen" if args.fla_varlen else "--no-fla-varlen")
+  if args.scan_layers:
+    argv.append("--scan-layers")
   return argv
 
 

@@ -12,7 +12,8 @@ import os
 ANCHORS = ("fla_path", "fla_path_fox")
 KV_SHIFT = "+kv_shift"  # "rope+kv_shift": ModelConfig(encoding="rope", kv_shift=True)
 MATMUL = "matmul_bf16"  # the measured-peak row
-KEY_FIELDS = ("encoding", "seq_len", "batch", "dtype", "implementation")
+# scan_layers: absent (None) in rows from before the flag, which all ran the unrolled loop.
+KEY_FIELDS = ("encoding", "seq_len", "batch", "dtype", "implementation", "scan_layers")
 
 
 def runnable_encodings() -> list[str]:
@@ -67,15 +68,22 @@ def latest_rows(rows: list[dict]) -> dict:
 
 def label(row: dict) -> str:
   """Row name in tables: the encoding, plus what differs from the default measurement."""
-  extra = [x for x in (row["implementation"] if row["implementation"] not in ("auto", "fla")
-                       else None, row["dtype"] if row["dtype"] != "bfloat16" else None) if x]
-  return row["encoding"] + (f" [{', '.join(extra)}]" if extra else "")
+  return row["encoding"] + _extras(row["implementation"] if row["implementation"] not in (
+      "auto", "fla") else None, row["dtype"] if row["dtype"] != "bfloat16" else None,
+      "scan" if row.get("scan_layers") else None)
+
+
+def _extras(*extra) -> str:
+  extra = [x for x in extra if x]
+  return f" [{', '.join(extra)}]" if extra else ""
 
 
 def _ratio_to_rope(row: dict, by_label_t: dict) -> float | None:
-  """tokens/s over RoPE-on-cuDNN's at the same T ("rope [cudnn]"), else over rope's with the
-  same dtype / implementation label."""
-  rope = (by_label_t.get(("rope [cudnn]", row["seq_len"])) if row["dtype"] == "bfloat16"
+  """tokens/s over RoPE-on-cuDNN's at the same T and layer loop ("rope [cudnn]" or
+  "rope [cudnn, scan]"), else over rope's with the same bracketed label."""
+  scan = "scan" if row.get("scan_layers") else None
+  cudnn = "rope" + _extras("cudnn", scan)
+  rope = (by_label_t.get((cudnn, row["seq_len"])) if row["dtype"] == "bfloat16"
           else None) or by_label_t.get(("rope" + label(row)[len(row["encoding"]):],
                                         row["seq_len"]))
   if row.get("error") or not rope or rope.get("error"):

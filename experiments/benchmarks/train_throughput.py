@@ -25,7 +25,7 @@ count). Tokens per step are constant: B = tokens_per_step / T (16 x 2048, 4 x 81
 Each (encoding, T) runs in a fresh subprocess (`--one NAME --seq-len T ...`), so peak memory is
 per encoding and an OOM, crash or timeout becomes a row with its error. The parent never
 initialises a GPU backend. Each finished row is appended at once to --out (JSON lines);
-rows already there (same encoding, T, B, dtype, implementation) are skipped unless --force
+rows already there (same encoding, T, B, dtype, implementation, scan_layers) are skipped unless --force
 (--retry-errors re-runs only the failed ones); --deadline stops launching (and kills a child
 cut short by it, writing no row) before the caller's wall-clock limit, so the same command run
 again continues where it stopped.
@@ -259,7 +259,8 @@ def count_params(params) -> tuple[int, int]:
 
 def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
             implementation: str, schedule: Schedule, peak_tflops: float | None,
-            measured_tflops: float | None, compile_only: bool = False) -> dict:
+            measured_tflops: float | None, scan_layers: bool = False,
+            compile_only: bool = False) -> dict:
   """Compiles and times the project's train step for one encoding; returns the row.
 
   compile_only: stop after compiling (the pre-compile phase fills the persistent cache)."""
@@ -274,7 +275,8 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
       vocab_size=size.vocab_size, encoding=encoding, kv_shift=kv_shift,
       num_layers=size.num_layers, d_model=size.d_model, num_heads=size.num_heads,
       head_dim=size.head_dim, block="llama", dtype=dtype,
-      implementation=None if implementation == "auto" else implementation)
+      implementation=None if implementation == "auto" else implementation,
+      scan_layers=scan_layers)
   train_cfg = base.get_config().train
   mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
   trainer = train.Trainer(mcfg, train_cfg, mesh)
@@ -355,7 +357,9 @@ def row_identity(args, *, name: str, seq_len: int) -> dict:
     impl = "fla" if args.fla_varlen else "fla_no_doc_mask"
   return {"encoding": name, "seq_len": seq_len,
           "batch": batch_for(tokens_per_step=args.tokens_per_step, seq_len=seq_len),
-          "dtype": args.dtype, "implementation": impl}
+          "dtype": args.dtype, "implementation": impl,
+          # None, not False, unscanned: the key of the rows from before the flag
+          "scan_layers": True if args.scan_layers and name not in ANCHORS else None}
 
 
 def one_row(args, *, name: str, seq_len: int) -> dict:
@@ -373,7 +377,8 @@ def one_row(args, *, name: str, seq_len: int) -> dict:
       row.update(fla_anchor_model.run_row(name=name, varlen=args.fla_varlen, **common))
     else:
       row.update(run_jax(name=name, implementation=args.implementation,
-                         compile_only=args.compile_only, **common))
+                         scan_layers=args.scan_layers, compile_only=args.compile_only,
+                         **common))
   except Exception as e:  # one row's failure is data, not the end of the run
     row["error"] = f"{type(e).__name__}: {_first_line(str(e))}"
   row["wall_s"] = time.time() - t0
@@ -411,6 +416,9 @@ def parse_args(argv=None):
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
   p.add_argument("--implementation", default="auto",
                  help="auto (ModelConfig.implementation=None) or a forced one for every layer")
+  p.add_argument("--scan-layers", action="store_true",
+                 help="ModelConfig.scan_layers: the blocks as one lax.scan (compiles one layer; "
+                      "rows labelled [scan], their ratio taken to rope [cudnn, scan])")
   p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--loss-steps", type=int, default=30)

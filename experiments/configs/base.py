@@ -14,6 +14,8 @@ Experiment files start from `base.get_config()` and override what they study. Fi
   model.implementation    None = auto (posenc_jax.attention.auto_implementation: Pallas or
                           cuDNN on GPU, Pallas / blockwise on TPU, dense jnp on CPU), or one
                           of reference / xla / cudnn / scan / chunked / pallas
+  model.scan_layers       run the blocks as one lax.scan (compiles one layer instead of
+                          num_layers; same parameters and checkpoints; speed-only)
   train.*                 AdamW with linear warmup, cosine decay to 10%, global-norm clipping
                           (grad_clip 0 turns it off); batch_size is global (all devices)
   eval.lengths            evaluate at these sequence lengths (() = data.seq_len only)
@@ -41,7 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
       encoding="rope", encoding_kwargs=ml_collections.ConfigDict(), kv_shift=False,
       num_layers=2, d_model=64, num_heads=2, num_kv_heads=0, head_dim=32, mlp_dim=0,
       block="llama", qk_norm=False, dropout=0.0, tie_embeddings=False, dtype="float32",
-      implementation=config_dict.placeholder(str)))
+      implementation=config_dict.placeholder(str), scan_layers=False))
   c.train = ml_collections.ConfigDict(dict(
       steps=1000, batch_size=32, learning_rate=1e-3, warmup_steps=100, weight_decay=0.1,
       grad_clip=1.0, checkpoint_every=500, log_every=50, seed=0))
