@@ -39,12 +39,15 @@ from posenc_jax import unipotent
 AUTO_DENSE_MAX_T = 2048
 
 # The GPU softmax path when segment_ids are given, which is every training step (packed
-# documents): "pallas" (the project's flash kernel masks segments tile by tile, O(T) memory)
-# or "cudnn" (cuDNN flash attention reading a dense [B, 1, T, T] mask, which jax turns into a
-# bias in q's dtype: 2 B T^2 bytes per layer call, 512 MiB at B=4, T=8192, plus the bool mask
-# and, before jax 0.11.1, a bias gradient of the same size). jax's public API has no segment
-# ids for cuDNN. A GPU measurement settles this; flip it here.
-GPU_SOFTMAX_WITH_SEGMENTS = "pallas"
+# documents). jax's public API has no segment ids for cuDNN, so cuDNN reads a dense
+# [B, 1, T, T] mask, which jax turns into a bias in q's dtype: 2 B T^2 bytes per layer call
+# (512 MiB at B=4, T=8192; 8 GiB per row at T=65536). The project's Pallas flash kernel masks
+# segments tile by tile in O(T) memory but is slower. Measured on an H100 (the 12-layer
+# 134M-parameter bf16 train step, RESULTS_train.md, 2026-11-23): cuDNN with the mask trains
+# 1.06x faster than the Pallas kernel at T=2048 and 1.64x at T=8192, at the same peak memory.
+# So packed documents go to cuDNN up to this length and to the Pallas kernel beyond it,
+# where the mask would grow to gigabytes (0 sends them all to Pallas).
+CUDNN_SEGMENT_MASK_MAX_T = 16384
 
 CUDNN_DTYPES = ("bfloat16", "float16")
 # cuDNN flash attention takes head dims that are multiples of 8 up to 128 (256 on Hopper and
@@ -114,21 +117,22 @@ def pallas_unsupported(dtype, D: int, Dv: int) -> str | None:
 def softmax_gpu_path(dtype, D: int, Dv: int, *, has_segments: bool, T: int) -> Choice:
   """Which implementation runs causal softmax attention on a GPU, and why.
 
-  Preference: cuDNN (bf16/fp16, supported head dim; with segment_ids only when
-  GPU_SOFTMAX_WITH_SEGMENTS says so), else the Pallas flash kernel (segments, GQA, float32),
-  else XLA's T x T form.
+  Preference: cuDNN (bf16/fp16, supported head dim; with segment_ids only up to
+  CUDNN_SEGMENT_MASK_MAX_T), else the Pallas flash kernel (segments, GQA, float32), else
+  XLA's T x T form.
   """
   name = jnp.dtype(dtype).name
   no_cudnn = cudnn_unsupported(dtype, D, Dv, T=T, has_segments=has_segments)
   no_pallas = pallas_unsupported(dtype, D, Dv)
-  prefer_pallas = has_segments and GPU_SOFTMAX_WITH_SEGMENTS == "pallas"
-  if no_cudnn is None and (not prefer_pallas or no_pallas is not None):
+  mask_too_long = has_segments and T > CUDNN_SEGMENT_MASK_MAX_T
+  if no_cudnn is None and (not mask_too_long or no_pallas is not None):
     masked = ", segments as a dense [B,1,T,T] mask" if has_segments else ""
-    fallback = f" (the Pallas kernel cannot: {no_pallas})" if prefer_pallas else ""
+    fallback = f" (the Pallas kernel cannot: {no_pallas})" if mask_too_long else ""
     return Choice("cudnn", f"{name}, head dim {cudnn_head_dim(D, Dv)}: cuDNN flash attention"
                            f"{masked}{fallback}")
   if no_pallas is None:
-    why = f"cuDNN cannot: {no_cudnn}" if no_cudnn else "GPU_SOFTMAX_WITH_SEGMENTS='pallas'"
+    why = (f"cuDNN cannot: {no_cudnn}" if no_cudnn else
+           f"T={T} > CUDNN_SEGMENT_MASK_MAX_T={CUDNN_SEGMENT_MASK_MAX_T} (cuDNN's dense mask)")
     per_tile = " masks segments per tile" if has_segments else ""
     return Choice("pallas", f"{why}; the Pallas flash kernel{per_tile}")
   return Choice("xla", f"neither cuDNN ({no_cudnn}) nor the Pallas kernel ({no_pallas}): "

@@ -17,7 +17,8 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
     (F16, 128, 128, False, 8192, "cudnn", "head dim 128"),
     (BF16, 72, 64, False, 2048, "cudnn", "head dim 72"),          # GRAPE-A's lifted q, k
     (BF16, 60, 64, False, 2048, "cudnn", "head dim 64"),          # padded to a multiple of 8
-    (BF16, 64, 64, True, 2048, "pallas", "GPU_SOFTMAX_WITH_SEGMENTS='pallas'"),
+    (BF16, 64, 64, True, 8192, "cudnn", "segments as a dense [B,1,T,T] mask"),
+    (BF16, 64, 64, True, 32768, "pallas", "T=32768 > CUDNN_SEGMENT_MASK_MAX_T=16384"),
     (F32, 64, 64, False, 2048, "pallas", "dtype float32 is not bfloat16 or float16"),
     (F32, 64, 64, True, 8192, "pallas", "dtype float32"),
     (BF16, 192, 192, False, 2048, "xla", "head dim 192 > CUDNN_MAX_HEAD_DIM=128"),
@@ -34,17 +35,27 @@ def test_softmax_gpu_path_table(dtype, D, Dv, segments, T, expected, why):
     (BF16, 2047, "pallas", "odd T=2047"),                 # cuDNN's bias backward: even T only
     (F32, 2048, "pallas", "dtype float32"),
 ])
-def test_softmax_gpu_path_segments_via_cudnn(monkeypatch, dtype, T, expected, why):
-  """Flipping GPU_SOFTMAX_WITH_SEGMENTS sends packed documents to cuDNN where it can take them."""
-  monkeypatch.setattr(attention, "GPU_SOFTMAX_WITH_SEGMENTS", "cudnn")
+def test_softmax_gpu_path_segments_via_cudnn(dtype, T, expected, why):
+  """Packed documents go to cuDNN (dense mask) where it can take them, else to Pallas."""
   choice = attention.softmax_gpu_path(dtype, 64, 64, has_segments=True, T=T)
   assert (choice.implementation, why in choice.reason) == (expected, True), choice
 
 
-def test_softmax_gpu_path_segments_fall_back_to_cudnn(monkeypatch):
-  """Where the preferred Pallas kernel cannot run, packed documents go to cuDNN, not to XLA."""
+def test_softmax_gpu_path_segment_mask_limit_is_a_switch(monkeypatch):
+  """CUDNN_SEGMENT_MASK_MAX_T=0 sends every packed batch to the Pallas kernel."""
+  monkeypatch.setattr(attention, "CUDNN_SEGMENT_MASK_MAX_T", 0)
+  choice = attention.softmax_gpu_path(BF16, 64, 64, has_segments=True, T=2048)
+  assert choice.implementation == "pallas", choice
+  assert "T=2048 > CUDNN_SEGMENT_MASK_MAX_T=0" in choice.reason, choice
+  assert attention.softmax_gpu_path(BF16, 64, 64, has_segments=False,
+                                    T=2048).implementation == "cudnn"
+
+
+def test_softmax_gpu_path_long_segments_fall_back_to_cudnn(monkeypatch):
+  """Beyond the mask limit, where the Pallas kernel cannot run, packed documents still go to
+  cuDNN, not to XLA's T x T form."""
   monkeypatch.setattr(attention, "PALLAS_MAX_HEAD_DIM", 64)
-  choice = attention.softmax_gpu_path(BF16, 96, 96, has_segments=True, T=2048)
+  choice = attention.softmax_gpu_path(BF16, 96, 96, has_segments=True, T=32768)
   assert choice.implementation == "cudnn", choice
   assert "the Pallas kernel cannot: head dim 128 > PALLAS_MAX_HEAD_DIM=64" in choice.reason, choice
 
@@ -53,7 +64,8 @@ def test_softmax_gpu_path_segments_fall_back_to_cudnn(monkeypatch):
     ("softmax", "cpu", 2048, "reference"), ("softmax", "cpu", 2049, "chunked"),
     ("tapa", "cpu", 512, "reference"), ("path_integral", "cpu", 8192, "chunked"),
     ("path", "cpu", 512, "reference"), ("forgetting", "cpu", 4096, "chunked"),
-    ("softmax", "gpu", 2048, "pallas"), ("softmax", "tpu", 512, "chunked"),
+    ("softmax", "gpu", 2048, "cudnn"), ("softmax", "gpu", 32768, "pallas"),
+    ("softmax", "tpu", 512, "chunked"),
     ("path", "gpu", 512, "pallas"), ("forgetting", "tpu", 8192, "pallas"),
     # No kernel: blockwise at every T on an accelerator, never the dense reference.
     ("tapa", "gpu", 512, "chunked"), ("tapa", "tpu", 8192, "chunked"),
