@@ -6,8 +6,7 @@ caller-supplied function, masked (causal, segment, padding) and folded into a ru
 and the per-tile step is rematerialised in the backward pass (`jax.checkpoint`) so gradients
 keep O(T) memory per query block instead of storing every tile.
 
-Query blocks run one after another on the CPU and all at once on accelerators
-(`map_query_blocks`).
+Query blocks run one after another by default, or all at once (`map_query_blocks`).
 
 Shape letters: B batch, T time (padded to Tp), H query heads, K kv heads, G = H // K, D dims,
 Q query-block length, C key-block length (both equal `block_size` here).
@@ -83,17 +82,18 @@ def tile_mask(q_start, k_start, Q: int, C: int, T: int, seg_BTp=None):
 def map_query_blocks(query_block: Callable, n: int, *, parallel: bool | None = None):
   """[query_block(qi) for qi < n] stacked on a new leading axis, rematerialised in the backward.
 
-  parallel=False: `lax.map`, one query block at a time (the CPU: the working set stays small).
+  parallel=False (and None): `lax.map`, one query block at a time; the working set stays
+  one block's.
   parallel=True: `vmap`, every query block at once, so the key-block loop inside runs n
   steps over [n, B, H, Q, C] tiles instead of n^2 steps over [B, H, Q, C] ones. The tiles
   above the diagonal are then computed and masked instead of skipped (twice the tile work),
-  and the backward holds one carry per key step for all blocks (O(n T) transient memory), but
-  a GPU no longer waits on thousands of tiny sequential kernels: at the 125M model's T = 2048
-  the sequential walk made GRAPE-AP 0.02x and TAPA 0.05x of RoPE's tokens/s.
-  None: parallel on GPU and TPU, sequential elsewhere.
+  and the backward holds one carry per key step for all blocks (O(n T) transient memory).
+  Measured in the 12-layer 134M-parameter bf16 train step on an H100 (2026-11-23,
+  experiments/benchmarks/RESULTS_train.md) it does not pay: TAPA at T = 2048 ran 12,492
+  tokens/s in parallel against 13,809 one block at a time (the tile arithmetic, not the
+  launches, bounds it), at T = 8192 TAPA asked for 103.8 GiB and ran out of memory, and
+  GRAPE-AP's step took over 420 s to compile. So None means sequential on every backend.
   """
-  if parallel is None:
-    parallel = jax.default_backend() in ("gpu", "tpu")
   block = jax.checkpoint(query_block)   # only the block's inputs are kept for the backward
   return jax.vmap(block)(jnp.arange(n)) if parallel else jax.lax.map(block, jnp.arange(n))
 
@@ -110,7 +110,7 @@ def blockwise_attention(tile_logits: Callable, v_BTKD, *, num_heads: int, segmen
     num_heads: H, the number of query heads (a multiple of K).
     segment_ids: optional [B, T] packed-sequence ids.
     block_size: tile edge.
-    parallel: query blocks at once or one by one (`map_query_blocks`; None: by backend).
+    parallel: query blocks at once or one by one (`map_query_blocks`; None: one by one).
 
   Returns:
     [B, T, H, Dv] in v's dtype.

@@ -77,7 +77,7 @@ def test_forgetting_chunked_matches_reference(key, segmented):
 
 
 @pytest.mark.parametrize("segmented", [False, True])
-@pytest.mark.parametrize("parallel", [False, True])   # the CPU's and the accelerators' schedule
+@pytest.mark.parametrize("parallel", [False, True])   # both query-block schedules
 def test_path_integral_chunked_matches_reference(key, segmented, parallel):
   k1, k2, k3 = jax.random.split(key, 3)
   q, k, v = _qkv(k1)
