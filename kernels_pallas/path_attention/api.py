@@ -89,7 +89,9 @@ def _attend_bwd(cfg, res, do):
       q=g["q"], k=g["k"], v=g["v"], e=de,
       diag=None if w is None else g["diag"].astype(ops.diag.dtype), fq=g.get("fq"),
       fk=g.get("fk"), sq=None if seg is None else jnp.zeros_like(ops.sq),
-      sk=None if seg is None else jnp.zeros_like(ops.sk))
+      sk=None if seg is None else jnp.zeros_like(ops.sk),
+      lo=None if seg is None else jnp.zeros_like(ops.lo),
+      hi=None if seg is None else jnp.zeros_like(ops.hi))
   grads = pullback(ct)
   grads = tuple(None if x is None else gx.astype(x.dtype)
                 for x, gx in zip((q, k, v, w, beta, log_forget), grads))

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention.kernels import NEG_INF, chunk_id, dot, logits, tile_mask
+from kernels_pallas.path_attention.kernels import (NEG_INF, chunk_bound, chunk_id, dot, logits,
+                                                   tile_mask)
 
 
 def _unpack(refs, spec):
@@ -45,10 +46,11 @@ def _unpack(refs, spec):
   return out
 
 
-def _in_spec(transport, gate, segments):
+def _in_spec(transport, gate, segments, bounds):
   return [("q", True), ("k", True), ("v", True), ("e", transport),
           ("do", True), ("lse", True), ("delta", True), ("fq", gate), ("fk", gate),
-          ("sq", segments), ("sk", segments), ("diag", transport)]
+          ("sq", segments), ("sk", segments), ("diag", transport), ("lo", bounds),
+          ("hi", bounds)]
 
 
 def _eye(D):
@@ -56,10 +58,12 @@ def _eye(D):
   return jnp.where(i == lax.broadcasted_iota(jnp.int32, (D, D), 1), 1.0, 0.0).astype(jnp.float32)
 
 
-def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis):
+def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, bounds=False):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
-  (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C])."""
-  r = _unpack(refs, _in_spec(transport, gate, segments)
+  (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]). Out: dk, dv [C, D] of
+  key chunk m, (dfk [G, 1, C]). With `bounds` the walk stops at hi_m, the last query chunk that
+  shares a segment with chunk m (prepass.chunk_bounds)."""
+  r = _unpack(refs, _in_spec(transport, gate, segments, bounds)
               + [("dk", True), ("dv", True), ("dfk", gate)])
   G, n, C, D = r["q"].shape
   dt = r["q"].dtype
@@ -113,7 +117,8 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis):
     return mop, dk, dv, tuple(dfk)
 
   mop = _eye(D) if transport else jnp.zeros((1, 1), f32)
-  _, dk, dv, dfk = lax.fori_loop(m + 1, n, body, (mop, dk, dv, tuple(dfk)))
+  end = chunk_bound(r["hi"], m) + 1 if bounds else n
+  _, dk, dv, dfk = lax.fori_loop(m + 1, end, body, (mop, dk, dv, tuple(dfk)))
   r["dk"][...] = dk.astype(r["dk"].dtype)
   r["dv"][...] = dv.astype(r["dv"].dtype)
   if gate:
@@ -121,14 +126,16 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis):
       r["dfk"][g] = dfk[g]
 
 
-def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs):
+def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, bounds=False):
   """In: as dkv_kernel, except that the query-side operands have their chunks merged into time
   (q, do [G, n*C, D]; lse, delta, (fq) [G, n*C, 1]; (sq [n*C, 1]); (diag [G, n*C, C])), so that
   one load reads the rows of one chunk or of two adjacent ones. Out: dq [G, n*C, D],
   (ddiag [G, n*C, C], dP [n, D, D] of this lane, states [n, R, D] scratch with R = C, 2C with
   pairs), (dfq [G, n*C, 1]); dP and dfq float32, the rest kernel dtype. `pairs` (transport
-  only) and `lanes` come from calls.backward_dq."""
-  r = _unpack(refs, _in_spec(transport, gate, segments)
+  only) and `lanes` come from calls.backward_dq. With `bounds` (lo, hi [n, 1, 1]) a query
+  chunk walks key chunks lo_c .. c-1 only (prepass.chunk_bounds): left of lo_c every tile is
+  masked, so the adjoint starts at zero there and no dP_m gets a contribution."""
+  r = _unpack(refs, _in_spec(transport, gate, segments, bounds)
               + [("dq", True), ("ddiag", transport), ("dp", transport), ("st", transport),
                  ("dfq", gate)])
   G = r["q"].shape[0]
@@ -209,18 +216,26 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs):
       t = rows(c, size)
       r["dfq"][g, t] = (r["dfq"][g, t] + dfq) if dfq_diag_written else dfq
 
+  def first_key(c, last=None):
+    """The first key chunk that query chunk c (and chunk `last`, with pairs) can see."""
+    if not bounds:
+      return 0
+    lo = chunk_bound(r["lo"], c)
+    return lo if last is None else jnp.minimum(lo, chunk_bound(r["lo"], last))
+
   def query_chunk(g, c):
     """One query chunk alone (FoX; with transport the odd last chunk): state rows [0, C)."""
     qc = load_query(g, c)
     adj, dfq = diagonal(g, c, qc, load_key(g, c, with_e=False))
     state = lambda m: r["st"][m, pl.ds(0, C)]
+    lo = first_key(c)
     if transport:
-      def store_state(i, qt):  # the state used against key chunk m, for m = c-1 .. 0
+      def store_state(i, qt):  # the state used against key chunk m, for m = c-1 .. lo
         m = c - 1 - i
         r["st"][m, pl.ds(0, C)] = qt.astype(dt)
         return move(qt, r["e"][m])
 
-      lax.fori_loop(0, c, store_state, qc["q"].astype(f32))
+      lax.fori_loop(0, c - lo, store_state, qc["q"].astype(f32))
 
     def key_chunk(m, carry):
       adj, dfq = carry
@@ -230,7 +245,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs):
         add_dp(m, acc, dp)
       return adj, dfq
 
-    finish(g, c, C, *lax.fori_loop(0, c, key_chunk, (adj, dfq)), False)
+    finish(g, c, C, *lax.fori_loop(lo, c, key_chunk, (adj, dfq)), False)
 
   def query_pair(g, c):
     """Query chunks c, c + 1 as one stacked 2C-row tile (transport): their states at key chunk
@@ -248,12 +263,14 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs):
     q0 = qp["q"].astype(f32)
     qt = q0 - jnp.where(low, dot(qp["q"], kc["e"], precision=precision), 0.0)
 
-    def store_states(i, qt):  # stacked states against key chunk m = c-1 .. 0
+    lo = first_key(c, c + 1)
+
+    def store_states(i, qt):  # stacked states against key chunk m = c-1 .. lo
       m = c - 1 - i
       r["st"][m] = qt.astype(dt)
       return move(qt, r["e"][m])
 
-    lax.fori_loop(0, c, store_states, qt)
+    lax.fori_loop(0, c - lo, store_states, qt)
 
     def key_chunk(m, carry):
       adj, dfq = carry
@@ -263,7 +280,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs):
       return adj, dfq
 
     init = (jnp.zeros((2 * C, D), f32), jnp.zeros((2 * C, 1), f32))
-    adj, dfq = lax.fori_loop(0, c, key_chunk, init)
+    adj, dfq = lax.fori_loop(lo, c, key_chunk, init)
     adj, dfq, dp = step(qp, kc, qp["q"], adj, dfq, live=low)  # chunk c + 1 vs key chunk c
     r["dp"][c] += dp
     finish(g, c, 2 * C, adj, dfq, True)

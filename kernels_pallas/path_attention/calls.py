@@ -138,6 +138,13 @@ def _flags(ops: Operands):
   return dict(transport=ops.e is not None, gate=ops.fq is not None, segments=ops.sq is not None)
 
 
+def _bounds(ops: Operands, backend: str) -> bool:
+  """Segment-aware chunk skipping (prepass.chunk_bounds): on the GPU and in the interpreter.
+  TPU kernels walk every chunk pair: a loop bound read from a VMEM block is a vector value
+  there (it would need scalar prefetch into SMEM)."""
+  return ops.lo is not None and backend in ("gpu", "interpret")
+
+
 def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
   """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32."""
   if backend in ("tpu", "tpu_interpret"):
@@ -163,11 +170,15 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
     specs += [pl.BlockSpec((None, None, None, C, 1),
                            lambda *p: (ids(*p)[0], 0, ids(*p)[2], 0, 0)),
               _full(ops.sk, ids, lambda h: 0)]
+  bounds = _bounds(ops, backend)
+  if bounds:
+    args.append(ops.lo)
+    specs.append(_full(ops.lo, ids, lambda h: 0))
   out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
   kernel = functools.partial(kernels.fwd_kernel, scale=scale, precision=precision,
-                             chunk_axis=axis, reverse=True, **f)
+                             chunk_axis=axis, reverse=True, bounds=bounds, **f)
   return _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False)(*args)
 
 
@@ -214,8 +225,9 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   return {**backward_dkv(ops, do, lse, delta, **kw), **backward_dq(ops, do, lse, delta, **kw)}
 
 
-def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv):
-  """Operands and BlockSpecs of both backward kernels; grid_kv maps program ids to (b, kv head)."""
+def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv, *, bounds: bool):
+  """Operands and BlockSpecs of both backward kernels; grid_kv maps program ids to (b, kv head).
+  bounds: append the chunk bounds (lo, hi) last."""
   G = ops.q.shape[1] // ops.k.shape[1]
   f = _flags(ops)
   grp = lambda x: pl.BlockSpec((None, G) + x.shape[2:],
@@ -239,6 +251,9 @@ def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv):
   if f["transport"]:
     args.append(ops.diag)
     specs.append(grp(ops.diag))
+  if bounds:
+    args += [ops.lo, ops.hi]
+    specs += [seg(ops.lo), seg(ops.hi)]
   return args, specs, grp
 
 
@@ -251,7 +266,8 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   f = _flags(ops)
   f32 = jnp.float32
   grid, ids, axis = chunk_grid(B, K, n, backend)
-  args, specs, _ = _bwd_inputs(ops, do, lse, delta, lambda *p: ids(*p)[:2])
+  bounds = _bounds(ops, backend)
+  args, specs, _ = _bwd_inputs(ops, do, lse, delta, lambda *p: ids(*p)[:2], bounds=bounds)
   chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda *p: ids(*p) + (0, 0))
   gdt = ops.q.dtype  # gradients leave in the kernel dtype (accumulated in float32 on chip)
   out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt)] * 2
@@ -260,7 +276,7 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
     out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
     out_specs.append(pl.BlockSpec((None, G, None, 1, C), lambda *p: ids(*p) + (0, 0)))
   kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
-                             chunk_axis=axis, **f)
+                             chunk_axis=axis, bounds=bounds, **f)
   # Without grouped heads two stages fit in shared memory at head_dim 128 too, and pay (H200
   # dk/dv 14.1 -> 13.6 ms at 8,4096,16,128, 112.9 -> 100.0 ms at 4,16384,16,128); with G = 2
   # they ask for 273 of 227 KiB.
@@ -294,8 +310,9 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   gdt = ops.q.dtype
   merged = ops._replace(q=_merged(ops.q), diag=_merged(ops.diag), fq=_merged(ops.fq),
                         sq=_merged(ops.sq))
+  bounds = _bounds(ops, backend)
   args, specs, grp = _bwd_inputs(merged, _merged(do), _merged(lse), _merged(delta),
-                                 lambda b, kh, l: (b, kh))
+                                 lambda b, kh, l: (b, kh), bounds=bounds)
   lane = lambda s: pl.BlockSpec((None, None) + s.shape[2:],
                                 lambda b, kh, l: (b, kh * L + l) + (0,) * (len(s.shape) - 2))
   names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n * C, D), gdt)]
@@ -310,7 +327,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   out_specs = [lane(s) if s.shape[1] == K * L and n_ in ("dp", "states") else grp(s)
                for n_, s in zip(names, out_shape)]
   kernel = functools.partial(bwd_kernels.dq_kernel, scale=scale, precision=precision, lanes=L,
-                             pairs=pairs, **f)
+                             pairs=pairs, bounds=bounds, **f)
   outs = _call(kernel, (B, K, L), specs, out_specs, out_shape, backend, bs, bwd=True,
                warps=bs.dq_num_warps or (8 if pairs else None))(*args)
   more = dict(zip(names, outs))

@@ -8,7 +8,10 @@ fwd_kernel (GPU), one program per (batch, query head, query chunk c): diagonal c
   pre-computed in-chunk logits, then key chunks m = c-1 .. 0 right to left in a loop with an
   online softmax, the query tile moving one chunk left after each key chunk:
   q~ <- q~ - q~ E_m (E_m = W_m^T U_m, D x D; the logits q~ k^T and the move read the same q~, so
-  the two products are independent and the dependent chain per step is one product). Causal block skipping is the loop bound.
+  the two products are independent and the dependent chain per step is one product). Causal
+  block skipping is the loop bound; with `bounds` (segments, GPU) the walk also stops at
+  lo_c, the first key chunk that shares a segment with chunk c (prepass.chunk_bounds), since
+  every chunk left of it is masked for every query of the tile.
 
 fwd_kv_kernel (TPU), the same walk as a grid axis: grid (batch, head, query chunk, j), j last
   and "arbitrary"; step j reads key chunk m = c - j through the BlockSpec index map (so only
@@ -58,14 +61,21 @@ def chunk_id(n, *, axis, reverse):
   return n - 1 - i if reverse else i
 
 
-def _unpack_fwd(refs, transport, gate, segments):
+def _unpack_fwd(refs, transport, gate, segments, bounds=False):
   refs = list(refs)
   take = lambda k, on: [refs.pop(0) for _ in range(k)] if on else [None] * k
   q, k, v = take(3, True)
   e, d = take(2, transport)
   fq, fk = take(2, gate)
   sq, sk = take(2, segments)
-  return q, k, v, e, d, fq, fk, sq, sk, refs
+  (lo,) = take(1, bounds)
+  return q, k, v, e, d, fq, fk, sq, sk, lo, refs
+
+
+def chunk_bound(ref, i):
+  """Scalar entry i of a [n, 1, 1] int32 ref (prepass.chunk_bounds' lo or hi): a load and a
+  reduction, which both the Triton lowering and the interpreter take."""
+  return jnp.min(ref[i])
 
 
 def _step(qt, m_i, l_i, acc, kt, vt, s_gate, s_ok, *, scale, dt, precision):
@@ -96,12 +106,13 @@ def _diag(q, kc, vc, d_ref, fq, fk, sq, sk, *, scale, precision):
   return m_i, l_i, dot(p.astype(q.dtype), vc, precision=precision)
 
 
-def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, reverse):
+def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, reverse,
+               bounds=False):
   """refs: q [C,D], k, v [n,C,D], (e [n,D,D], diag [C,C]), (fq [C,1], fk [n,1,C]),
-  (sq [C,1], sk [n,1,C]) -> o [C,D], lse [C,1]. The query chunk is grid axis chunk_axis
-  (reversed with `reverse`, see calls.chunk_grid)."""
-  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, outs = _unpack_fwd(
-      refs, transport, gate, segments)
+  (sq [C,1], sk [n,1,C]), (lo [n,1,1]) -> o [C,D], lse [C,1]. The query chunk is grid axis
+  chunk_axis (reversed with `reverse`, see calls.chunk_grid)."""
+  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, lo_ref, outs = _unpack_fwd(
+      refs, transport, gate, segments, bounds)
   o_ref, lse_ref = outs
   c = chunk_id(k_ref.shape[0], axis=chunk_axis, reverse=reverse)
   q = q_ref[...]
@@ -124,7 +135,8 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
       qt = _move(qt, e_ref[m], dt=dt, precision=precision)
     return qt, m_i, l_i, acc
 
-  _, m_i, l_i, acc = lax.fori_loop(0, c, body, (q.astype(jnp.float32), m_i, l_i, acc))
+  steps = c - chunk_bound(lo_ref, c) if bounds else c
+  _, m_i, l_i, acc = lax.fori_loop(0, steps, body, (q.astype(jnp.float32), m_i, l_i, acc))
   o_ref[...] = (acc / l_i).astype(o_ref.dtype)
   lse_ref[...] = m_i + jnp.log(l_i)
 
@@ -132,7 +144,7 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
 def fwd_kv_kernel(*refs, scale, transport, gate, segments, precision):
   """refs (one chunk each): q [C,D] (chunk c), k, v [C,D], (e [D,D]) (chunk c - j), (diag [C,C]),
   (fq [C,1], fk [1,C]), (sq [C,1], sk [1,C]) -> o [C,D], lse [C,1]; scratch qt, m, l, acc."""
-  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, rest = _unpack_fwd(
+  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, _, rest = _unpack_fwd(
       refs, transport, gate, segments)
   o_ref, lse_ref, qt_ref, m_ref, l_ref, acc_ref = rest
   c, j = pl.program_id(2), pl.program_id(3)

@@ -40,6 +40,9 @@ class Operands(NamedTuple):
   fk: jax.Array | None    # [B, H, n, 1, C] the same, key layout
   sq: jax.Array | None    # [B, 1, n, C, 1] int32 segment ids, query layout
   sk: jax.Array | None    # [B, 1, n, 1, C]
+  lo: jax.Array | None = None  # [B, 1, n, 1, 1] int32: the first key chunk that query chunk c
+                               # can see (segments only; chunk_bounds)
+  hi: jax.Array | None = None  # [B, 1, n, 1, 1] int32: the last query chunk that sees key chunk m
 
 
 def blocked(x, C: int):
@@ -160,4 +163,32 @@ def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype,
   if seg is not None:
     sb = pad_time(seg.astype(jnp.int32), Tp, -1).reshape(B, 1, n, C)
     ops.update(sq=sb[..., None], sk=sb[..., None, :])
+    lo, hi = chunk_bounds(seg.astype(jnp.int32), C=C)
+    ops.update(lo=lo[:, None, :, None, None], hi=hi[:, None, :, None, None])
   return Operands(**ops)
+
+
+def chunk_bounds(seg_BT, *, C: int):
+  """Which chunk pairs can hold a visible (query, key) pair, from segment ids: lo [B, n], the
+  first key chunk any query of chunk c can see, and hi [B, n], the last query chunk that can
+  see any key of chunk m (int32).
+
+  Chunks c and m can share a segment only if their id ranges [min, max] overlap (padding
+  excluded: its keys are only in the last chunk, which every walk visits). For packed
+  documents (contiguous segments) this is exact; for any other layout it only over-counts,
+  so the kernels stay exact. The kernels walk key chunks c-1 .. lo_c and query chunks
+  m+1 .. hi_m: with documents shorter than a row, most chunk pairs of a causal walk lie
+  wholly before the query's document and are skipped.
+  """
+  B, T = seg_BT.shape
+  n = -(-T // C)
+  big = jnp.iinfo(jnp.int32).max
+  real = (jnp.arange(n * C) < T).reshape(n, C)
+  s = pad_time(seg_BT, n * C).reshape(B, n, C)
+  smin = jnp.where(real, s, big).min(-1)                                  # [B, n]
+  smax = jnp.where(real, s, -big).max(-1)
+  vis = ((smin[:, :, None] <= smax[:, None, :]) & (smin[:, None, :] <= smax[:, :, None])
+         & (jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]))           # [B, c, m], m <= c
+  lo = jnp.argmax(vis, axis=2).astype(jnp.int32)              # the diagonal is always visible
+  hi = (n - 1 - jnp.argmax(vis[:, ::-1, :], axis=1)).astype(jnp.int32)
+  return lo, hi

@@ -38,6 +38,17 @@ def _transport_vectors(key, B, T, K, D, *, mode):
   return w / jnp.linalg.norm(w, axis=-1, keepdims=True), beta
 
 
+def _segments(key, B, T, mode):
+  """[B, T] int32 ids. "few": 2-4 packed documents per row; "short": packed documents of ~8
+  tokens (most chunk pairs of a causal walk lie before the query's document: the kernels skip
+  them); "interleaved": ids 0-2 at random, a document's tokens not contiguous (the skipping
+  must stay exact for any layout)."""
+  if mode == "interleaved":
+    return jax.random.randint(key, (B, T), 0, 3).astype(jnp.int32)
+  rate = {"few": 3.0 / T, "short": 1.0 / 8}[mode]
+  return jnp.cumsum(jax.random.uniform(key, (B, T)) < rate, axis=1).astype(jnp.int32)
+
+
 def _inputs(key, B, T, H, K, D, dtype, *, gate, segments, w_mode="random"):
   ks = jax.random.split(key, 8)
   q = jax.random.normal(ks[0], (B, T, H, D), dtype)
@@ -46,8 +57,8 @@ def _inputs(key, B, T, H, K, D, dtype, *, gate, segments, w_mode="random"):
   w, beta = _transport_vectors(ks[3], B, T, K, D, mode=w_mode)
   lf = jax.nn.log_sigmoid(jax.random.normal(ks[5], (B, T, H)) + 2.0) if gate else None
   seg = None
-  if segments:  # random packing: 2-4 segments per row, never attended across
-    seg = jnp.cumsum(jax.random.uniform(ks[6], (B, T)) < 3.0 / T, axis=1).astype(jnp.int32)
+  if segments:  # True: "few"; else a _segments mode. Never attended across.
+    seg = _segments(ks[6], B, T, "few" if segments is True else segments)
   do = jax.random.normal(ks[7], (B, T, H, D), dtype)
   return q, k, v, w, beta, lf, seg, do
 
@@ -104,6 +115,17 @@ class PathKernelBase:
 
   def test_fox_segments_gqa_f32(self, key):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True, fox=True)
+
+  @pytest.mark.parametrize("segments", ["short", "interleaved"])
+  def test_path_skips_chunks_before_the_document(self, key, segments):
+    """Short packed documents over 4 chunks: the walks stop at the document's first chunk
+    (prepass.chunk_bounds), forward and every gradient still equal the oracle's; the
+    interleaved layout (no chunk can be skipped soundly) takes the same code."""
+    self._check(key, H=2, K=1, dtype=jnp.float32, gate=True, segments=segments, T=4 * self.block)
+
+  def test_fox_skips_chunks_before_the_document(self, key):
+    self._check(key, H=2, K=1, dtype=jnp.float32, gate=True, segments="short", fox=True,
+                T=4 * self.block)
 
   @pytest.mark.parametrize("w_mode,dtype", [
       ("shared:1.0", jnp.bfloat16), ("shared:0.01", jnp.bfloat16), ("antiparallel", jnp.bfloat16),
@@ -352,3 +374,27 @@ def test_argument_errors():
   with pytest.raises(ValueError, match="head_dim=24"):
     y = jnp.zeros((1, 8, 2, 24))
     kp.path_attention(y, y, y, y, beta, interpret=True)
+
+
+@pytest.mark.parametrize("mode", ["few", "short", "interleaved"])
+def test_chunk_bounds_cover_every_visible_pair(key, mode):
+  """lo_c <= m and hi_m >= c for every chunk pair (c >= m) holding a same-segment (query, key)
+  pair; for packed documents the bounds are tight (the first / last such chunk)."""
+  from kernels_pallas.path_attention import prepass
+  B, T, C = 3, 101, 8
+  seg = _segments(key, B, T, mode)
+  lo, hi = prepass.chunk_bounds(seg, C=C)
+  n = -(-T // C)
+  chunk = jnp.arange(T) // C
+  same = (seg[:, :, None] == seg[:, None, :]) & (jnp.arange(T)[:, None] >= jnp.arange(T)[None])
+  # visible[b, c, m]: some query of chunk c sees some key of chunk m
+  onehot = jax.nn.one_hot(chunk, n, dtype=jnp.int32)
+  visible = jnp.einsum("tc,bts,sm->bcm", onehot, same.astype(jnp.int32), onehot) > 0
+  c_idx, m_idx = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+  assert bool(jnp.all(~visible | (lo[:, :, None] <= m_idx)))
+  assert bool(jnp.all(~visible | (hi[:, None, :] >= c_idx)))
+  if mode != "interleaved":
+    assert bool(jnp.all(lo == jnp.argmax(visible, axis=2)))
+    assert bool(jnp.all(hi == n - 1 - jnp.argmax(visible[:, ::-1, :], axis=1)))
+  if mode == "short":  # the case the skipping is for: most pairs below the diagonal go
+    assert int(jnp.sum(c_idx - lo[:, :, None] >= 0)) > 0 and bool(jnp.any(lo > 0))
