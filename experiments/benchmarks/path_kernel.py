@@ -2,7 +2,8 @@
 flash-linear-attention's Triton PaTH kernel (PyTorch, fla-core 0.6.0), at the anchor shapes.
 
   python experiments/benchmarks/path_kernel.py --part check        # GPU correctness vs dense oracle,
-                                                                    # then the correlated-w rows
+                                                                    # the correlated-w rows, then
+                                                                    # ours vs FLA (fla_parity.py)
   python experiments/benchmarks/path_kernel.py --part jax --cases 0,1,2,3,4
   python experiments/benchmarks/path_kernel.py --part fla --cases 0,1,2,3,4
 
@@ -116,7 +117,7 @@ def _rel(a, b):
 
 def part_check(prepass=None):
   """Forward and every gradient vs the dense oracle on the GPU; bitwise determinism; then the
-  correlated-w rows (part_correlated).
+  correlated-w rows (part_correlated) and ours against FLA on identical inputs (fla_parity).
   prepass: the bf16 rows' pre-pass variant (default: BlockSizes' default)."""
   import jax
   import jax.numpy as jnp
@@ -158,7 +159,8 @@ def part_check(prepass=None):
       row["error"] = type(e).__name__ + ": " + str(e).splitlines()[0][:200]
     rows.append(row)
     print(json.dumps(row), flush=True)
-  return rows + part_correlated(prepass)
+  from experiments.benchmarks import fla_parity
+  return rows + part_correlated(prepass) + fla_parity.run()
 
 
 def part_jax(cases, variants, dtype="bfloat16"):
