@@ -39,9 +39,13 @@ def test_prepare_and_attend(key, name):
     assert lf is None
   else:  # gates start near 1 (FoX's bias initialisation), per query head
     assert lf.shape == (2, 19, 4) and np.exp(lf).min() > 0.9 and lf.max() < 0.0
-  out = encodings.attend(prep, segment_ids=SEG, implementation="chunked")
-  ref = householder.path_attention_reference(prep.q, prep.k, prep.v, w, beta, log_forget=lf,
-                                             segment_ids=SEG, scale=DIMS.head_dim**-0.5)
+  # The attention calls and the gradient run jitted: one compile each instead of eager
+  # op-by-op dispatch (every eager lax.scan recompiles).
+  out = jax.jit(lambda q, k, v, inputs: encodings.attend(
+      prep._replace(q=q, k=k, v=v, inputs=inputs), segment_ids=SEG, implementation="chunked"))(
+          prep.q, prep.k, prep.v, prep.inputs)
+  ref = jax.jit(lambda *a: householder.path_attention_reference(
+      *a, log_forget=lf, segment_ids=SEG, scale=DIMS.head_dim**-0.5))(prep.q, prep.k, prep.v, w, beta)
   assert_rel_rms(out, ref, 1e-5)
 
   # Every parameter receives a finite, non-zero training signal through the chunked path.
@@ -51,7 +55,7 @@ def test_prepare_and_attend(key, name):
     o = enc.apply(p, segment_ids=SEG, implementation="chunked", **layer)
     return jnp.sum(o * cot)
 
-  for leaf_name, g in jax.grad(loss)(params).items():
+  for leaf_name, g in jax.jit(jax.grad(loss))(params).items():
     assert np.all(np.isfinite(g)) and np.abs(g).max() > 0, leaf_name
 
 

@@ -88,13 +88,15 @@ class PathKernelBase:
       fast = lambda *a: kp.path_attention(*a, segment_ids=seg, block_sizes=bs, backend=self.backend)
       ref = lambda *a: householder.path_attention_reference(
           *a[:5], log_forget=a[5] if gate else None, segment_ids=seg, scale=scale)
+    # Everything runs jitted: one compile each instead of eager op-by-op dispatch (the
+    # interpreter's grid loops and the oracle's scans recompile at every eager call).
+    grad = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
+                                       argnums=tuple(range(len(args)))))
     with jax.default_matmul_precision("highest"):
-      o_ref = ref(*args)
-      grad = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
-                                 argnums=tuple(range(len(args))))
+      o_ref = jax.jit(ref)(*args)
       g_ref = grad(ref)(*args)
     tol = self.tol[dtype]
-    assert_rel_rms(fast(*args), o_ref, tol, "forward")
+    assert_rel_rms(jax.jit(fast)(*args), o_ref, tol, "forward")
     g_fast = grad(fast)(*args)
     names = ("q", "k", "v", "log_forget") if fox else ("q", "k", "v", "w", "beta", "log_forget")
     for name, a, b in zip(names, g_fast, g_ref):
@@ -154,12 +156,12 @@ class PathKernelBase:
     q, k, v, do = (jax.random.normal(k_, (B, T, H, D), jnp.bfloat16) for k_ in ks[2:])
     fast = lambda *a: kp.path_attention(*a, backend=self.backend)   # default chunk 64
     ref = lambda *a: householder.path_attention_reference(*a, scale=D ** -0.5)
-    grad = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
-                               argnums=tuple(range(5)))
+    grad = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
+                                       argnums=tuple(range(5))))
     args = (q, k, v, w, beta)
     with jax.default_matmul_precision("highest"):
-      o_ref, g_ref = ref(*args), grad(ref)(*args)
-    assert_rel_rms(fast(*args), o_ref, 1e-2, "forward")
+      o_ref, g_ref = jax.jit(ref)(*args), grad(ref)(*args)
+    assert_rel_rms(jax.jit(fast)(*args), o_ref, 1e-2, "forward")
     for name, a, b in zip(("q", "k", "v", "w", "beta"), grad(fast)(*args), g_ref):
       assert_rel_rms(a, b, 1e-2, f"d{name}")
 
@@ -283,11 +285,16 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant, backend):
                            backend=backend, variant=variant)
   outs = jax.eval_shape(ref, q, k, w, bb)
   cts = tuple(jax.random.normal(k_, s.shape) for k_, s in zip(ks[4:], outs))
+
+  def value_and_pull(fn):   # jitted: one compile instead of eager op-by-op dispatch
+    def run(*a):
+      out, pull = jax.vjp(fn, *a)
+      return out, pull(cts)
+    return jax.jit(run)
+
   with jax.default_matmul_precision("highest"):
-    o_ref, pull_ref = jax.vjp(ref, q, k, w, bb)
-    g_ref = pull_ref(cts)
-  o_fast, pull_fast = jax.vjp(fast, q, k, w, bb)
-  g_fast = pull_fast(cts)
+    o_ref, g_ref = value_and_pull(ref)(q, k, w, bb)
+  o_fast, g_fast = value_and_pull(fast)(q, k, w, bb)
   # float32 inputs: float32 products throughout. bf16 inputs: bf16 operands in the "_bf16"
   # variants and bf16 gradients of q, k.
   exact = dtype == jnp.float32 or not variant.endswith("_bf16")
@@ -305,16 +312,17 @@ def test_tpu_kv_grid_forward_interpret(key, transport):
   q, k, v, w, beta, lf, seg, _ = _inputs(key, B, T, H, K, D, jnp.float32, gate=True, segments=True)
   bs = kp.BlockSizes(block_q=16, block_k=16)
   with jax.default_matmul_precision("highest"):
+    # jitted: one compile instead of eager op-by-op dispatch
     if transport:
-      out = kp.path_attention(q, k, v, w, beta, lf, segment_ids=seg, block_sizes=bs,
-                              backend="tpu_interpret")
-      ref = householder.path_attention_reference(q, k, v, w, beta, log_forget=lf,
-                                                 segment_ids=seg, scale=D ** -0.5)
+      out = jax.jit(lambda *a: kp.path_attention(*a, segment_ids=seg, block_sizes=bs,
+                                                 backend="tpu_interpret"))(q, k, v, w, beta, lf)
+      ref = jax.jit(lambda *a: householder.path_attention_reference(
+          *a[:5], log_forget=a[5], segment_ids=seg, scale=D ** -0.5))(q, k, v, w, beta, lf)
     else:
-      out = kp.forgetting_attention(q, k, v, lf, segment_ids=seg, block_sizes=bs,
-                                    backend="tpu_interpret")
-      ref = unipotent.forgetting_attention_reference(q, k, v, lf, segment_ids=seg,
-                                                     scale=D ** -0.5)
+      out = jax.jit(lambda *a: kp.forgetting_attention(*a, segment_ids=seg, block_sizes=bs,
+                                                       backend="tpu_interpret"))(q, k, v, lf)
+      ref = jax.jit(lambda *a: unipotent.forgetting_attention_reference(
+          *a, segment_ids=seg, scale=D ** -0.5))(q, k, v, lf)
   assert_rel_rms(out, ref, 1e-4, "forward")
 
 
