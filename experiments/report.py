@@ -9,6 +9,7 @@ metric against the evaluation length. A sweep writes a comparison table of its r
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import matplotlib
@@ -89,7 +90,34 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
                    + [line(r) for r in rows])
 
 
-def _plot_loss(records: list[dict], path: str, title: str) -> None:
+def log_or_symlog(ax, values, *, what: str = "loss") -> str | None:
+  """A log y axis, unless some of `values` are <= 0 (a loss that reaches exactly 0 in float32).
+
+  A log axis would drop those points without a word, so the axis becomes symlog instead: linear
+  between 0 and `linthresh` (the largest power of ten <= the smallest positive value), log
+  above it; 0 gets its own tick and a note in the corner says how many points it holds.
+  Returns the note (None when the axis is plain log).
+  """
+  finite = [float(v) for v in values if math.isfinite(v)]
+  nonpositive = [v for v in finite if v <= 0]
+  if not nonpositive:
+    ax.set_yscale("log")
+    return None
+  positive = [v for v in finite if v > 0]
+  linthresh = 10.0 ** math.floor(math.log10(min(positive))) if positive else 1.0
+  ax.set_yscale("symlog", linthresh=linthresh, linscale=0.5)
+  zeros = sum(v == 0 for v in nonpositive)
+  note = f"{zeros} {what} value{'s' if zeros != 1 else ''} exactly 0"
+  if len(nonpositive) > zeros:
+    note += f", {len(nonpositive) - zeros} < 0"
+  note += f": symlog axis, linear below {linthresh:g}"
+  ax.text(0.02, 0.02, note, transform=ax.transAxes, fontsize=7, color="tab:red",
+          bbox=dict(facecolor="white", alpha=0.7, edgecolor="none", pad=1))
+  return note
+
+
+def loss_figure(records: list[dict], title: str):
+  """The loss-vs-step figure (train and every eval set) as (fig, ax); the caller closes it."""
   fig, ax = plt.subplots(figsize=(6, 4))
   train = [r for r in records if r["kind"] == "train"]
   ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
@@ -97,9 +125,15 @@ def _plot_loss(records: list[dict], path: str, title: str) -> None:
   for key in sorted({(r["set"], r["length"]) for r in evals}):
     pts = [r for r in evals if (r["set"], r["length"]) == key]
     ax.plot([r["step"] for r in pts], [r["loss"] for r in pts], "o-", label=f"{key[0]} @{key[1]}")
-  ax.set(xlabel="step", ylabel="loss", title=title, yscale="log")
+  ax.set(xlabel="step", ylabel="loss", title=title)
+  log_or_symlog(ax, [r["loss"] for r in train + evals])
   ax.legend(fontsize=7)
   fig.tight_layout()
+  return fig, ax
+
+
+def _plot_loss(records: list[dict], path: str, title: str) -> None:
+  fig, _ = loss_figure(records, title)
   fig.savefig(path, dpi=100)
   plt.close(fig)
 

@@ -148,8 +148,11 @@ def length_extrapolation(summaries, config, out_dir, prov) -> tuple[dict, list[s
     ax.plot(lengths, [enc[name][str(n)] for n in lengths], marker="o", label=name, color=color,
             linestyle="--" if name.endswith("_v") else "-")
   ax.axvline(L, color="gray", lw=0.8)
-  ax.set(xscale="log", yscale="log", xlabel="evaluation length (bytes)", ylabel="perplexity",
+  ax.set(xscale="log", xlabel="evaluation length (bytes)", ylabel="perplexity",
          title=f"length extrapolation, trained at {L}")
+  # Perplexity is exp(loss) >= 1, so this stays a log axis; a value <= 0 (a bug upstream)
+  # would switch it to symlog with a note rather than vanish from the plot.
+  report.log_or_symlog(ax, [v for e in enc.values() for v in e.values()], what="perplexity")
   ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "perplexity_vs_length.png"), dpi=100)
