@@ -146,7 +146,8 @@ def part_check(prepass=None):
     n = 6 if gate else 5
     loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
                                        argnums=tuple(range(n))))
-    used = usable_variant(pre, backend=jax.default_backend(), dtype=dtype)
+    used = usable_variant(pre, backend=jax.default_backend(), dtype=dtype, heads_per_kv=H // K,
+                          head_dim=D)
     row = dict(dtype=jnp.dtype(dtype).name, shape=(B, T, H, K, D), gate=gate, seg=seg, prepass=used)
     try:  # one failing configuration (e.g. a compile error) does not hide the others
       o, orf = jax.jit(f)(*args), jax.jit(r)(*args)

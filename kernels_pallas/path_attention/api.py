@@ -46,7 +46,8 @@ def _precision(dtype, backend):
 def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
   """Kernel operands; the transport part (q^, k^, E, diag) comes from the Pallas pre-pass."""
   variant = prepass_kernel.usable_variant(cfg.block_sizes.prepass, backend=cfg.backend,
-                                          dtype=q.dtype)
+                                          dtype=q.dtype, heads_per_kv=q.shape[2] // k.shape[2],
+                                          head_dim=q.shape[-1])
   transport = prepass.transport_jnp if variant == "jnp" else functools.partial(
       prepass_kernel.transport_pallas, backend=cfg.backend, variant=variant)
   return prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale,

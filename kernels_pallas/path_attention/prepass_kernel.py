@@ -357,16 +357,22 @@ _transport.defvjp(_transport_fwd, _transport_bwd)
 VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_f32")
 
 
-def usable_variant(requested: str, *, backend: str, dtype) -> str:
+def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1,
+                   head_dim: int = 64) -> str:
   """The pre-pass to run: `requested`, or "jnp" where the Pallas one is known not to build.
 
-  History (H200): float32 inputs used to ask for Triton's IEEE (FMA) products, which did not
-  compile within minutes, so they took the batched jnp pre-pass; they now take three-pass TF32
-  (calls.float32_precision) like every other float32 product on the GPU. Grouped-query heads
-  (G = 2 at D = 128) overflowed shared memory only while the backward was jax.vjp traced in the
-  kernel. No known case is left; the hook stays for the next one.
+  Measured limits (GPU; shared memory is 227 KiB per block on the H100 and H200):
+  - Grouped query heads with float32 inputs, or at head_dim >= 128: the operands-VJP kernel
+    (_ops_bwd_kernel, every query head of a kv head in one program, float32 tiles since the
+    TF32 default of the bf16-NaN fix) asked for 272 KiB at G = 2, D = 64, float32 and 256 KiB
+    at G = 2, D = 128, bf16 (H100, 2026-11-23); its bf16-operand form built at G = 2, D = 128
+    (H200, round 4). These take the batched jnp pre-pass: exact, slower, more memory.
+  History: float32 inputs once asked for Triton's IEEE (FMA) products, which did not compile
+  within minutes; they take three-pass TF32 now (calls.float32_precision).
   """
-  del backend, dtype
+  if (backend == "gpu" and requested != "jnp" and heads_per_kv > 1
+      and (jnp.dtype(dtype).itemsize == 4 or head_dim >= 128)):
+    return "jnp"
   return requested
 
 

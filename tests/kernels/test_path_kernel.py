@@ -406,3 +406,21 @@ def test_chunk_bounds_cover_every_visible_pair(key, mode):
     assert bool(jnp.all(hi == n - 1 - jnp.argmax(visible[:, ::-1, :], axis=1)))
   if mode == "short":  # the case the skipping is for: most pairs below the diagonal go
     assert int(jnp.sum(c_idx - lo[:, :, None] >= 0)) > 0 and bool(jnp.any(lo > 0))
+
+
+@pytest.mark.parametrize("backend,dtype,G,D,expected", [
+    ("gpu", jnp.float32, 2, 64, "jnp"),      # operands VJP asked 272 of 227 KiB (H100)
+    ("gpu", jnp.bfloat16, 2, 128, "jnp"),    # 256 of 227 KiB (H100)
+    ("gpu", jnp.bfloat16, 2, 64, "split"),   # builds (TestGPU.test_path_gate_bf16, G = 2)
+    ("gpu", jnp.float32, 1, 64, "split"),
+    ("gpu", jnp.bfloat16, 1, 128, "split"),
+    ("interpret", jnp.float32, 2, 64, "split"),
+    ("tpu", jnp.float32, 2, 128, "split")])
+def test_usable_variant_routes_grouped_heads_off_the_pallas_prepass(backend, dtype, G, D,
+                                                                     expected):
+  """The GPU shapes whose Pallas pre-pass VJP overflows shared memory take the jnp pre-pass;
+  every other backend and shape keeps the requested variant."""
+  from kernels_pallas.path_attention.prepass_kernel import usable_variant
+  assert usable_variant("split", backend=backend, dtype=dtype, heads_per_kv=G,
+                        head_dim=D) == expected
+  assert usable_variant("jnp", backend=backend, dtype=dtype, heads_per_kv=G, head_dim=D) == "jnp"
