@@ -244,8 +244,57 @@ def write(experiment: str, summaries: list[dict], config, out_dir: str, prov: di
     raise ValueError(f"config.sweep.experiment={experiment!r} must be one of {tuple(WRITERS)}")
   os.makedirs(out_dir, exist_ok=True)
   results, lines = WRITERS[experiment](summaries, config, out_dir, prov)
-  save_with_notes(out_dir, results, list(lines) + list(extra_lines))
+  save_with_notes(out_dir, results, list(lines) + runs_table(summaries) + list(extra_lines))
   return results
+
+
+SUMMARIES = "summaries.json"
+
+
+def summary_key(s: dict) -> tuple:
+  return (s["encoding"], s.get("seed"), s.get("axis_value"))
+
+
+def merge_summaries(out_dir: str, summaries: list[dict], *, fingerprint: str,
+                    log=print) -> list[dict]:
+  """This sweep's summaries plus those already in out_dir/summaries.json from earlier
+  invocations of the same experiment config (same `fingerprint`; runs of another config are
+  dropped, with a note). A run in both keeps the new summary. Writes the merged list back.
+
+  This is what lets one results directory gather runs made in several device calls, each
+  training a subset of the encodings (`encodings=A+B`)."""
+  path = os.path.join(out_dir, SUMMARIES)
+  old = []
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+  new = [dict(s, config_fingerprint=fingerprint) for s in summaries]
+  keys = {summary_key(s) for s in new}
+  kept = [s for s in old if s.get("config_fingerprint") == fingerprint and summary_key(s) not in keys]
+  dropped = [s for s in old if s.get("config_fingerprint") != fingerprint]
+  if dropped:
+    log(f"{path}: {len(dropped)} earlier run(s) of another config dropped "
+        f"({sorted({s['encoding'] for s in dropped})})")
+  merged = kept + new
+  os.makedirs(out_dir, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(merged, f, indent=1)
+  return merged
+
+
+def runs_table(summaries: list[dict]) -> list[str]:
+  """Where each run trained: device, date, wall time, tokens seen, command (when recorded)."""
+  if not any("device" in s for s in summaries):
+    return []
+  axis = any(s.get("axis_value") is not None for s in summaries)
+  header = ["encoding", "seed"] + (["axis"] if axis else []) + [
+      "device", "finished", "wall s", "tokens seen", "command"]
+  rows = []
+  for s in summaries:
+    rows.append([s["encoding"], str(s.get("seed", ""))] + ([str(s.get("axis_value"))] if axis else [])
+                + [s.get("device", "?"), s.get("finished", "?"), f"{s.get('wall_time_s', 0):.0f}",
+                   f"{s.get('tokens_seen', 0):,}", f"`{s['command']}`" if s.get("command") else ""])
+  return ["## Runs", "", report.markdown_table(header, rows), ""]
 
 
 def save_with_notes(out_dir: str, results: dict, lines: list[str]) -> None:

@@ -20,7 +20,10 @@ Each run trains with experiments.train.run into DIR/[<axis>=<v>/]<encoding>/seed
 second invocation resumes or skips finished runs) and DIR/summaries.json collects every
 run's summary. With --results, the experiment's writer turns the summaries into
 results.json, README.md (a markdown table) and PNG plots there; the README records the
-command, machine, date and total wall time.
+command, machine, date and total wall time, and a Runs table each run's device, date, wall
+time and tokens seen. The results directory keeps its summaries.json: a later invocation of
+the same config (say, other encodings in another device call) adds its runs to the same
+table instead of replacing it.
 """
 from __future__ import annotations
 
@@ -70,6 +73,15 @@ def plan_runs(config, workdir: str) -> list[dict]:
         runs.append({"config": c, "workdir": os.path.join(workdir, sub), "encoding": name,
                      "seed": int(s), "axis_value": v})
   return runs
+
+
+def config_fingerprint(config) -> str:
+  """The experiment config without the fields that pick which runs to make (encodings, seeds):
+  runs with equal fingerprints belong in one results table."""
+  import hashlib
+  d = config.to_dict()
+  d["sweep"] = {k: v for k, v in d["sweep"].items() if k not in ("encodings", "seeds")}
+  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def run_sweep(config, workdir: str, *, log=print) -> list[dict]:
@@ -123,6 +135,10 @@ def main(argv) -> None:
     sys.exit(2)
   if _RESULTS.value:
     prov = results_writers.provenance(sys.argv, time.time() - started)
+    for s in summaries:
+      s.setdefault("command", prov["command"])
+    summaries = results_writers.merge_summaries(_RESULTS.value, summaries,
+                                                fingerprint=config_fingerprint(config))
     prov["train_time_s"] = round(sum(s["wall_time_s"] for s in summaries))
     results_writers.write(config.sweep.experiment, summaries, config, _RESULTS.value, prov)
     print(f"results: {_RESULTS.value}")

@@ -223,7 +223,11 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
   summary = {"encoding": mcfg.encoding, "kv_shift": mcfg.kv_shift, "step": step,
              "final_loss": log.last_loss(), "eval": final_eval,
              "wall_time_s": time.time() - started, "task": config.data.task,
-             "seq_len": config.data.seq_len, "interrupted": False}
+             "seq_len": config.data.seq_len, "interrupted": False,
+             # Where and when it trained, for results gathered over several machines/calls.
+             "tokens_seen": int(step) * int(config.train.batch_size) * int(config.data.seq_len),
+             "device": f"{jax.devices()[0].device_kind} x{jax.device_count()}",
+             "jax": jax.__version__, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
   if primary:
     with open(os.path.join(workdir, SUMMARY), "w") as f:
       json.dump(summary, f, indent=1)

@@ -71,6 +71,12 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   return out
 
 
+def check_local_or_gpu(a: ml_collections.ConfigDict) -> None:
+  """The paper experiments' two size switches: `runlocal` (CI smoke size) or `gpu` (one GPU)."""
+  if a.runlocal and a.gpu:
+    raise ValueError("config arg: runlocal and gpu exclude each other; pick one size")
+
+
 def shrink_for_local(c: ml_collections.ConfigDict, *, steps: int) -> None:
   """The paper experiments' shared `runlocal` size: a 16-wide model, a few steps, one seed.
 

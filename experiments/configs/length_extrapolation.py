@@ -8,7 +8,18 @@ mixing_window), which read them from WORKDIR/<encoding>/seed0/.
   python -m experiments.sweeps --config=experiments/configs/length_extrapolation.py \
       --workdir=workdirs/length_extrapolation --results=experiments/results/length_extrapolation
 
-`arg`: runlocal, encodings=A+B, seeds=N (default 1), steps=N, train_len=L (default 64).
+`arg`: runlocal, gpu, encodings=A+B, seeds=N (default 1), steps=N, train_len=L (default 64;
+512 with gpu).
+
+`gpu` (one GPU; issue 15's scale): a 6-layer llama-style model (d_model 768, 12 heads x 64,
+~43M parameters) in bfloat16, trained at L = 512 on batches of 64 rows (32,768 tokens a step)
+for 600 steps (19.7M tokens, the same for every encoding), evaluated at 512 ... 16,384 (32x)
+on the same 131,072 held-out tokens per length; the nine encodings of the GPU table. Each
+encoding is one device call (<= 10 min with compile and evaluation); run them as separate
+invocations with encodings=NAME and the same --results directory, which gathers them:
+
+  python -m experiments.sweeps --config=experiments/configs/length_extrapolation.py:gpu,encodings=rope \
+      --workdir=workdirs/length_extrapolation_gpu --results=experiments/results/length_extrapolation_gpu
 Scale gap vs the papers: acc_rot trains at 512 and tests to 65,536 (128x); TAPA trains at
 8K. Here L = 64 bytes, evaluation to 32L = 2048 bytes, a 2-layer d_model-64 model and 500
 steps of batch 16 on a shared CPU (the papers: 125M-1B models, billions of tokens).
@@ -19,29 +30,41 @@ from __future__ import annotations
 
 from experiments.configs import base
 
+GPU_ENCODINGS = ("rope", "alibi", "fox", "path", "path_fox", "acc_rot_learned_v",
+                 "acc_rot_random_v", "grape_ap", "tapa")
 ENCODINGS = ("rope", "rope_v", "acc_rot_random", "acc_rot_random_v", "acc_rot_learned",
              "acc_rot_learned_v", "alibi", "fox", "path", "path_fox", "grape_a_qk", "grape_ap",
              "tapa")
 
 
 def get_config(arg: str | None = None):
-  a = base.parse_arg(arg, runlocal=False, encodings="+".join(ENCODINGS), seeds=1, steps=0,
-                     train_len=64, factors=6)
+  a = base.parse_arg(arg, runlocal=False, gpu=False, encodings="", seeds=1, steps=0,
+                     train_len=0, factors=6)
+  base.check_local_or_gpu(a)
   c = base.get_config()
   c.data.task = "text"
-  c.data.seq_len = a.train_len
+  train_len = a.train_len or (512 if a.gpu else 64)
+  c.data.seq_len = train_len
   c.model.update(num_layers=2, d_model=64, num_heads=2, head_dim=32, block="llama")
   c.train.update(steps=a.steps or 500, batch_size=16, learning_rate=3e-3, warmup_steps=50,
                  weight_decay=0.1, checkpoint_every=100000, log_every=50)
   # Training evaluates only at L; afterwards every checkpoint is evaluated at 1x .. 32x L
   # (factors=6) on the same 32768 held-out tokens per length (experiments/probes/length_eval.py).
   c.eval.update(num_batches=2, batch_size=16)
-  c.sweep.eval_lengths = tuple(a.train_len * 2**i for i in range(a.factors))
+  c.sweep.eval_lengths = tuple(train_len * 2**i for i in range(a.factors))
   c.sweep.eval_tokens = 32768
   c.sweep.eval_batch_tokens = 8192
-  c.sweep.encodings = tuple(a.encodings.split("+"))
+  c.sweep.encodings = tuple((a.encodings or "+".join(GPU_ENCODINGS if a.gpu else ENCODINGS))
+                            .split("+"))
   c.sweep.seeds = tuple(range(a.seeds))
   c.sweep.experiment = "length_extrapolation"
+  if a.gpu:
+    c.model.update(num_layers=6, d_model=768, num_heads=12, head_dim=64, dtype="bfloat16")
+    c.train.update(steps=a.steps or 600, batch_size=64, learning_rate=1e-3, warmup_steps=60,
+                   checkpoint_every=200, log_every=25)
+    c.eval.update(num_batches=2, batch_size=32)
+    c.sweep.eval_tokens = 131072   # 8 rows at 16,384
+    c.sweep.eval_batch_tokens = 65536
   if a.runlocal:
     c.data.seq_len = 16
     c.data.max_files = 20

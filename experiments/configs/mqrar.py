@@ -7,7 +7,10 @@ model per N, as in the paper); accuracy is over the answer tokens of held-out st
   python -m experiments.sweeps --config=experiments/configs/mqrar.py \
       --workdir=workdirs/mqrar --results=experiments/results/mqrar
 
-`arg`: runlocal, encodings=A+B, seeds=N (default 1), steps=N, num_pairs=P, seq_len=T.
+`arg`: runlocal, gpu, encodings=A+B, seeds=N (default 1), steps=N, num_pairs=P, seq_len=T.
+
+`gpu`: the paper's sizes (hidden 256, 2 heads of 128, 2 layers, 32 pairs, length 768), 4000
+steps of batch 64 in bfloat16, the attention implementation left to the GPU auto rule.
 Scale gap (CPU): hidden size 128 (2 heads of 64), length 128 with 6 keys (the paper's
 768 / 32 keep ~7 assignments per key at our query rate; 6 keys at 128 keep ~6), 1000
 steps of batch 16.
@@ -18,12 +21,13 @@ from experiments.configs import base
 
 
 def get_config(arg: str | None = None):
-  a = base.parse_arg(arg, runlocal=False, encodings="rope+fox+path", seeds=1, steps=0,
-                     num_pairs=6, seq_len=128, n_backs="1+2+3+4")
+  a = base.parse_arg(arg, runlocal=False, gpu=False, encodings="rope+fox+path", seeds=1,
+                     steps=0, num_pairs=0, seq_len=0, n_backs="1+2+3+4")
+  base.check_local_or_gpu(a)
   c = base.get_config()
   c.data.task = "mqrar"
-  c.data.seq_len = a.seq_len
-  c.data.update(num_pairs=a.num_pairs, num_values=32, query_prob=0.3)
+  c.data.seq_len = a.seq_len or (768 if a.gpu else 128)
+  c.data.update(num_pairs=a.num_pairs or (32 if a.gpu else 6), num_values=32, query_prob=0.3)
   c.model.update(num_layers=2, d_model=128, num_heads=2, head_dim=64, block="llama")
   c.train.update(steps=a.steps or 1000, batch_size=16, learning_rate=1e-3, warmup_steps=100,
                  weight_decay=0.1, checkpoint_every=100000, log_every=50)
@@ -36,6 +40,9 @@ def get_config(arg: str | None = None):
   c.sweep.axis = "data.n_back"
   c.sweep.axis_values = tuple(int(x) for x in a.n_backs.split("+"))
   c.sweep.experiment = "mqrar"
+  if a.gpu:
+    c.model.update(d_model=256, head_dim=128, dtype="bfloat16", implementation=None)
+    c.train.update(steps=a.steps or 4000, batch_size=64, warmup_steps=200, log_every=100)
   if a.runlocal:
     c.data.seq_len = 32
     base.shrink_for_local(c, steps=a.steps or 6)

@@ -1,0 +1,80 @@
+"""Results gathered over several sweep invocations (e.g. device calls that each train a subset
+of the encodings) land in one table: summaries merge by run, across equal configs only."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import pytest
+
+from experiments import results_writers
+from experiments import sweeps
+from experiments.configs import length_extrapolation
+
+
+def _summary(encoding, loss, seed=0):
+  return {"encoding": encoding, "seed": seed, "axis_value": None, "final_loss": loss,
+          "wall_time_s": 12.0, "device": "NVIDIA H100 80GB HBM3 x1", "finished": "2026-11-23",
+          "tokens_seen": 1000, "command": f"python -m experiments.sweeps encodings={encoding}"}
+
+
+def test_config_fingerprint_ignores_only_the_run_selection():
+  fp = lambda arg: sweeps.config_fingerprint(length_extrapolation.get_config(arg))  # noqa: E731
+  assert fp("encodings=rope") == fp("encodings=path+alibi") == fp("encodings=rope,seeds=3")
+  assert fp("encodings=rope") != fp("encodings=rope,steps=7")
+  assert fp("encodings=rope") != fp("encodings=rope,train_len=128")
+
+
+def test_merge_summaries_gathers_runs_of_one_config(tmp_path):
+  out, notes = str(tmp_path), []
+  merge = lambda s, fp: results_writers.merge_summaries(out, s, fingerprint=fp,  # noqa: E731
+                                                        log=notes.append)
+  assert [s["encoding"] for s in merge([_summary("rope", 2.0)], "A")] == ["rope"]
+  merged = merge([_summary("path", 1.5), _summary("alibi", 1.8)], "A")
+  assert sorted(s["encoding"] for s in merged) == ["alibi", "path", "rope"]
+  merged = merge([_summary("rope", 1.9)], "A")       # a re-run replaces its earlier summary
+  assert sorted((s["encoding"], s["final_loss"]) for s in merged) == [
+      ("alibi", 1.8), ("path", 1.5), ("rope", 1.9)]
+  with open(os.path.join(out, results_writers.SUMMARIES)) as f:
+    assert len(json.load(f)) == 3
+  merged = merge([_summary("rope", 1.0)], "B")       # another config: the old runs go
+  assert [(s["encoding"], s["final_loss"]) for s in merged] == [("rope", 1.0)]
+  assert notes and "3 earlier run(s) of another config dropped" in notes[0]
+
+
+def test_runs_table_names_device_date_and_tokens():
+  lines = results_writers.runs_table([_summary("rope", 2.0), _summary("path", 1.5, seed=1)])
+  text = "\n".join(lines)
+  assert lines[0] == "## Runs"
+  assert "NVIDIA H100 80GB HBM3 x1" in text and "1,000" in text and "encodings=path" in text
+  assert results_writers.runs_table([{"encoding": "rope", "wall_time_s": 1}]) == []
+
+
+@pytest.mark.parametrize("name", ["length_extrapolation", "flipflop", "word_problem", "mqrar"])
+def test_gpu_switch_builds_valid_runs(name, tmp_path):
+  """Every paper experiment's `gpu` size passes the config checks for each of its runs (on a
+  one-device mesh; nothing trains), and `runlocal,gpu` is refused with one message."""
+  import jax
+
+  from experiments import config_checks
+  from experiments import data
+  mod = importlib.import_module(f"experiments.configs.{name}")
+  config = mod.get_config("gpu")
+  assert config.model.dtype == "bfloat16"
+  runs = sweeps.plan_runs(config, str(tmp_path))
+  assert runs
+  for r in runs:
+    mcfg = config_checks.check(r["config"], workdir=r["workdir"], data_module=data,
+                               num_devices=jax.device_count())
+    assert mcfg.encoding == r["encoding"]
+  with pytest.raises(ValueError, match="runlocal and gpu exclude each other"):
+    mod.get_config("runlocal,gpu")
+
+
+def test_length_extrapolation_gpu_is_the_issue_scale():
+  c = length_extrapolation.get_config("gpu")
+  assert c.data.seq_len == 512 and c.sweep.eval_lengths[-1] == 32 * 512
+  assert set(c.sweep.encodings) == set(length_extrapolation.GPU_ENCODINGS)
+  params = 12 * c.model.d_model ** 2 * c.model.num_layers
+  assert 40e6 <= params <= 125e6, params
