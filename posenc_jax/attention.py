@@ -14,7 +14,8 @@ hands plain arrays to an implementation in the family's module:
              FoX kernel with no gate
 
 `implementation=None` asks `auto_implementation`, one table for every family:
-  CPU        the dense reference up to AUTO_DENSE_MAX_T tokens (fastest there), chunked beyond
+  CPU        the dense reference up to the family's CPU_DENSE_MAX_T (measured: the faster
+             exact form there), chunked beyond; PaTH chunked at every T
   GPU/TPU    the Pallas kernel for path and forgetting; for softmax on the GPU the choice of
              `softmax_gpu_path` (cuDNN, else the Pallas kernel, else XLA); chunked for the rest
              at every T, so nothing holds a T x T array per head on an accelerator.
@@ -36,7 +37,28 @@ from posenc_jax import masking
 from posenc_jax import tapa
 from posenc_jax import unipotent
 
+# The longest T at which `implementation=None` would hold a T x T array per head on a CPU
+# (4 B H T^2 bytes in float32: 256 MiB per array at B=4, H=4, T=2048); beyond it, chunked.
 AUTO_DENSE_MAX_T = 2048
+
+# The CPU rule per family: the dense reference up to this T, chunked beyond; 0 = chunked at
+# every T. Each is the faster exact form by measurement (experiments/benchmarks/cpu_auto.md,
+# 2026-11-23: jit(grad(sum(attention))) in float32, B=8, H=2, D=32, two packed documents per
+# row, pinned to one core of a shared 2-core AMD EPYC VM; gradients of the two forms agree to
+# <= 4e-6 relative). Reference time / chunked time (medians; > 1 where chunked wins) at
+# T = 64, 128, 256, 512, 1024, 2048:
+#   softmax        0.21 0.93 0.96 1.67 1.60 1.06 (a re-run: 0.14 at 64, 0.89 at 256, 1.48 at
+#                  512, 0.93 at 2048: a tie there, and chunked holds no T x T array)
+#   path           8.3 12.4 12.1 10.9, then chunked alone (the dense form, a lax.scan over T
+#                  steps, would take ~30 s per call at 1024)
+#   forgetting     0.37 0.21 0.45 0.68 0.59 0.34
+#   path_integral  1.42 0.73 0.96 1.30 0.95 0.65 (64: noise, 0.57 on the fastest rounds; a
+#                  re-run: 0.44 at 64, 1.05 at 256, 1.29 at 512, 0.63 at 2048. Chunked wins
+#                  by 1.3x at 512 alone, dense by 1.5x at 2048: one threshold keeps dense)
+#   tapa           0.34 0.44 0.65 0.93 1.01 1.01 (a tie from 1024)
+# Beyond AUTO_DENSE_MAX_T (not measured) memory decides: chunked.
+CPU_DENSE_MAX_T = {"softmax": 256, "path": 0, "forgetting": AUTO_DENSE_MAX_T,
+                   "path_integral": AUTO_DENSE_MAX_T, "tapa": AUTO_DENSE_MAX_T}
 
 # The GPU softmax path when segment_ids are given, which is every training step (packed
 # documents). jax's public API has no segment ids for cuDNN, so cuDNN reads a dense
@@ -150,9 +172,13 @@ def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim
   backend = backend or jax.default_backend()
   Dv = head_dim if v_head_dim is None else v_head_dim
   if backend not in ("gpu", "tpu"):
-    if T <= AUTO_DENSE_MAX_T:
-      return Choice("reference", f"{backend}: dense jnp up to AUTO_DENSE_MAX_T={AUTO_DENSE_MAX_T}")
-    return Choice("chunked", f"{backend}: T={T} > AUTO_DENSE_MAX_T={AUTO_DENSE_MAX_T}, blockwise jnp")
+    limit = min(CPU_DENSE_MAX_T[family], AUTO_DENSE_MAX_T)
+    name = f"CPU_DENSE_MAX_T[{family!r}]={limit}"
+    if T <= limit:
+      return Choice("reference", f"{backend}: dense jnp up to {name} (faster than chunked there)")
+    if limit == 0:
+      return Choice("chunked", f"{backend}: blockwise jnp at every T ({name}: faster than dense)")
+    return Choice("chunked", f"{backend}: T={T} > {name}, blockwise jnp")
   if family in _KERNEL_FAMILIES:
     return Choice("pallas", f"{backend}: the Pallas {family} kernel")
   if family == "softmax" and backend == "gpu":

@@ -61,9 +61,11 @@ def test_softmax_gpu_path_long_segments_fall_back_to_cudnn(monkeypatch):
 
 
 @pytest.mark.parametrize("family,backend,T,expected", [
-    ("softmax", "cpu", 2048, "reference"), ("softmax", "cpu", 2049, "chunked"),
+    # CPU: the faster exact form by measurement (CPU_DENSE_MAX_T, cpu_auto.md).
+    ("softmax", "cpu", 128, "reference"), ("softmax", "cpu", 2048, "chunked"),
     ("tapa", "cpu", 512, "reference"), ("path_integral", "cpu", 8192, "chunked"),
-    ("path", "cpu", 512, "reference"), ("forgetting", "cpu", 4096, "chunked"),
+    ("path", "cpu", 64, "chunked"), ("path", "cpu", 512, "chunked"),
+    ("forgetting", "cpu", 2048, "reference"), ("forgetting", "cpu", 4096, "chunked"),
     ("softmax", "gpu", 2048, "cudnn"), ("softmax", "gpu", 32768, "pallas"),
     ("softmax", "tpu", 512, "chunked"),
     ("path", "gpu", 512, "pallas"), ("forgetting", "tpu", 8192, "pallas"),
@@ -76,6 +78,28 @@ def test_auto_implementation_table(family, backend, T, expected):
                                          backend=backend)
   assert choice.implementation == expected, choice
   assert choice.reason.startswith(backend) or family == "softmax", choice
+
+
+# The measured CPU thresholds (experiments/benchmarks/cpu_auto.md): dense up to T, chunked
+# beyond; 0 = chunked at every T. Re-measure before changing one.
+CPU_THRESHOLDS = {"softmax": 256, "path": 0, "forgetting": 2048, "path_integral": 2048,
+                  "tapa": 2048}
+
+
+@pytest.mark.parametrize("family", attention.FAMILIES)
+def test_cpu_dense_threshold_per_family(family):
+  limit = CPU_THRESHOLDS[family]
+  assert attention.CPU_DENSE_MAX_T[family] == limit
+  pick = lambda T: attention.auto_implementation(family, T=T, dtype=F32, head_dim=32,  # noqa: E731
+                                                 has_segments=True, backend="cpu")
+  if limit:
+    assert pick(limit).implementation == "reference", pick(limit)
+    assert pick(1).implementation == "reference"
+  choice = pick(limit + 1)
+  assert choice.implementation == "chunked", choice
+  assert choice.reason.startswith("cpu: "), choice
+  assert f"CPU_DENSE_MAX_T[{family!r}]={limit}" in choice.reason, choice
+  assert pick(2 * attention.AUTO_DENSE_MAX_T).implementation == "chunked"
 
 
 def test_auto_implementation_unknown_family_raises():

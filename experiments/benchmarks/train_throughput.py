@@ -41,7 +41,7 @@ implementation: `implementation` is the one requested (auto = ModelConfig.implem
 `attention_impl` says what ran: cudnn or pallas when the compiled step holds their custom calls
 (listed in `kernels`), otherwise the jnp path the auto rule of posenc_jax/attention.py takes
 (xla = jax.nn.dot_product_attention's XLA path, which its implementation=None picks; reference
-up to AUTO_DENSE_MAX_T, chunked beyond).
+up to the family's CPU_DENSE_MAX_T, chunked beyond; PaTH chunked at every T).
 
 FLOPs per training step (model FLOPs: what the maths needs, not what a kernel recomputes;
 backward = 2 x forward, so every forward count is multiplied by 3). N = B T tokens, L layers,

@@ -12,7 +12,8 @@ Experiment files start from `base.get_config()` and override what they study. Fi
                           GELU, dropout)
   model.dtype             "float32" | "bfloat16" compute (parameters stay float32)
   model.implementation    None = auto (posenc_jax.attention.auto_implementation: Pallas or
-                          cuDNN on GPU, Pallas / blockwise on TPU, dense jnp on CPU), or one
+                          cuDNN on GPU, Pallas / blockwise on TPU; on CPU the faster of dense
+                          jnp and blockwise by measurement, CPU_DENSE_MAX_T), or one
                           of reference / xla / cudnn / scan / chunked / pallas
   model.scan_layers       run the blocks as one lax.scan (compiles one layer instead of
                           num_layers; same parameters and checkpoints; speed-only)

@@ -23,8 +23,9 @@ invocations with encodings=NAME and the same --results directory, which gathers 
 Scale gap vs the papers: acc_rot trains at 512 and tests to 65,536 (128x); TAPA trains at
 8K. Here L = 64 bytes, evaluation to 32L = 2048 bytes, a 2-layer d_model-64 model and 500
 steps of batch 16 on a shared CPU (the papers: 125M-1B models, billions of tokens).
-model.implementation None (auto) is dense on CPU up to 2048 tokens and the memory-safe
-chunked form beyond, so longer eval lengths only need a longer eval.lengths.
+model.implementation None (auto) is, on CPU, dense up to the family's CPU_DENSE_MAX_T (at
+most 2048 tokens; PaTH: never) and the memory-safe chunked form beyond, so longer eval lengths
+only need a longer eval.lengths.
 """
 from __future__ import annotations
 
