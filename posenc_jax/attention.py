@@ -50,7 +50,9 @@ AUTO_DENSE_MAX_T = 2048
 #   softmax        0.21 0.93 0.96 1.67 1.60 1.06 (a re-run: 0.14 at 64, 0.89 at 256, 1.48 at
 #                  512, 0.93 at 2048: a tie there, and chunked holds no T x T array)
 #   path           8.3 12.4 12.1 10.9, then chunked alone (the dense form, a lax.scan over T
-#                  steps, would take ~30 s per call at 1024)
+#                  steps, would take ~30 s per call at 1024). The quickstart's PaTH run on one
+#                  core: 459 s -> 120 s. Unpinned on the busy 2-core VM the chunked step often
+#                  ran ~10x slower than pinned (XLA CPU threads contending; cpu_auto.md)
 #   forgetting     0.37 0.21 0.45 0.68 0.59 0.34
 #   path_integral  1.42 0.73 0.96 1.30 0.95 0.65 (64: noise, 0.57 on the fastest rounds; a
 #                  re-run: 0.44 at 64, 1.05 at 256, 1.29 at 512, 0.63 at 2048. Chunked wins

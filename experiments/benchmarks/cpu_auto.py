@@ -14,15 +14,18 @@ packed documents per row, as training passes them). Every case is compiled and r
 before timing; then --runs rounds time one call of every implementation in turn (so load on a
 shared machine hits them alike), and the median per implementation is reported. An
 implementation whose median, scaled by (T'/T)^2 to the next length, would exceed
---max-seconds per call is skipped there and beyond (the table says so).
+--max-seconds per call is skipped there and beyond (the table says so). The gradients of the
+warm-up calls are compared (largest difference relative to the largest reference gradient):
+both forms are exact, so a difference beyond float32 rounding means the comparison is void.
 
 --pin (the default) runs the process on one core. Unpinned, on a 2-core machine shared with
 other jobs, an XLA CPU process sometimes runs op-heavy programs (PaTH's chunked form above all)
-up to 40x slower for its whole lifetime, with user time = wall time and ~75 involuntary
+up to 40x slower for long stretches, with user time = wall time and ~75 involuntary
 context switches per call (as if a thread spun waiting for the other, busy core until
 preempted); whether it does varies from process to process (jax 0.10.2: the T=64 chunked
 PaTH step took 6 ms in about half of fresh processes and 270 ms in the others; pinned, 5-8 ms
-every time). One core gives repeatable times.
+every time) and, over minutes, with the other jobs' load (cpu_auto.md, the quickstart runs).
+One core gives repeatable times.
 
 Prints the table and writes it (command, machine, date, jax version) to --out.
 """
