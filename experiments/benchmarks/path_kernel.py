@@ -79,6 +79,7 @@ def part_correlated(prepass=None, B=4, T=2048, H=12, D=64):
   import jax.numpy as jnp
   import numpy as np
   import kernels_pallas as kp
+  from kernels_pallas.path_attention.prepass_kernel import usable_variant
   from posenc_jax import householder
   q, k, v, _, _, _, do = _inputs(B, T, H, D)
   bs = kp.BlockSizes(**({"prepass": prepass} if prepass else {}))
@@ -93,7 +94,9 @@ def part_correlated(prepass=None, B=4, T=2048, H=12, D=64):
     for beta in (1, 2, "u"):
       w, b = _correlated_w(B, T, H, D, eps=eps, beta=beta)
       args = (q, k, v, w, b)
-      row = dict(part="correlated", shape=(B, T, H, D), eps=eps, beta=beta, prepass=bs.prepass)
+      used = usable_variant(bs.prepass, backend=jax.default_backend(), dtype=q.dtype,
+                            head_dim=D)
+      row = dict(part="correlated", shape=(B, T, H, D), eps=eps, beta=beta, prepass=used)
       try:
         o = fwd_f(*args)
         g = grad_f(*args)

@@ -25,12 +25,17 @@ memory of the whole step 4.53 -> 4.28 GiB at the first shape (2.38 -> 2.63 at th
 +6% / +3% time (VJP 8.5 -> 10.3 ms: register pressure). Recomputing Y inside the backward
 kernel as well was slower still (VJP 13.2 ms).
 
-Precision: the inverse and its VJP always take float32-accurate products (exact
-float32 in the interpreter and on the TPU, three-pass TF32 on the GPU): Y feeds every operand,
-and with near-parallel w the products W^T X W cancel, so TF32's ~1e-3 per product gave errors of
-5e-2 in Y (measured in numpy with TF32 rounding, C = D = 64, beta = 2). The other products take
-float32 accuracy for float32 inputs and TF32 or bf16 operands for bf16 inputs, finer than the
-bf16 rounding of the outputs that follow.
+Precision: every product takes float32 accuracy (exact float32 in the interpreter and on the
+TPU, three-pass TF32 on the GPU) at every input dtype, except in the "*_bf16" variants. With
+near-parallel w the products cancel: Y's entries alternate in sign, so U = X W, E = W^T U,
+Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the transport depends on
+the differences between neighbouring w (~eps), which a rounding of w or X perturbs relatively
+by (rounding / eps). Single-pass TF32 (the GPU's default for float32 operands: the tensor cores
+read the top 10 mantissa bits, i.e. truncate) was the default until 2026-11-23 and failed the
+GPU tests at w_t = normalize(a + 0.01 n_t), beta = 2 (dw 4.7e-2 relative RMS, H100);
+test_path_kernel.py::test_tf32_products_correlated_w emulates that truncation in the interpreter
+and shows where: the operands' products (dw 8.7e-2 at C = D = 64, T = 256), not the inverse
+(already float32-accurate) nor the attention kernels (4.4e-3 with TF32 everywhere else).
 """
 from __future__ import annotations
 
@@ -354,24 +359,24 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
-VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_f32")
+VARIANTS = ("split", "fold", "split_bf16", "fold_bf16")
 
 
 def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1,
                    head_dim: int = 64) -> str:
   """The pre-pass to run: `requested`, or "jnp" where the Pallas one is known not to build.
 
-  Measured limits (GPU; shared memory is 227 KiB per block on the H100 and H200):
-  - Grouped query heads with float32 inputs, or at head_dim >= 128: the operands-VJP kernel
-    (_ops_bwd_kernel, every query head of a kv head in one program, float32 tiles since the
-    TF32 default of the bf16-NaN fix) asked for 272 KiB at G = 2, D = 64, float32 and 256 KiB
-    at G = 2, D = 128, bf16 (H100, 2026-11-23); its bf16-operand form built at G = 2, D = 128
-    (H200, round 4). These take the batched jnp pre-pass: exact, slower, more memory.
-  History: float32 inputs once asked for Triton's IEEE (FMA) products, which did not compile
-  within minutes; they take three-pass TF32 now (calls.float32_precision).
+  GPU shared memory is 227 KiB per block on the H100 and H200. The operands kernels hold
+  float32 tiles, and the float32-accurate (three-pass TF32) products need the hi / lo halves of
+  their operands: the operands VJP (_ops_bwd_kernel, every query head of a kv head in one
+  program) asked for 272 KiB at G = 2, D = 64 (float32 inputs) and a pre-pass kernel for 288 KiB
+  (294,912 bytes) at G = 1, D = 128 (bf16 inputs), both on the H100 (2026-11-23). Grouped heads
+  (G > 1) and head_dim >= 128 therefore take the batched jnp pre-pass (exact, slower, more
+  memory), unless the bf16-operand variants are asked for with bf16 inputs, which built at G = 2,
+  D = 128 (H200, round 4).
   """
-  if (backend == "gpu" and requested != "jnp" and heads_per_kv > 1
-      and (jnp.dtype(dtype).itemsize == 4 or head_dim >= 128)):
+  if (backend == "gpu" and requested != "jnp" and (heads_per_kv > 1 or head_dim >= 128)
+      and (jnp.dtype(dtype).itemsize == 4 or not requested.endswith("_bf16"))):
     return "jnp"
   return requested
 
@@ -387,25 +392,22 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   whole (8, 128) tiles in a block's last two dims, which a one-head slice of [.., heads, D] is
   not: there the inputs are blocked first.
 
-  precision None: float32-accurate for float32 q (calls.float32_precision), else the backend's
-  default (TF32 on the GPU); the inverse is always float32-accurate. Variants
-  (module docstring): "split" (default) takes TF32 products; "split_f32" float32-accurate ones
-  (three-pass TF32 on the GPU) at any input dtype; "split_bf16" gives the non-inverse
-  products bf16 operands (float32 q keeps float32): faster, but not accurate enough once the w
-  of a chunk share a direction (below); "fold" / "fold_bf16" trade ~5% time for less memory
-  at head_dim 64.
+  precision None: float32-accurate (calls.float32_precision) for every variant; "*_bf16" give
+  the non-inverse products bf16 operands for bf16 inputs (float32 q keeps float32): faster, but
+  not accurate enough once the w of a chunk share a direction (module docstring: Precision).
+  "split" (default) / "fold": the inverse in its own kernel or inside the operands kernel
+  (module docstring: kernel split).
 
-  Why TF32 by default: almost every product here meets X (or WK, lower(Q W^T), whose rows are
-  near-identical when the w are), and sums rows of it that cancel: U = X W is small where W's
-  rows are nearly parallel. bf16 rounding of the operands (4e-3, independent per row) then
-  survives the cancellation: in the interpreter, with w_t = normalize(a + eps n_t) and beta = 2,
-  bf16 operands gave gradient errors of 1.1-1.5e-2 (dw, dbeta) against 3-4e-3 for TF32 / float32
-  products, which sit at the floor set by the bf16 outputs; with independent w both are ~4-7e-3.
+  Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
+  bf16 q, k, v, relative RMS against the float32 oracle): float32-accurate products 3-4e-3 in
+  every gradient, the floor set by the bf16 outputs; bf16 operands 1.1-1.5e-2 (dw, dbeta); TF32
+  products (emulated: truncated to 10 mantissa bits) 5e-2 to 9e-2 (dw, dbeta at eps = 0.01 and
+  for antiparallel neighbours).
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
   f32_inputs = jnp.dtype(q.dtype) == jnp.float32
-  if precision is None and (f32_inputs or variant.endswith("_f32")):
+  if precision is None:
     precision = calls.float32_precision(backend)
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
   time_major = backend in ("gpu", "interpret")
