@@ -167,7 +167,35 @@ class PathKernelBase:
 
 
 class TestInterpret(PathKernelBase):
+  """Each case compiles the interpreter's kernels and the oracle, forward and backward (20-60 s
+  on CI's 2 cores). The default (not slow) set keeps one interpret case per code path; the
+  overrides below move cases that repeat one of them to -m slow. TestGPU runs every case."""
   backend = "interpret"
+
+  # The shared:0.01 bf16 case keeps this code path (no gate, no segments, one kv head);
+  # test_tf32_products_correlated_w runs shared:0.01 and antiparallel with the GPU's TF32
+  # rounding emulated, and test_chunk_inverse_correlated_w holds the inverse to float64 for
+  # every w mode.
+  @pytest.mark.parametrize("w_mode,dtype", [
+      pytest.param("shared:1.0", jnp.bfloat16, marks=pytest.mark.slow),
+      ("shared:0.01", jnp.bfloat16),
+      pytest.param("antiparallel", jnp.bfloat16, marks=pytest.mark.slow),
+      pytest.param("shared:0.01", jnp.float32, marks=pytest.mark.slow)])
+  def test_path_correlated_w(self, key, w_mode, dtype):
+    super().test_path_correlated_w(key, w_mode, dtype)
+
+  # The interpreter's exact float32 products pass it even with the old Neumann inverse (its
+  # docstring): it matters on TestGPU, where it runs unmarked.
+  @pytest.mark.slow
+  def test_path_layer_inputs_bf16(self, key):
+    super().test_path_layer_inputs_bf16(key)
+
+  # "interleaved" reads the same chunk bounds as "short" (kept) in the kernels;
+  # test_chunk_bounds_cover_every_visible_pair[interleaved] holds the bounds sound there.
+  @pytest.mark.parametrize("segments", [
+      "short", pytest.param("interleaved", marks=pytest.mark.slow)])
+  def test_path_skips_chunks_before_the_document(self, key, segments):
+    super().test_path_skips_chunks_before_the_document(key, segments)
 
   @pytest.mark.parametrize("pairs", [True, False])
   def test_path_even_chunks_lanes_f32(self, key, pairs):
@@ -175,6 +203,7 @@ class TestInterpret(PathKernelBase):
     self._check(key, H=2, K=1, dtype=jnp.float32, gate=True, segments=False, T=64,
                 block_sizes=kp.BlockSizes(block_q=16, block_k=16, bwd_lanes=2, dq_pairs=pairs))
 
+  @pytest.mark.slow   # the call of test_path_gate_segments_gqa_f32 (n = 3) with 16-blocks
   def test_path_pairs_odd_tail_f32(self, key):
     """n = 3: one query-chunk pair and the odd last chunk alone."""
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True,
