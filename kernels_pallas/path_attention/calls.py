@@ -89,6 +89,16 @@ def float32_precision(backend: str):
   return jax.lax.Precision.HIGHEST
 
 
+def bf16x3_precision(backend: str):
+  """Three bf16 tensor-core passes (BF16_BF16_F32_X3: hi*hi + hi*lo + lo*hi of a bf16 hi / lo
+  split, ~16 mantissa bits) on the GPU, where a bf16 MMA has twice a TF32 MMA's throughput and
+  half its operand registers; the interpreter's CPU dot ignores the preset (exact float32, which
+  the tests' GPU emulation replaces by the split); the TPU takes HIGHEST."""
+  if backend in ("gpu", "interpret"):
+    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+  return jax.lax.Precision.HIGHEST
+
+
 def _interpret(backend: str):
   if backend == "interpret":
     return True

@@ -359,7 +359,7 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
-VARIANTS = ("split", "fold", "split_bf16", "fold_bf16")
+VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3")
 
 
 def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1,
@@ -396,7 +396,9 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   the non-inverse products bf16 operands for bf16 inputs (float32 q keeps float32): faster, but
   not accurate enough once the w of a chunk share a direction (module docstring: Precision).
   "split" (default) / "fold": the inverse in its own kernel or inside the operands kernel
-  (module docstring: kernel split).
+  (module docstring: kernel split). "split_bf16x3": every product as three bf16 passes
+  (calls.bf16x3_precision) instead of three TF32 ones: as accurate on the correlated-w cases in
+  the interpreter's emulation (dw 4.3e-3 against 4.4e-3 at eps = 0.01), not yet timed on the GPU.
 
   Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
   bf16 q, k, v, relative RMS against the float32 oracle): float32-accurate products 3-4e-3 in
@@ -407,12 +409,13 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
   f32_inputs = jnp.dtype(q.dtype) == jnp.float32
+  x3 = variant.endswith("_bf16x3")
   if precision is None:
-    precision = calls.float32_precision(backend)
+    precision = (calls.bf16x3_precision if x3 else calls.float32_precision)(backend)
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
   time_major = backend in ("gpu", "interpret")
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
-             inv_precision=calls.float32_precision(backend),
+             inv_precision=(calls.bf16x3_precision if x3 else calls.float32_precision)(backend),
              odt=odt, fold=variant.startswith("fold"), time_major=time_major)
   if not time_major:
     C = bb.shape[-1]
