@@ -26,7 +26,8 @@ memory of the whole step 4.53 -> 4.28 GiB at the first shape (2.38 -> 2.63 at th
 kernel as well was slower still (VJP 13.2 ms).
 
 Precision: every product takes float32 accuracy (exact float32 in the interpreter and on the
-TPU, three-pass TF32 on the GPU) at every input dtype, except in the "*_bf16" variants. With
+TPU; on the GPU three bf16 passes for bf16 inputs, the default "split_bf16x3", three TF32 passes
+for float32 ones) at every input dtype, except in the "*_bf16" variants. With
 near-parallel w the products cancel: Y's entries alternate in sign, so U = X W, E = W^T U,
 Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the transport depends on
 the differences between neighbouring w (~eps), which a rounding of w or X perturbs relatively
@@ -364,21 +365,30 @@ VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3")
 
 def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1,
                    head_dim: int = 64) -> str:
-  """The pre-pass to run: `requested`, or "jnp" where the Pallas one is known not to build.
+  """The pre-pass to run: `requested`, or the nearest one known to build and to be accurate.
 
-  GPU shared memory is 227 KiB per block on the H100 and H200. The operands kernels hold
-  float32 tiles, and the float32-accurate (three-pass TF32) products need the hi / lo halves of
-  their operands: the operands VJP (_ops_bwd_kernel, every query head of a kv head in one
-  program) asked for 272 KiB at G = 2, D = 64 (float32 inputs) and a pre-pass kernel for 288 KiB
-  (294,912 bytes) at G = 1, D = 128 (bf16 inputs), both on the H100 (2026-11-23). Grouped heads
-  (G > 1) and head_dim >= 128 therefore take the batched jnp pre-pass (exact, slower, more
-  memory), unless the bf16-operand variants are asked for with bf16 inputs, which built at G = 2,
-  D = 128 (H200, round 4).
+  - "split_bf16x3" with float32 inputs -> "split": float32 users get three-pass TF32 (~21
+    mantissa bits per product) rather than three bf16 passes (~16).
+  - On the GPU (227 KiB of shared memory per block on the H100 and H200): the operands kernels
+    hold float32 tiles, and three-pass TF32 products need the hi / lo halves of their operands.
+    Its operands VJP (every query head of a kv head in one program) asked for 272 KiB at G = 2,
+    D = 64 (float32 inputs) and a pre-pass kernel for 288 KiB (294,912 bytes) at G = 1,
+    D = 128 (bf16 inputs), both on the H100 (2026-11-23). So grouped heads (G > 1) and
+    head_dim >= 128 take the batched jnp pre-pass (exact, slower, more memory), except:
+    "*_bf16" with bf16 inputs, which built at G = 2, D = 128 (H200, round 4), and
+    "split_bf16x3" with bf16 inputs at head_dim < 128, which built and passed the correlated-w
+    tests at G = 2, D = 64 (H100, 2026-11-24). Its operands VJP estimates 240 KiB at D = 128
+    (triton_resources.py, which reads low): D = 128 takes the jnp pre-pass.
   """
-  if (backend == "gpu" and requested != "jnp" and (heads_per_kv > 1 or head_dim >= 128)
-      and (jnp.dtype(dtype).itemsize == 4 or not requested.endswith("_bf16"))):
-    return "jnp"
-  return requested
+  f32 = jnp.dtype(dtype).itemsize == 4
+  if requested == "split_bf16x3" and f32:
+    requested = "split"
+  if backend != "gpu" or requested == "jnp" or (heads_per_kv == 1 and head_dim < 128):
+    return requested
+  if not f32 and (requested.endswith("_bf16")
+                  or (requested == "split_bf16x3" and head_dim < 128)):
+    return requested
+  return "jnp"
 
 
 def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precision=None,
@@ -395,10 +405,13 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   precision None: float32-accurate (calls.float32_precision) for every variant; "*_bf16" give
   the non-inverse products bf16 operands for bf16 inputs (float32 q keeps float32): faster, but
   not accurate enough once the w of a chunk share a direction (module docstring: Precision).
-  "split" (default) / "fold": the inverse in its own kernel or inside the operands kernel
-  (module docstring: kernel split). "split_bf16x3": every product as three bf16 passes
-  (calls.bf16x3_precision) instead of three TF32 ones: as accurate on the correlated-w cases in
-  the interpreter's emulation (dw 4.3e-3 against 4.4e-3 at eps = 0.01), not yet timed on the GPU.
+  "split" / "fold": the inverse in its own kernel or inside the operands kernel (module
+  docstring: kernel split). "split_bf16x3" (BlockSizes' default): every product as three bf16
+  passes (calls.bf16x3_precision) instead of three TF32 ones. As accurate on the correlated-w
+  cases: in the interpreter's emulation dw 4.3e-3 against 4.4e-3 at eps = 0.01, and on the H100
+  the GPU correlated tests pass (G = 2, D = 64). Case 5 of path_kernel.py (16, 2048, 12, 64,
+  bf16, H100, 2026-11-24), forward+backward: 11.88 ms against 20.71 for three-pass TF32 and
+  7.73 for bf16 operands; the pre-pass VJP 6.35 / 13.55 / 2.32 ms.
 
   Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
   bf16 q, k, v, relative RMS against the float32 oracle): float32-accurate products 3-4e-3 in

@@ -494,6 +494,12 @@ def test_chunk_bounds_cover_every_visible_pair(key, mode):
     ("split", "gpu", jnp.bfloat16, 1, 128, "jnp"),   # 288 of 227 KiB (H100)
     ("split_bf16", "gpu", jnp.bfloat16, 1, 128, "split_bf16"),
     ("split", "gpu", jnp.bfloat16, 1, 64, "split"),     # the 12-layer model's layer
+    ("split_bf16x3", "gpu", jnp.bfloat16, 2, 64, "split_bf16x3"),  # built (H100, 2026-11-24)
+    ("split_bf16x3", "gpu", jnp.bfloat16, 1, 128, "jnp"),  # operands VJP ~240 KiB (estimate)
+    ("split_bf16x3", "gpu", jnp.float32, 1, 64, "split"),  # float32 keeps float32 accuracy
+    ("split_bf16x3", "gpu", jnp.float32, 2, 64, "jnp"),
+    ("split_bf16x3", "interpret", jnp.float32, 1, 64, "split"),
+    ("split_bf16x3", "interpret", jnp.bfloat16, 2, 128, "split_bf16x3"),
     ("split", "interpret", jnp.float32, 2, 64, "split"),
     ("split", "tpu", jnp.float32, 2, 128, "split")])
 def test_usable_variant_routes_grouped_heads_off_the_pallas_prepass(requested, backend, dtype, G,
