@@ -61,6 +61,56 @@ def _mm(precision, odt):
   return lambda a, b, ta=False, tb=False: dot(a.astype(odt), b.astype(odt), ta=ta, tb=tb)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Products:
+  """How the operands chunk math forms its products.
+
+  The chunk functions name, per product, which operands must keep float32 accuracy: acc(x)
+  marks an operand whose rounding the result is sensitive to, hi(x) one whose bf16 rounding is
+  harmless there (or exact: q, k and the cotangents of bf16 inputs are bf16 values). Then
+  - hilo=False: acc and hi are the value itself (odt=bf16: cast once), mm is one dot at
+    `precision`: every product at one precision, as before;
+  - hilo=True ("split_hilo"): acc(x) is a bf16 pair (hi, lo = x - hi), hi(x) the pair without
+    lo, and mm sums hi*hi + lo*hi + hi*lo over the halves present: an operand is split once
+    however many products read it, a bf16-exact operand costs one pass instead of two, and an
+    insensitive one drops its lo.
+  Which operands may drop lo was measured, not guessed: one chunk (C = D = 64) at w shared to
+  eps 0.01 / 1, antiparallel and random, beta 2 and uniform, each product's lo halves dropped
+  alone and then together (greedy) against float64, keeping every output's worst relative RMS
+  error <= 2.5e-4 (bf16 storage of q^, k^ adds ~1e-3). Only the bf16-exact operands (q, k, the
+  cotangents) and U in dw's U dE^T term qualify: 26 of 30 bf16 passes in the forward and 58 of
+  75 in the VJP instead of three per product. Dropping W's lo anywhere costs ~2e-3 (Z^T W in
+  k^: the rounding of W times an O(1) Z).
+  """
+  precision: object = None
+  odt: object = None
+  hilo: bool = False
+
+  def acc(self, x):
+    if not self.hilo:
+      return x if self.odt is None else x.astype(self.odt)
+    if isinstance(x, tuple):
+      return x
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+  def hi(self, x):
+    if not self.hilo:
+      return self.acc(x)
+    return (x[0] if isinstance(x, tuple) else x.astype(jnp.bfloat16)), None
+
+  def mm(self, a, b, ta=False, tb=False):
+    if not self.hilo:
+      return dot(a, b, ta=ta, tb=tb, precision=self.precision)
+    (ah, al), (bh, bl) = a, b
+    out = dot(ah, bh, ta=ta, tb=tb)
+    if al is not None:
+      out = out + dot(al, bh, ta=ta, tb=tb)
+    if bl is not None:
+      out = out + dot(ah, bl, ta=ta, tb=tb)
+    return out
+
+
 def _masks(C):
   row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
   col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
@@ -115,61 +165,81 @@ def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
   return mm(ds, w) + mm(ds, w, ta=True), dbeta
 
 
-def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision, odt=None):
+def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision=None, odt=None,
+                   hilo: bool = False):
   """One chunk given Y. qs: tuple of G [C, D] queries (the heads sharing this kv head); k, w
   [C, D]; y [C, C]; beta_r [1, C]; float32. -> (tuple of q^ [C, D], k^ [C, D], E [D, D], tuple
-  of scaled diag logits [C, C])."""
+  of scaled diag logits [C, C]). Products as _Products(precision, odt, hilo) forms them; acc /
+  hi mark each operand's sensitivity (_Products)."""
   C = w.shape[0]
-  mm = _mm(precision, odt)
+  p = _Products(precision, odt, hilo)
+  mm, acc, hi = p.mm, p.acc, p.hi
   strict, lower, _ = _masks(C)
   x = y * beta_r                                                # X = (I + A)^{-1} diag(beta)
-  e = mm(w, mm(x, w), ta=True)                                  # E = W^T U, U = X W
-  wk = jnp.where(strict, mm(w, k, tb=True), 0.0)                # w_r . k_j, r > j
-  khat = k - mm(mm(x, wk), w, ta=True)                          # K - Z^T W, Z = X WK
+  X, W, K = acc(x), acc(w), hi(k)
+  e = mm(W, acc(mm(X, W)), ta=True)                             # E = W^T U, U = X W
+  wk = jnp.where(strict, mm(W, K, tb=True), 0.0)                # w_r . k_j, r > j
+  WK = acc(wk)
+  khat = k - mm(acc(mm(X, WK)), W, ta=True)                      # K - Z^T W, Z = X WK
   qhats, diags = [], []
   for q in qs:
-    gm = mm(jnp.where(lower, mm(q, w, tb=True), 0.0), x)       # GM = lower(Q W^T) X
-    qhats.append(q - mm(gm, w))
-    diags.append(scale * (mm(q, k, tb=True) - mm(gm, wk)))
+    Q = hi(q)
+    gm = mm(acc(jnp.where(lower, mm(Q, W, tb=True), 0.0)), X)     # GM = lower(Q W^T) X
+    GM = acc(gm)
+    qhats.append(q - mm(GM, W))
+    diags.append(scale * (mm(Q, K, tb=True) - mm(GM, WK)))
   return tuple(qhats), khat, e, tuple(diags)
 
 
-def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision, odt=None):
+def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision=None, odt=None,
+                       hilo: bool = False):
   """The VJP of chunk_operands, written out (recompute U, WK, Z, then pull back):
   cts = (tuple of dq^, dk^, dE, tuple of d diag) -> (tuple of dq, dk, dw, dy, dbeta_r).
 
   Written by hand rather than traced with jax.vjp: ~13 + 12 G products with few live tiles,
-  and every product can take bf16 operands (odt), which jax.vjp's transposes of a bf16 product
-  cannot (they meet float32 cotangents)."""
+  and every product can take bf16 operands (odt) or bf16 halves (hilo), which jax.vjp's
+  transposes of a bf16 product cannot (they meet float32 cotangents)."""
   dqhs, dkh, de, dds = cts
   C = w.shape[0]
-  mm = _mm(precision, odt)
+  p = _Products(precision, odt, hilo)
+  mm, acc, hi = p.mm, p.acc, p.hi
   strict, lower, _ = _masks(C)
   x = y * beta_r
-  u = mm(x, w)
-  wk = jnp.where(strict, mm(w, k, tb=True), 0.0)
-  z = mm(x, wk)
-  du = mm(w, de)                                                # E = W^T U
-  dz = -mm(w, dkh, tb=True)                                     # k^ = K - Z^T W
-  dw = mm(u, de, tb=True) + mm(x, du, ta=True) - mm(z, dkh)
-  dx = mm(du, w, tb=True) + mm(dz, wk, tb=True)
-  dwk = mm(x, dz, ta=True)
+  X, W, K = acc(x), acc(w), hi(k)
+  DE, DKH = hi(de), hi(dkh)
+  u = mm(X, W)
+  wk = jnp.where(strict, mm(W, K, tb=True), 0.0)
+  WK = acc(wk)
+  z = mm(X, WK)
+  du = mm(W, DE)                                                # E = W^T U
+  dz = -mm(W, DKH, tb=True)                                     # k^ = K - Z^T W
+  DU, DZ = acc(du), acc(dz)
+  # U's lo half is the one operand the outputs are insensitive to (dw 1.6e-4 without it).
+  dw = mm(hi(u), DE, tb=True) + mm(X, DU, ta=True) - mm(acc(z), DKH)
+  dx = mm(DU, W, tb=True) + mm(DZ, WK, tb=True)
+  dwk = mm(X, DZ, ta=True)
   dk = dkh
   dqs = []
   for q, dqh, dd in zip(qs, dqhs, dds):
-    lq = jnp.where(lower, mm(q, w, tb=True), 0.0)
-    gm = mm(lq, x)
+    Q, DQH = hi(q), hi(dqh)
+    lq = jnp.where(lower, mm(Q, W, tb=True), 0.0)
+    LQ = acc(lq)
+    gm = mm(LQ, X)
     ds = scale * dd
-    dgm = -(mm(dqh, w, tb=True) + mm(ds, wk, tb=True))         # q^ = Q - GM W, diag = .. - GM WK
-    dl = jnp.where(lower, mm(dgm, x, tb=True), 0.0)            # GM = L X
-    dx = dx + mm(lq, dgm, ta=True)
-    dw = dw + mm(dl, q, ta=True) - mm(gm, dqh, ta=True)
-    dwk = dwk - mm(gm, ds, ta=True)
-    dk = dk + mm(ds, q, ta=True)
-    dqs.append(dqh + mm(ds, k) + mm(dl, w))
+    DS = hi(ds)
+    dgm = -(mm(DQH, W, tb=True) + mm(DS, WK, tb=True))         # q^ = Q - GM W, diag = .. - GM WK
+    DGM = acc(dgm)
+    dl = jnp.where(lower, mm(DGM, X, tb=True), 0.0)            # GM = L X
+    DL, GM = acc(dl), acc(gm)
+    dx = dx + mm(LQ, DGM, ta=True)
+    dw = dw + mm(DL, Q, ta=True) - mm(GM, DQH, ta=True)
+    dwk = dwk - mm(GM, DS, ta=True)
+    dk = dk + mm(DS, Q, ta=True)
+    dqs.append(dqh + mm(DS, K) + mm(DL, W))
   dwk = jnp.where(strict, dwk, 0.0)                             # WK = strictLower(W K^T)
-  dw = dw + mm(dwk, k)
-  dk = dk + mm(dwk, w, ta=True)
+  DWK = acc(dwk)
+  dw = dw + mm(DWK, K)
+  dk = dk + mm(DWK, W, ta=True)
   return tuple(dqs), dk, dw, dx * beta_r, jnp.sum(dx * y, axis=0, keepdims=True)
 
 
@@ -181,6 +251,7 @@ class _Cfg:
   precision: object
   inv_precision: object  # the inverse and its VJP: float32 accuracy at every input dtype
   odt: object = None    # operand dtype of the non-inverse products (None: float32)
+  hilo: bool = False    # the non-inverse products from bf16 hi / lo halves (_Products)
   fold: bool = False    # forward: inverse inside the operands kernel (no Y in HBM); backward:
                         # inverse VJP inside the operands-VJP kernel (no dY or second dW in
                         # HBM; Y is still recomputed by its own kernel)
@@ -230,7 +301,7 @@ def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref
   if cfg.fold:
     y = chunk_inverse(w, y, precision=cfg.inv_precision)
   qh, kh, e, d = chunk_operands(_q_heads(q_ref, cfg), k, w, y, br, scale=cfg.scale,
-                                precision=cfg.precision, odt=cfg.odt)
+                                precision=cfg.precision, odt=cfg.odt, hilo=cfg.hilo)
   for g in range(len(qh)):
     qh_ref[g] = qh[g].astype(qh_ref.dtype)
     d_ref[g] = d[g].astype(d_ref.dtype)
@@ -244,7 +315,7 @@ def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref
   k, w, y = _f32(k_ref, w_ref, y_ref)
   dqs, dk, dw, dy, dbr = chunk_operands_vjp(
       _q_heads(q_ref, cfg), k, w, y, *_f32(br_ref), _cts(dqh_ref, dkh_ref, de_ref, dd_ref),
-      scale=cfg.scale, precision=cfg.precision, odt=cfg.odt)
+      scale=cfg.scale, precision=cfg.precision, odt=cfg.odt, hilo=cfg.hilo)
   if cfg.fold:
     dw2, dy = chunk_inverse_vjp(w, *_f32(bc_ref), y, dy, precision=cfg.inv_precision)
     dw = dw + dw2
@@ -360,15 +431,15 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
-VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3")
+VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3", "split_hilo")
 
 
 def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1,
                    head_dim: int = 64) -> str:
   """The pre-pass to run: `requested`, or the nearest one known to build and to be accurate.
 
-  - "split_bf16x3" with float32 inputs -> "split": float32 users get three-pass TF32 (~21
-    mantissa bits per product) rather than three bf16 passes (~16).
+  - "split_bf16x3" / "split_hilo" with float32 inputs -> "split": float32 users get
+    three-pass TF32 (~21 mantissa bits per product) rather than bf16 halves (~16).
   - On the GPU (227 KiB of shared memory per block on the H100 and H200): the operands kernels
     hold float32 tiles, and three-pass TF32 products need the hi / lo halves of their operands.
     Its operands VJP (every query head of a kv head in one program) asked for 272 KiB at G = 2,
@@ -381,12 +452,12 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
     (triton_resources.py, which reads low): D = 128 takes the jnp pre-pass.
   """
   f32 = jnp.dtype(dtype).itemsize == 4
-  if requested == "split_bf16x3" and f32:
+  bf16_halves = requested in ("split_bf16x3", "split_hilo")
+  if bf16_halves and f32:
     requested = "split"
   if backend != "gpu" or requested == "jnp" or (heads_per_kv == 1 and head_dim < 128):
     return requested
-  if not f32 and (requested.endswith("_bf16")
-                  or (requested == "split_bf16x3" and head_dim < 128)):
+  if not f32 and (requested.endswith("_bf16") or (bf16_halves and head_dim < 128)):
     return requested
   return "jnp"
 
@@ -422,14 +493,15 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
   f32_inputs = jnp.dtype(q.dtype) == jnp.float32
-  x3 = variant.endswith("_bf16x3")
+  hilo = variant.endswith("_hilo") and not f32_inputs
+  x3 = variant.endswith("_bf16x3") or hilo
   if precision is None:
     precision = (calls.bf16x3_precision if x3 else calls.float32_precision)(backend)
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
   time_major = backend in ("gpu", "interpret")
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
              inv_precision=(calls.bf16x3_precision if x3 else calls.float32_precision)(backend),
-             odt=odt, fold=variant.startswith("fold"), time_major=time_major)
+             odt=odt, hilo=hilo, fold=variant.startswith("fold"), time_major=time_major)
   if not time_major:
     C = bb.shape[-1]
     q, k, w = (prepass.blocked(x, C) for x in (q, k, w))
