@@ -29,13 +29,16 @@ class BlockSizes:
   bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
   bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
                                  # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
-  prepass: str = "split_bf16x3"  # prepass_kernel.VARIANTS: float32-accurate products as three
-                                 # bf16 passes (1.7x faster than three TF32 passes, "split";
-                                 # float32 inputs take "split"); "*_bf16": bf16 operands, faster
-                                 # still, 2-4x the gradient error when the w of a chunk share a
-                                 # direction; "fold*": -6% peak memory at head_dim 64, +6% time;
-                                 # "jnp": batched jnp. prepass_kernel.usable_variant may route
-                                 # a shape that does not build on the GPU to "jnp"
+  prepass: str = "split_hilo"    # prepass_kernel.VARIANTS: float32-accurate products from bf16
+                                 # hi / lo halves, split once, one half for bf16-exact operands
+                                 # (fwd+bwd 8.78 ms at 16,2048,12,64 on the H100, against 11.71
+                                 # for "split_bf16x3", three bf16 passes per product, and 20.71
+                                 # for "split", three TF32 passes; float32 inputs take "split");
+                                 # "*_bf16": bf16 operands, 2-4x the gradient error when the w of
+                                 # a chunk share a direction; "fold*": -6% peak memory at
+                                 # head_dim 64, +6% time; "jnp": batched jnp.
+                                 # prepass_kernel.usable_variant routes a shape that does not
+                                 # build on the GPU to "jnp"
   dq_pairs: bool = True          # dq/dP kernel: two query chunks as one 2C-row tile per sweep
                                  # (bwd_kernels.py): half the dP read-modify-writes and key loads
   dq_num_warps: int | None = None  # dq/dP kernel's warps; None: 8 with dq_pairs (2C-row tiles),

@@ -447,7 +447,7 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
     D = 128 (bf16 inputs), both on the H100 (2026-11-23). So grouped heads (G > 1) and
     head_dim >= 128 take the batched jnp pre-pass (exact, slower, more memory), except:
     "*_bf16" with bf16 inputs, which built at G = 2, D = 128 (H200, round 4), and
-    "split_bf16x3" with bf16 inputs at head_dim < 128, which built and passed the correlated-w
+    "split_bf16x3" and "split_hilo" (136 KiB estimated at G = 2) with bf16 inputs at head_dim < 128, which built and passed the correlated-w
     tests at G = 2, D = 64 (H100, 2026-11-24). Its operands VJP estimates 240 KiB at D = 128
     (triton_resources.py, which reads low): D = 128 takes the jnp pre-pass.
   """
@@ -477,12 +477,15 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   the non-inverse products bf16 operands for bf16 inputs (float32 q keeps float32): faster, but
   not accurate enough once the w of a chunk share a direction (module docstring: Precision).
   "split" / "fold": the inverse in its own kernel or inside the operands kernel (module
-  docstring: kernel split). "split_bf16x3" (BlockSizes' default): every product as three bf16
-  passes (calls.bf16x3_precision) instead of three TF32 ones. As accurate on the correlated-w
-  cases: in the interpreter's emulation dw 4.3e-3 against 4.4e-3 at eps = 0.01, and on the H100
-  the GPU correlated tests pass (G = 2, D = 64). Case 5 of path_kernel.py (16, 2048, 12, 64,
-  bf16, H100, 2026-11-24), forward+backward: 11.88 ms against 20.71 for three-pass TF32 and
-  7.73 for bf16 operands; the pre-pass VJP 6.35 / 13.55 / 2.32 ms.
+  docstring: kernel split). "split_bf16x3": every product as three bf16 passes
+  (calls.bf16x3_precision) instead of three TF32 ones. As accurate on the correlated-w cases:
+  in the interpreter's emulation dw 4.3e-3 against 4.4e-3 at eps = 0.01, and on the H100 the
+  GPU correlated tests pass (G = 2, D = 64). "split_hilo" (BlockSizes' default): the same
+  halves formed once per operand, and one half for the bf16-exact operands (_Products); its
+  correlated rows at T = 2048 on the H100 equal split_bf16x3's to two digits. Case 5 of
+  path_kernel.py (16, 2048, 12, 64, bf16, H100, 2026-11-24), forward+backward: split_hilo 8.78
+  ms, split_bf16x3 11.71-11.88, three-pass TF32 20.71, bf16 operands 7.73; the pre-pass VJP
+  3.22 / 6.12-6.35 / 13.55 / 2.32 ms.
 
   Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
   bf16 q, k, v, relative RMS against the float32 oracle): float32-accurate products 3-4e-3 in
