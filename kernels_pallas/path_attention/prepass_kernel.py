@@ -447,9 +447,10 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
     D = 128 (bf16 inputs), both on the H100 (2026-11-23). So grouped heads (G > 1) and
     head_dim >= 128 take the batched jnp pre-pass (exact, slower, more memory), except:
     "*_bf16" with bf16 inputs, which built at G = 2, D = 128 (H200, round 4), and
-    "split_bf16x3" and "split_hilo" (136 KiB estimated at G = 2) with bf16 inputs at head_dim < 128, which built and passed the correlated-w
-    tests at G = 2, D = 64 (H100, 2026-11-24). Its operands VJP estimates 240 KiB at D = 128
-    (triton_resources.py, which reads low): D = 128 takes the jnp pre-pass.
+    "split_bf16x3" and "split_hilo" with bf16 inputs at head_dim < 128, which built and
+    passed the correlated-w tests at G = 2, D = 64 (H100, 2026-11-24). Their operands VJP
+    estimates 240 KiB at D = 128 (triton_resources.py, which reads low): D = 128 takes the jnp
+    pre-pass.
   """
   f32 = jnp.dtype(dtype).itemsize == 4
   bf16_halves = requested in ("split_bf16x3", "split_hilo")
