@@ -240,10 +240,12 @@ def _pallas_softmax(q, k, v, segment_ids, scale):
 
 
 def softmax_attention(q, k, v, *, segment_ids=None, scale=None, implementation=None,
-                      block_size: int = 128):
+                      block_size: int | None = None):
   """Plain causal softmax attention (NoPE, and every rotation encoding after transport).
 
   q [B, T, H, D], k [B, T, K, D], v [B, T, K, Dv], segment_ids [B, T] -> o [B, T, H, Dv].
+  block_size: the "chunked" form's tile edge; None: 128, grown so that T needs at most 16
+  blocks (blockwise.block_size_for).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)
@@ -263,6 +265,7 @@ def softmax_attention(q, k, v, *, segment_ids=None, scale=None, implementation=N
     o = jax.nn.dot_product_attention(*_pad_head_dims(q, k, v, max(D, Dv)), scale=scale,
                                      is_causal=True, mask=mask)
     return o[..., :Dv]
+  block_size = blockwise.block_size_for(T, block_size, default=128, max_blocks=16)
   Tp = blockwise.padded_length(T, block_size)
   qp, kp = blockwise.pad_time(q, Tp), blockwise.pad_time(k, Tp)
 

@@ -152,10 +152,12 @@ def content_logit_tile(q_BTHD, k_BTKD, scale, Tp: int, block_size: int):
 
 
 def path_integral_attention_chunked(q, k, v, p, alpha, *, segment_ids=None, scale,
-                                    block_size: int = 64, p_query=None,
+                                    block_size: int | None = None, p_query=None,
                                     parallel: bool | None = None):
-  """Blocked GRAPE-AP (never T x T); same arguments and result as the reference."""
+  """Blocked GRAPE-AP (never T x T); same arguments and result as the reference. block_size
+  None: 64, grown so that T needs at most 32 blocks (blockwise.block_size_for)."""
   B, T, H, _ = q.shape
+  block_size = blockwise.block_size_for(T, block_size, default=64, max_blocks=32)
   Tp = blockwise.padded_length(T, block_size)
   r = rotate_probes(p, segment_positions(segment_ids, B, T))
   pq = p if p_query is None else p_query

@@ -89,9 +89,11 @@ def tapa_attention_reference(q, k, v, *, alpha, theta, linear_phase, segment_ids
 
 
 def tapa_attention_chunked(q, k, v, *, alpha, theta, linear_phase, segment_ids,
-                           block_size: int = 128, parallel: bool | None = None):
-  """Blockwise online-softmax TAPA: logits tile by tile, never a T x T array."""
+                           block_size: int | None = None, parallel: bool | None = None):
+  """Blockwise online-softmax TAPA: logits tile by tile, never a T x T array. block_size None:
+  128, grown so that T needs at most 16 blocks (blockwise.block_size_for)."""
   B, T, H, D = q.shape
+  block_size = blockwise.block_size_for(T, block_size, default=128, max_blocks=16)
   Tp = blockwise.padded_length(T, block_size)
   qa, ka, qp, kp = (blockwise.pad_time(x, Tp) for x in _parts(q, k, theta))
 

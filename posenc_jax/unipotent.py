@@ -73,7 +73,7 @@ def forgetting_attention_reference(q, k, v, log_forget, *, segment_ids=None, sca
 
 
 def forgetting_attention_chunked(q, k, v, log_forget, *, segment_ids=None, scale,
-                                 block_size: int = 64):
+                                 block_size: int | None = None):
   """Blocked FoX: never T x T, and no absolute prefix sums.
 
   FoX is the path sum with the endpoint-independent potential psi(i, l) = log_forget_l, so it
@@ -85,6 +85,8 @@ def forgetting_attention_chunked(q, k, v, log_forget, *, segment_ids=None, scale
   whole path (j, i] lies inside the segment, and other pairs are masked.
   """
   B, T, H, _ = q.shape
+  # None: 64, grown so that T needs at most 32 blocks (blockwise.block_size_for).
+  block_size = blockwise.block_size_for(T, block_size, default=64, max_blocks=32)
   Tp = blockwise.padded_length(T, block_size)
   lf = jnp.transpose(blockwise.pad_time(log_forget.astype(jnp.float32), Tp), (0, 2, 1))
 

@@ -226,3 +226,24 @@ def test_chunked_gradient_memory_is_subquadratic(family):
   rematerialised in the backward, not stored (T x T would be 16x; O(T) is 4x)."""
   small, large = _grad_temp_bytes(family, 512), _grad_temp_bytes(family, 2048)
   assert large / small < 6, f"{family}: temp {small} -> {large} bytes ({large / small:.1f}x)"
+
+
+def test_block_size_grows_so_the_scan_steps_stay_bounded():
+  """The chunked forms' default tile keeps at most max_blocks blocks (n^2 scan steps);
+  T = 2048 keeps its old tiling, an explicit block_size is kept."""
+  from posenc_jax import blockwise
+  size = lambda T, b=None, d=128, m=16: blockwise.block_size_for(T, b, default=d, max_blocks=m)
+  assert [size(T) for T in (100, 2048, 2049, 8192, 16384)] == [128, 128, 256, 512, 1024]
+  assert [size(T, d=64, m=32) for T in (2048, 8192)] == [64, 256]
+  assert size(8192, 64) == 64
+
+
+def test_tapa_chunked_with_a_grown_block_matches_reference(key):
+  """Past 16 blocks of 128 the default tile grows (256 at T = 2100, padded to 2304)."""
+  from posenc_jax import tapa
+  B, T, H, D = 1, 2100, 1, 8
+  q, k, v = (jax.random.normal(k_, (B, T, H, D)) for k_ in jax.random.split(key, 3))
+  kw = dict(alpha=0.1, theta=0.5, linear_phase=False, segment_ids=None)
+  assert_rel_rms(jax.jit(lambda *a: tapa.tapa_attention_chunked(*a, **kw))(q, k, v),
+                 jax.jit(lambda *a: tapa.tapa_attention_reference(*a, **kw))(q, k, v), 1e-5,
+                 "o")
