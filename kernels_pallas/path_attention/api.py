@@ -12,7 +12,9 @@ The VJP is a jax.custom_vjp: the backward kernels (bwd_kernels.py) give gradient
 operands, and the pre-pass's own VJP (the Pallas kernel of prepass_kernel.py for the transport
 operands, jax.vjp for padding, layout and gate prefix sums) carries them to q, k, v, w, beta,
 log_forget.
-Residuals are the inputs, the output and the log-sum-exp: O(T) memory.
+Residuals are the inputs, the output and the log-sum-exp: O(T) memory. With
+BlockSizes(keep_operands=True) also the pre-pass's outputs (q^, k^, blocked v, E, in-chunk
+logits, gate sums) and its VJP's residuals, so the backward does not run the pre-pass again.
 """
 from __future__ import annotations
 
@@ -55,10 +57,12 @@ def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
 
 
 def _forward(cfg, q, k, v, w, beta, log_forget, seg):
-  ops = _prepare(cfg, q, k, v, w, beta, log_forget, seg)
-  o, lse = calls.forward(ops, scale=cfg.scale, precision=_precision(q.dtype, cfg.backend),
-                         backend=cfg.backend, bs=cfg.block_sizes)
-  return o, lse
+  return _attend_ops(cfg, _prepare(cfg, q, k, v, w, beta, log_forget, seg), q.dtype)
+
+
+def _attend_ops(cfg, ops, dtype):
+  return calls.forward(ops, scale=cfg.scale, precision=_precision(dtype, cfg.backend),
+                       backend=cfg.backend, bs=cfg.block_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -68,19 +72,25 @@ def _attend(cfg, q, k, v, w, beta, log_forget, seg):
 
 
 def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
-  o, lse = _forward(cfg, q, k, v, w, beta, log_forget, seg)
-  return prepass.unblocked(o)[:, :cfg.T], (q, k, v, w, beta, log_forget, seg, o, lse)
+  kept = None
+  if cfg.block_sizes.keep_operands:   # the pre-pass's outputs and its pullback's residuals
+    kept = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget)
+    o, lse = _attend_ops(cfg, kept[0], q.dtype)
+  else:
+    o, lse = _forward(cfg, q, k, v, w, beta, log_forget, seg)
+  return prepass.unblocked(o)[:, :cfg.T], (q, k, v, w, beta, log_forget, seg, o, lse, kept)
 
 
 def _attend_bwd(cfg, res, do):
-  q, k, v, w, beta, log_forget, seg, o, lse = res
+  q, k, v, w, beta, log_forget, seg, o, lse, kept = res
   C = cfg.block_sizes.block_q
   n = o.shape[2]
   do_b = prepass.blocked(prepass.pad_time(do, n * C), C).astype(q.dtype)
   delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
-  # Recompute the pre-pass under jax.vjp (its residuals are only the inputs), run the backward
-  # kernels on it, then pull the operand gradients back.
-  ops, pullback = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget)
+  # Recompute the pre-pass under jax.vjp (its residuals are only the inputs) unless the forward
+  # kept it, run the backward kernels on it, then pull the operand gradients back.
+  ops, pullback = kept if kept is not None else jax.vjp(
+      lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget)
   g = calls.backward(ops, do_b, lse, delta, scale=cfg.scale,
                      precision=_precision(q.dtype, cfg.backend),
                      backend=cfg.backend, bs=cfg.block_sizes)

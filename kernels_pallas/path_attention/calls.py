@@ -39,6 +39,10 @@ class BlockSizes:
                                  # head_dim 64, +6% time; "jnp": batched jnp.
                                  # prepass_kernel.usable_variant routes a shape that does not
                                  # build on the GPU to "jnp"
+  keep_operands: bool = False    # keep the pre-pass's outputs from the forward for the backward
+                                 # instead of running the pre-pass again there (0.95 ms of the
+                                 # 8.78 ms fwd+bwd at 16,2048,12,64 on the H100; ~4 q-sized
+                                 # arrays per layer of extra residuals). Not measured yet
   dq_pairs: bool = True          # dq/dP kernel: two query chunks as one 2C-row tile per sweep
                                  # (bwd_kernels.py): half the dP read-modify-writes and key loads
   dq_num_warps: int | None = None  # dq/dP kernel's warps; None: 8 with dq_pairs (2C-row tiles),

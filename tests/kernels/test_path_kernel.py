@@ -109,6 +109,14 @@ class PathKernelBase:
   def test_path_gate_segments_gqa_f32(self, key):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True)
 
+  @pytest.mark.parametrize("fox", [False, True])
+  def test_keep_operands_bf16(self, key, fox):
+    """BlockSizes(keep_operands=True): the backward reads the forward's pre-pass outputs and
+    its pullback instead of running the pre-pass again (gate, segments, grouped heads)."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, keep_operands=True)
+    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=True, fox=fox,
+                block_sizes=bs)
+
   def test_path_plain_f32_deterministic(self, key):
     self._check(key, H=2, K=2, dtype=jnp.float32, gate=False, segments=False, determinism=True)
 
