@@ -72,12 +72,11 @@ def _attend(cfg, q, k, v, w, beta, log_forget, seg):
 
 
 def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
-  kept = None
-  if cfg.block_sizes.keep_operands:   # the pre-pass's outputs and its pullback's residuals
-    kept = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget)
-    o, lse = _attend_ops(cfg, kept[0], q.dtype)
-  else:
-    o, lse = _forward(cfg, q, k, v, w, beta, log_forget, seg)
+  # keep_operands: the pre-pass's outputs and its pullback's residuals become residuals too.
+  kept = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget) \
+      if cfg.block_sizes.keep_operands else None
+  ops = kept[0] if kept else _prepare(cfg, q, k, v, w, beta, log_forget, seg)
+  o, lse = _attend_ops(cfg, ops, q.dtype)
   return prepass.unblocked(o)[:, :cfg.T], (q, k, v, w, beta, log_forget, seg, o, lse, kept)
 
 

@@ -26,8 +26,8 @@ memory of the whole step 4.53 -> 4.28 GiB at the first shape (2.38 -> 2.63 at th
 kernel as well was slower still (VJP 13.2 ms).
 
 Precision: every product takes float32 accuracy (exact float32 in the interpreter and on the
-TPU; on the GPU three bf16 passes for bf16 inputs, the default "split_bf16x3", three TF32 passes
-for float32 ones) at every input dtype, except in the "*_bf16" variants. With
+TPU; on the GPU bf16 hi / lo halves for bf16 inputs, the default "split_hilo" (_Products), three
+TF32 passes for float32 ones) at every input dtype, except in the "*_bf16" variants. With
 near-parallel w the products cancel: Y's entries alternate in sign, so U = X W, E = W^T U,
 Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the transport depends on
 the differences between neighbouring w (~eps), which a rounding of w or X perturbs relatively
@@ -53,14 +53,6 @@ from kernels_pallas.path_attention import prepass
 from kernels_pallas.path_attention.kernels import dot
 
 
-def _mm(precision, odt):
-  """Matmul with float32 accumulation; odt=bf16: both operands cast to bf16 (tensor-core inputs;
-  the Triton lowering wants one operand dtype). The inverse and its VJP never take bf16."""
-  if odt is None:
-    return functools.partial(dot, precision=precision)
-  return lambda a, b, ta=False, tb=False: dot(a.astype(odt), b.astype(odt), ta=ta, tb=tb)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Products:
   """How the operands chunk math forms its products.
@@ -68,8 +60,9 @@ class _Products:
   The chunk functions name, per product, which operands must keep float32 accuracy: acc(x)
   marks an operand whose rounding the result is sensitive to, hi(x) one whose bf16 rounding is
   harmless there (or exact: q, k and the cotangents of bf16 inputs are bf16 values). Then
-  - hilo=False: acc and hi are the value itself (odt=bf16: cast once), mm is one dot at
-    `precision`: every product at one precision, as before;
+  - hilo=False: acc and hi are the value itself (odt=bf16: cast once; the Triton lowering
+    wants one operand dtype), mm is one dot at `precision` with float32 accumulation: every
+    product at one precision, as the inverse and its VJP always take (float32 operands);
   - hilo=True ("split_hilo"): acc(x) is a bf16 pair (hi, lo = x - hi), hi(x) the pair without
     lo, and mm sums hi*hi + lo*hi + hi*lo over the halves present: an operand is split once
     however many products read it, a bf16-exact operand costs one pass instead of two, and an
@@ -136,7 +129,7 @@ def chunk_inverse(w, beta_c, *, precision):
   blocked triangular solve.
   """
   C = w.shape[0]
-  mm = _mm(precision, None)
+  mm = _Products(precision).mm
   row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
   col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
   a = jnp.where(row > col, beta_c * mm(w, w, tb=True), 0.0)
@@ -156,7 +149,7 @@ def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
   """Cotangents (dw, dbeta_c) of chunk_inverse from dY, in closed form:
   dT = -Y^T dY Y^T, dA = strictLower(dT), A_ij = beta_i (w_i . w_j)."""
   C = w.shape[0]
-  mm = _mm(precision, None)
+  mm = _Products(precision).mm
   strict, _, _ = _masks(C)
   da = jnp.where(strict, -mm(mm(y, dy, ta=True), y, tb=True), 0.0)
   s = mm(w, w, tb=True)
@@ -498,13 +491,14 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
   f32_inputs = jnp.dtype(q.dtype) == jnp.float32
   hilo = variant.endswith("_hilo") and not f32_inputs
-  x3 = variant.endswith("_bf16x3") or hilo
+  accurate = (calls.bf16x3_precision if variant.endswith("_bf16x3") or hilo
+              else calls.float32_precision)(backend)
   if precision is None:
-    precision = (calls.bf16x3_precision if x3 else calls.float32_precision)(backend)
+    precision = accurate
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
   time_major = backend in ("gpu", "interpret")
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
-             inv_precision=(calls.bf16x3_precision if x3 else calls.float32_precision)(backend),
+             inv_precision=accurate,
              odt=odt, hilo=hilo, fold=variant.startswith("fold"), time_major=time_major)
   if not time_major:
     C = bb.shape[-1]
