@@ -118,7 +118,15 @@ def test_bad_model_config_raises(key):
 @pytest.mark.parametrize("encoding,kv_shift", [("rope", False), ("path", False),
                                                ("acc_rot_learned", False), ("fox", True)])
 def test_scanned_layers_match_the_loop(encoding, kv_shift, key):
-  """scan_layers=True is the same function of the same parameters, forward and gradients."""
+  """scan_layers=True is the same function of the same parameters, forward and gradients.
+
+  Gradients are compared per module (all of one module's parameters as one vector): float32
+  bounds a gradient's error relative to the norm of what it sums, not per entry. PaTH's
+  beta_b, two entries each a sum over tokens that mostly cancels (RMS 0.01 against beta_u's
+  0.15), differed by 1.9e-5 of its own RMS at POSENC_TEST_SEED=330464051; its module's
+  error was 7e-7. A wiring mistake stays visible: layer 1 reading layer 0's beta_b is 2.5e-2
+  to 6.9e-2 in this measure (seeds 0, 1, 330464051).
+  """
   k1, k2 = jax.random.split(key)
   kw = dict(num_layers=3, kv_shift=kv_shift, qk_norm=True)
   loop, scanned = (_model(k1, encoding, scan_layers=s, **kw) for s in (False, True))
@@ -126,11 +134,16 @@ def test_scanned_layers_match_the_loop(encoding, kv_shift, key):
   assert_rel_rms(scanned(tok), loop(tok), 1e-5, "logits")
   loss = lambda m: jnp.sum(jax.nn.log_softmax(m(tok))[..., 0])
   g_loop, g_scan = (nnx.to_pure_dict(nnx.grad(loss)(m)) for m in (loop, scanned))
+  modules = {}
   for path, g in jax.tree_util.tree_leaves_with_path(g_loop):
     got = g_scan
     for p in path:
       got = got[p.key]
-    assert_rel_rms(got, g, 1e-5, jax.tree_util.keystr(path))
+    pair = modules.setdefault(jax.tree_util.keystr(path[:-1]), ([], []))
+    pair[0].append(jnp.ravel(got))
+    pair[1].append(jnp.ravel(g))
+  for name, (got, want) in modules.items():
+    assert_rel_rms(jnp.concatenate(got), jnp.concatenate(want), 1e-5, name)
 
 
 def test_scanned_layers_draw_per_layer_keys_from_rngs(key):
