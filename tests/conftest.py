@@ -2,7 +2,6 @@
 import os
 import secrets
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

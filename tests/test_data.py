@@ -1,7 +1,6 @@
 """grain pipelines: the batch contract, determinism, checkpoint resume, packing, sharding."""
 from __future__ import annotations
 
-import itertools
 import os
 
 import numpy as np

@@ -10,7 +10,7 @@ import pytest
 
 import posenc_jax
 from posenc_jax import householder
-from tests.util import assert_rel_rms, assert_trees_rel_rms
+from tests.util import assert_rel_rms
 
 FAST = {"scan": householder.path_attention_scan, "chunked": householder.path_attention_chunked}
 

@@ -1,4 +1,5 @@
-"""Backward kernel bodies (GPU Triton lowering and TPU Mosaic share them).
+"""Backward kernel bodies for the GPU (Triton lowering) and the interpreter, and the tile
+functions (tile_grads, dq_step, dkv_step, dkv_diagonal) that the TPU forms (bwd_tpu.py) share.
 
 Notation (NOTES_kernel.md has the derivation): chunk transport P_m = I - E_m (E_m = W_m^T U_m,
 D x D, from the pre-pass) acting on row vectors, M_cm = P_{c-1} ... P_{m+1} (D x D), logits of query chunk c against key chunk m < c
@@ -27,6 +28,8 @@ dq_kernel, one program per (batch, kv head, lane), sequential over (group head, 
   two-chain form of pairs measured 15.9 and 26.5).
 """
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -58,6 +61,75 @@ def _eye(D):
   return jnp.where(i == lax.broadcasted_iota(jnp.int32, (D, D), 1), 1.0, 0.0).astype(jnp.float32)
 
 
+def tile_grads(qc, kc, s, causal, *, precision):
+  """p and dS of one [R, C] tile: qc holds the query rows (do, lse, delta, fq, sq), kc the key
+  chunk (v, fk, sk), s the scaled logits before gate and mask."""
+  gate_, ok = tile_mask(kc["v"].shape[0], causal=causal, fq=qc["fq"], fk=kc["fk"], sq=qc["sq"],
+                        sk=kc["sk"])
+  p = jnp.exp(logits(s, gate_, ok) - qc["lse"])
+  return p, p * (dot(qc["do"], kc["v"], tb=True, precision=precision) - qc["delta"])
+
+
+def dq_step(qc, kc, qt, adj, dfq, *, scale, transport, precision, live=None):
+  """One key chunk m < c for a query tile (one chunk, or two stacked): state qt (kernel dtype),
+  adj = R, the adjoint of the state after crossing chunk m -> (R P_m^T + scale dS k^_m, dfq,
+  s_m^T R, the contribution to dL/dP_m; None without transport). Rows outside `live` ([R, 1]
+  bool) take no part."""
+  dt = qt.dtype
+  s = scale * dot(qt, kc["k"], tb=True, precision=precision)
+  if live is not None:
+    s = jnp.where(live, s, NEG_INF)
+  _, ds = tile_grads(qc, kc, s, False, precision=precision)
+  dfq = dfq + jnp.sum(ds, axis=1, keepdims=True)
+  gk = scale * dot(ds.astype(dt), kc["k"], precision=precision)
+  if not transport:
+    return adj + gk, dfq, None
+  adjc = (adj if live is None else jnp.where(live, adj, 0.0)).astype(dt)
+  return (gk + adj - dot(adjc, kc["e"], tb=True, precision=precision), dfq,
+          dot(qt, adjc, ta=True, precision=precision))
+
+
+def dkv_step(qcs, kc, mop, dk, dv, dfk, *, scale, transport, precision):
+  """Query chunk c > m of every head of the group (qcs: one dict per head) against key chunk m
+  (kc: k^, v, fk (a list over heads), sk), mop = M_cm -> dk, dv, dfk with chunk c added (the
+  caller moves the operator on: M <- P_c M)."""
+  dt = kc["k"].dtype
+  kt = dot(kc["k"], mop.astype(dt), tb=True, precision=precision).astype(dt) if transport \
+      else kc["k"]
+  a = jnp.zeros(dk.shape, jnp.float32)
+  dfk = list(dfk)
+  for g, qc in enumerate(qcs):
+    p, ds = tile_grads(qc, dict(kc, fk=kc["fk"][g]), scale * dot(qc["q"], kt, tb=True,
+                                                                  precision=precision),
+                       False, precision=precision)
+    dv += dot(p.astype(dt), qc["do"], ta=True, precision=precision)
+    a += dot(ds.astype(dt), qc["q"], ta=True, precision=precision)   # dS^T q^, summed over heads
+    if qc["fq"] is not None:
+      dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
+  if transport:
+    dk += scale * dot(a.astype(dt), mop.astype(dt), precision=precision)
+  else:
+    dk += scale * a
+  return dk, dv, tuple(dfk)
+
+
+def dkv_diagonal(qcs, kc, diags, dk, dv, dfk, *, scale, transport, precision):
+  """The diagonal chunk c = m of every head; with transport its dS goes to the pre-pass (the dq
+  kernels write it), so only dv and dfk take it. diags: each head's in-chunk logits or None."""
+  dt = kc["k"].dtype
+  dfk = list(dfk)
+  for g, (qc, d) in enumerate(zip(qcs, diags)):
+    s = d.astype(jnp.float32) if transport else scale * dot(qc["q"], kc["k"], tb=True,
+                                                             precision=precision)
+    p, ds = tile_grads(qc, dict(kc, fk=kc["fk"][g]), s, True, precision=precision)
+    dv += dot(p.astype(dt), qc["do"], ta=True, precision=precision)
+    if qc["fq"] is not None:
+      dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
+    if not transport:
+      dk += scale * dot(ds.astype(dt), qc["q"], ta=True, precision=precision)
+  return dk, dv, tuple(dfk)
+
+
 def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, bounds=False):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
   (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]). Out: dk, dv [C, D] of
@@ -66,55 +138,27 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   r = _unpack(refs, _in_spec(transport, gate, segments, bounds)
               + [("dk", True), ("dv", True), ("dfk", gate)])
   G, n, C, D = r["q"].shape
-  dt = r["q"].dtype
   f32 = jnp.float32
   m = chunk_id(n, axis=chunk_axis, reverse=False)  # chunk 0 (the longest walk) first
-  kh, vm = r["k"][m], r["v"][m]
-  fk = [None if not gate else r["fk"][g, m] for g in range(G)]
-  sk = None if not segments else r["sk"][m]
+  kc = dict(k=r["k"][m], v=r["v"][m], fk=[None if not gate else r["fk"][g, m] for g in range(G)],
+            sk=None if not segments else r["sk"][m])
 
-  def head(g, c, kt, causal):
-    """p, dS of head g's query chunk c against this key chunk (key tile kt)."""
-    qc = r["q"][g, c]
-    if causal and transport:
-      s = r["diag"][g, c].astype(jnp.float32)
-    else:
-      s = scale * dot(qc, kt, tb=True, precision=precision)
-    gate_, ok = tile_mask(C, causal=causal, fq=None if not gate else r["fq"][g, c], fk=fk[g],
-                          sq=None if not segments else r["sq"][c], sk=sk)
-    p = jnp.exp(logits(s, gate_, ok) - r["lse"][g, c])
-    do = r["do"][g, c]
-    ds = p * (dot(do, vm, tb=True, precision=precision) - r["delta"][g, c])
-    return qc, do, p, ds
+  def query(g, c):
+    return dict(q=r["q"][g, c], do=r["do"][g, c], lse=r["lse"][g, c], delta=r["delta"][g, c],
+                fq=None if not gate else r["fq"][g, c], sq=None if not segments else r["sq"][c])
 
-  dv = jnp.zeros((C, D), f32)
-  dk = jnp.zeros((C, D), f32)
-  dfk = [jnp.zeros((1, C), f32) for _ in range(G)]
-  for g in range(G):  # diagonal chunk; with transport its dS goes to the pre-pass (dq_kernel)
-    qc, do, p, ds = head(g, m, kh, True)
-    dv += dot(p.astype(dt), do, ta=True, precision=precision)
-    if gate:
-      dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
-    if not transport:
-      dk += scale * dot(ds.astype(dt), qc, ta=True, precision=precision)
+  kw = dict(scale=scale, transport=transport, precision=precision)
+  dfk = tuple(jnp.zeros((1, C), f32) for _ in range(G))
+  dk, dv, dfk = dkv_diagonal([query(g, m) for g in range(G)], kc,
+                             [r["diag"][g, m] if transport else None for g in range(G)],
+                             jnp.zeros((C, D), f32), jnp.zeros((C, D), f32), dfk, **kw)
 
   def body(c, carry):
     mop, dk, dv, dfk = carry
-    kt = dot(kh, mop.astype(dt), tb=True, precision=precision).astype(dt) if transport else kh
-    a = jnp.zeros((C, D), f32)
-    dfk = list(dfk)
-    for g in range(G):
-      qc, do, p, ds = head(g, c, kt, False)
-      dv += dot(p.astype(dt), do, ta=True, precision=precision)
-      a += dot(ds.astype(dt), qc, ta=True, precision=precision)   # dS^T q^, summed over heads
-      if gate:
-        dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
+    dk, dv, dfk = dkv_step([query(g, c) for g in range(G)], kc, mop, dk, dv, dfk, **kw)
     if transport:
-      dk += scale * dot(a.astype(dt), mop.astype(dt), precision=precision)
-      mop = mop - dot(r["e"][c], mop.astype(dt), precision=precision)  # P_c M = M - E_c M
-    else:
-      dk += scale * a
-    return mop, dk, dv, tuple(dfk)
+      mop = mop - dot(r["e"][c], mop.astype(r["q"].dtype), precision=precision)  # P_c M
+    return mop, dk, dv, dfk
 
   mop = _eye(D) if transport else jnp.zeros((1, 1), f32)
   end = chunk_bound(r["hi"], m) + 1 if bounds else n
@@ -163,37 +207,19 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
     return dict(k=r["k"][m], v=r["v"][m], e=r["e"][m] if with_e else None,
                 fk=None if not gate else r["fk"][g, m], sk=None if not segments else r["sk"][m])
 
-  def softmax_grad(qc, kc, s, causal):
-    gate_, ok = tile_mask(C, causal=causal, fq=qc["fq"], fk=kc["fk"], sq=qc["sq"], sk=kc["sk"])
-    p = jnp.exp(logits(s, gate_, ok) - qc["lse"])
-    return p * (dot(qc["do"], kc["v"], tb=True, precision=precision) - qc["delta"])
-
   def diagonal(g, c, qc, kc):
     """-> initial adjoint (the diagonal's dq with FoX; with transport its dS goes to ddiag), dfq."""
     if transport:
-      ds = softmax_grad(qc, kc, r["diag"][g, rows(c, C)].astype(f32), True)
+      _, ds = tile_grads(qc, kc, r["diag"][g, rows(c, C)].astype(f32), True, precision=precision)
       r["ddiag"][g, rows(c, C)] = ds.astype(r["ddiag"].dtype)
       adj = jnp.zeros((C, D), f32)
     else:
-      ds = softmax_grad(qc, kc, scale * dot(qc["q"], kc["k"], tb=True, precision=precision), True)
+      _, ds = tile_grads(qc, kc, scale * dot(qc["q"], kc["k"], tb=True, precision=precision),
+                         True, precision=precision)
       adj = scale * dot(ds.astype(dt), kc["k"], precision=precision)
     return adj, jnp.sum(ds, axis=1, keepdims=True)
 
-  def step(qc, kc, qt, adj, dfq, live=None):
-    """One key chunk m < c for a query tile (one chunk, or two stacked): state qt (kernel dtype),
-    adj = R, the adjoint of the state after crossing chunk m -> (R P_m^T + scale dS k^_m, dfq,
-    s_m^T R). Rows outside `live` ([R, 1] bool) take no part."""
-    s = scale * dot(qt, kc["k"], tb=True, precision=precision)
-    if live is not None:
-      s = jnp.where(live, s, NEG_INF)
-    ds = softmax_grad(qc, kc, s, False)
-    dfq = dfq + jnp.sum(ds, axis=1, keepdims=True)
-    gk = scale * dot(ds.astype(dt), kc["k"], precision=precision)
-    if not transport:
-      return adj + gk, dfq, None
-    adjc = (adj if live is None else jnp.where(live, adj, 0.0)).astype(dt)
-    return (gk + adj - dot(adjc, kc["e"], tb=True, precision=precision), dfq,
-            dot(qt, adjc, ta=True, precision=precision))
+  step = functools.partial(dq_step, scale=scale, transport=transport, precision=precision)
 
   def move(qt, e):  # q~ <- q~ P_m = q~ - q~ E_m (float32 state)
     return qt - dot(qt.astype(dt), e, precision=precision)

@@ -63,7 +63,7 @@ class BlockSizes:
 
 def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, head_dim: int,
                      kv_axis: bool = False, warps: int | None = None,
-                     stages: int | None = None):
+                     stages: int | None = None, sequential_axes: int = 1):
   if backend == "gpu":
     try:
       from jax.experimental.pallas import triton as pltriton
@@ -75,7 +75,9 @@ def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, 
     return cls(num_warps=warps or (bwd_warps if bwd else bs.num_warps), num_stages=stages)
   if backend in ("tpu", "tpu_interpret"):
     from jax.experimental.pallas import tpu as pltpu
-    sem = ("parallel",) * (num_axes - 1) + ("arbitrary" if kv_axis else "parallel",)
+    # the last `sequential_axes` axes carry VMEM scratch from step to step when kv_axis is set
+    tail = sequential_axes if kv_axis else 0
+    sem = ("parallel",) * (num_axes - tail) + ("arbitrary",) * tail
     return pltpu.CompilerParams(dimension_semantics=sem,
                                 vmem_limit_bytes=100 * 2**20)
   return None
@@ -119,10 +121,11 @@ def _interpret(backend: str):
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, backend, bs, *, bwd, scratch=(),
-          warps=None, stages=None):
+          warps=None, stages=None, sequential_axes=1):
   kwargs = {}
   params = _compiler_params(backend, bs, len(grid), bwd=bwd, head_dim=in_specs[0].block_shape[-1],
-                            kv_axis=bool(scratch), warps=warps, stages=stages)
+                            kv_axis=bool(scratch), warps=warps, stages=stages,
+                            sequential_axes=sequential_axes)
   if params is not None:
     kwargs["compiler_params"] = params
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
@@ -240,8 +243,11 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
              bs: BlockSizes):
   """Gradients w.r.t. the operands: dict(q [B,H,..], k, v [B,K,..], diag? in the kernel dtype;
   dp [B,K,n,D,D]? (dL/dP per chunk), fq?, fk? float32). Two kernels: dk/dv parallel over key chunks, dq/dP
-  sequential per (batch, kv head, lane)."""
+  sequential per (batch, kv head, lane). The TPU takes bwd_tpu.backward (one chunk per block)."""
   kw = dict(scale=scale, precision=precision, backend=backend, bs=bs)
+  if backend in ("tpu", "tpu_interpret"):
+    from kernels_pallas.path_attention import bwd_tpu
+    return bwd_tpu.backward(ops, do, lse, delta, **kw)
   return {**backward_dkv(ops, do, lse, delta, **kw), **backward_dq(ops, do, lse, delta, **kw)}
 
 

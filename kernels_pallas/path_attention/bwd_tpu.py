@@ -1,0 +1,260 @@
+"""The TPU backward: the sequence walks of bwd_kernels.py as grid axes, one chunk per block.
+
+On the GPU the backward kernels index whole-sequence operands in HBM (`ref[m]`). A TPU kernel
+sees its blocks in VMEM, so that form would hold every chunk of q, dO, k, v, E and the in-chunk
+logits of one (batch, kv head) there at once. Here, as in the TPU forward
+(kernels.fwd_kv_kernel), the walk is the last grid axis j ("arbitrary"): each step's BlockSpec
+index map picks the one chunk of each operand it needs, the walk's state lives in VMEM scratch,
+and a step past the walk's end keeps the previous block index, so it fetches nothing.
+
+dkv_tpu_kernel, grid (B, K, key chunk m, j): step j reads query chunk c = m + j (j = 0: the
+  diagonal), carrying the operator M_cm, dk, dv and dfk in scratch (bwd_kernels.dkv_step).
+
+dq_tpu_kernel, grid (B, K, query chunk c, j), c and j both "arbitrary": dL/dP_m sums over every
+  query chunk, so it accumulates across c in its [n, D, D] float32 output block, which keeps its
+  block index (and its VMEM buffer) for the whole (batch, kv head). With transport, steps 1 .. c store the states
+  s_m = q^_c M_cm right to left (m = c - j, a [G, n, C, D] scratch) and steps c+1 .. 2c sweep
+  left to right with the adjoint (m = j - c - 1, bwd_kernels.dq_step); FoX sweeps at steps
+  1 .. c. The G query heads of the kv head share each key block.
+  The states and dP are what stays sequence-long in VMEM: G T D kernel-dtype and 4 T D^2 / C
+  bytes per kv head (4 + 16 MiB at T = 16384, D = 128, C = 64, bf16, G = 1; dP's block is
+  double-buffered), against whole-sequence blocks of every operand before.
+
+No chunk skipping (prepass.chunk_bounds) on the TPU: a loop bound read from VMEM is a vector
+value there; the masked tiles are computed and contribute zero.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas.path_attention import bwd_kernels
+from kernels_pallas.path_attention.calls import _call, _flags
+from kernels_pallas.path_attention.kernels import dot
+
+
+def _refs(refs, *, transport, gate, segments, outs, scratch):
+  spec = [("q", True), ("k", True), ("v", True), ("e", transport), ("do", True), ("lse", True),
+          ("delta", True), ("fq", gate), ("fk", gate), ("sq", segments), ("sk", segments),
+          ("diag", transport)]
+  return bwd_kernels._unpack(refs, spec + outs + scratch)
+
+
+def _query(r, g, gate, segments):
+  """Head g's query-side tiles of this step's query chunk."""
+  return dict(q=r["q"][g], do=r["do"][g], lse=r["lse"][g], delta=r["delta"][g],
+              fq=r["fq"][g] if gate else None, sq=r["sq"][...] if segments else None)
+
+
+def dkv_tpu_kernel(*refs, scale, transport, gate, segments, precision):
+  """Blocks (one chunk each): q, do [G, C, D], lse, delta, (fq) [G, C, 1], (sq [C, 1]),
+  (diag [G, C, C]) of query chunk c = min(m + j, n - 1); k, v [C, D], (fk [G, 1, C]),
+  (sk [1, C]) of key chunk m; (e [D, D]) of chunk c. Out: dk, dv [C, D], (dfk [G, 1, C]) of key
+  chunk m, written at the last step. Scratch: M [D, D], dk, dv [C, D], dfk [G, 1, C] float32."""
+  r = _refs(refs, transport=transport, gate=gate, segments=segments,
+            outs=[("dk", True), ("dv", True), ("dfk", gate)],
+            scratch=[("mop", True), ("dk_acc", True), ("dv_acc", True), ("dfk_acc", True)])
+  G = r["q"].shape[0]
+  m, j, n = pl.program_id(2), pl.program_id(3), pl.num_programs(3)
+  kc = dict(k=r["k"][...], v=r["v"][...], fk=[r["fk"][g] if gate else None for g in range(G)],
+            sk=r["sk"][...] if segments else None)
+  qcs = lambda: [_query(r, g, gate, segments) for g in range(G)]
+  kw = dict(scale=scale, transport=transport, precision=precision)
+
+  def load():
+    return r["dk_acc"][...], r["dv_acc"][...], tuple(r["dfk_acc"][g] for g in range(G))
+
+  def store(dk, dv, dfk):
+    r["dk_acc"][...], r["dv_acc"][...] = dk, dv
+    for g in range(G):
+      r["dfk_acc"][g] = dfk[g]
+
+  @pl.when(j == 0)
+  def _():
+    D = r["mop"].shape[0]
+    r["mop"][...] = bwd_kernels._eye(D)
+    zero = jnp.zeros(r["dk_acc"].shape, jnp.float32)
+    diags = [r["diag"][g] if transport else None for g in range(G)]
+    store(*bwd_kernels.dkv_diagonal(qcs(), kc, diags, zero, zero,
+                                    tuple(jnp.zeros((1, zero.shape[0]), jnp.float32)
+                                          for _ in range(G)), **kw))
+
+  @pl.when((j > 0) & (m + j < n))
+  def _():
+    mop = r["mop"][...]
+    store(*bwd_kernels.dkv_step(qcs(), kc, mop, *load(), **kw))
+    if transport:
+      r["mop"][...] = mop - dot(r["e"][...], mop.astype(r["q"].dtype), precision=precision)
+
+  @pl.when(j == n - 1)
+  def _():
+    dk, dv, dfk = load()
+    r["dk"][...] = dk.astype(r["dk"].dtype)
+    r["dv"][...] = dv.astype(r["dv"].dtype)
+    if gate:
+      for g in range(G):
+        r["dfk"][g] = dfk[g]
+
+
+def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
+  """Blocks: the query-side ones (as dkv_tpu_kernel's) of query chunk c; k, v, (fk), (sk) of
+  key chunk key_chunk(c, j), (e) of transport_chunk(c, j) (calls below). Out: dq [G, C, D],
+  (ddiag [G, C, C]), (dfq [G, C, 1]) of chunk c, (dP [n, D, D] float32 of the kv head: its block index is the same at every step of the
+  kv head, so it stays in VMEM and accumulates in place). Scratch: adj [G, C, D], dfq [G, C, 1]
+  float32; with transport the moving state [G, C, D] float32 and the states [G, n, C, D]
+  (kernel dtype)."""
+  r = _refs(refs, transport=transport, gate=gate, segments=segments,
+            outs=[("dq", True), ("ddiag", transport), ("dp", transport), ("dfq", gate)],
+            scratch=[("adj", True), ("dfq_acc", True), ("qt", transport), ("st", transport)])
+  G, C, D = r["q"].shape
+  c, j = pl.program_id(2), pl.program_id(3)
+  dt = r["q"].dtype
+  f32 = jnp.float32
+  off = c if transport else 0   # the sweep's first step is off + 1
+  kc = lambda g: dict(k=r["k"][...], v=r["v"][...], e=r["e"][...] if transport else None,
+                      fk=r["fk"][g] if gate else None, sk=r["sk"][...] if segments else None)
+
+  if transport:
+    @pl.when((c == 0) & (j == 0))
+    def _():
+      def zero(i, carry):
+        r["dp"][i] = jnp.zeros((D, D), f32)
+        return carry
+
+      lax.fori_loop(0, r["dp"].shape[0], zero, 0)
+
+  @pl.when(j == 0)
+  def _():  # the diagonal (key chunk c)
+    for g in range(G):
+      qc = _query(r, g, gate, segments)
+      if transport:
+        _, ds = bwd_kernels.tile_grads(qc, kc(g), r["diag"][g].astype(f32), True,
+                                       precision=precision)
+        r["ddiag"][g] = ds.astype(r["ddiag"].dtype)
+        r["adj"][g] = jnp.zeros((C, D), f32)
+        r["qt"][g] = qc["q"].astype(f32)
+      else:
+        _, ds = bwd_kernels.tile_grads(
+            qc, kc(g), scale * dot(qc["q"], r["k"][...], tb=True, precision=precision), True,
+            precision=precision)
+        r["adj"][g] = scale * dot(ds.astype(dt), r["k"][...], precision=precision)
+      r["dfq_acc"][g] = jnp.sum(ds, axis=1, keepdims=True)
+
+  if transport:
+    @pl.when((j > 0) & (j <= c))
+    def _():  # the state against key chunk m = c - j, then across it
+      m = c - j
+      for g in range(G):
+        qt = r["qt"][g]
+        r["st"][g, m] = qt.astype(dt)
+        r["qt"][g] = qt - dot(qt.astype(dt), r["e"][...], precision=precision)
+
+  @pl.when((j > off) & (j <= off + c))
+  def _():  # the sweep: key chunk m = j - off - 1
+    m = j - off - 1
+    dp = None
+    for g in range(G):
+      qt = r["st"][g, m] if transport else r["q"][g]
+      adj, dfq, dpg = bwd_kernels.dq_step(_query(r, g, gate, segments), kc(g), qt, r["adj"][g],
+                                          r["dfq_acc"][g], scale=scale, transport=transport,
+                                          precision=precision)
+      r["adj"][g], r["dfq_acc"][g] = adj, dfq
+      dp = dpg if dp is None or dpg is None else dp + dpg
+    if transport:
+      r["dp"][m] = r["dp"][m] + dp
+
+  @pl.when(j == off + c)
+  def _():  # the last useful step of chunk c: the output blocks leave when c changes
+    for g in range(G):
+      r["dq"][g] = r["adj"][g].astype(r["dq"].dtype)
+      if gate:
+        r["dfq"][g] = r["dfq_acc"][g]
+
+
+def backward(ops, do, lse, delta, *, scale: float, precision, backend: str, bs):
+  """calls.backward's TPU form: the same gradients (dict(q, k, v, diag?, dp?, fq?, fk?))."""
+  B, H, n, C, D = ops.q.shape
+  K = ops.k.shape[1]
+  G = H // K
+  f = _flags(ops)
+  transport = f["transport"]
+  f32 = jnp.float32
+  dt = ops.q.dtype
+  blk = lambda x, heads: (None, heads, None) + x.shape[3:]
+
+  def specs(q_chunk, k_chunk, e_chunk):
+    """BlockSpecs of the operands (bwd_kernels order) given program ids -> chunk maps."""
+    grp = lambda x: pl.BlockSpec(blk(x, G), lambda b, h, i, j: (b, h, q_chunk(i, j), 0, 0))
+    at = lambda x, head, chunk: pl.BlockSpec(
+        blk(x, None), lambda b, h, i, j: (b, head(h), chunk(i, j), 0, 0))
+    args = [ops.q, ops.k, ops.v] + ([ops.e] if transport else []) + [do, lse, delta]
+    sp = [grp(ops.q), at(ops.k, lambda h: h, k_chunk), at(ops.v, lambda h: h, k_chunk)]
+    sp += [at(ops.e, lambda h: h, e_chunk)] if transport else []
+    sp += [grp(do), grp(lse), grp(delta)]
+    if f["gate"]:
+      args += [ops.fq, ops.fk]
+      sp += [grp(ops.fq), pl.BlockSpec(blk(ops.fk, G),
+                                       lambda b, h, i, j: (b, h, k_chunk(i, j), 0, 0))]
+    if f["segments"]:
+      args += [ops.sq, ops.sk]
+      sp += [at(ops.sq, lambda h: 0, q_chunk), at(ops.sk, lambda h: 0, k_chunk)]
+    if transport:
+      args.append(ops.diag)
+      sp.append(grp(ops.diag))
+    return args, sp
+
+  from jax.experimental.pallas import tpu as pltpu
+  kw = dict(scale=scale, precision=precision, **f)
+
+  # dk / dv: program (b, kv head, key chunk m), step j reads query chunk min(m + j, n - 1).
+  q_of = lambda m, j: jnp.minimum(m + j, n - 1)
+  args, sp = specs(q_of, lambda m, j: m, q_of)
+  out_spec = lambda x, heads: pl.BlockSpec(blk(x, heads), lambda b, h, m, j: (b, h, m, 0, 0))
+  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), dt)] * 2
+  out_specs = [out_spec(out_shape[0], None)] * 2
+  if f["gate"]:
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
+    out_specs.append(out_spec(out_shape[2], G))
+  scratch = [pltpu.VMEM((D, D), f32), pltpu.VMEM((C, D), f32), pltpu.VMEM((C, D), f32),
+             pltpu.VMEM((G, 1, C), f32)]
+  outs = _call(functools.partial(dkv_tpu_kernel, **kw), (B, K, n, n), sp, out_specs, out_shape,
+               backend, bs, bwd=True, scratch=scratch)(*args)
+  grads = dict(k=outs[0], v=outs[1])
+  if f["gate"]:
+    grads["fk"] = outs[2]
+
+  # dq / dP: program (b, kv head, query chunk c), step j; see dq_tpu_kernel for the phases.
+  if transport:
+    steps = 2 * n - 1
+    sweep = lambda c, j: jnp.clip(j - c - 1, 0, jnp.maximum(c - 1, 0))
+    # k, v stay on chunk c while the states are stored (steps 1 .. c), then follow the sweep;
+    # E follows the store right to left, then the sweep (one fetch at the turn: both read 0).
+    k_of = lambda c, j: jnp.where(j <= c, c, sweep(c, j))
+    e_of = lambda c, j: jnp.where(j == 0, jnp.maximum(c - 1, 0),
+                                  jnp.where(j <= c, c - j, sweep(c, j)))
+  else:
+    steps = n
+    k_of = lambda c, j: jnp.where(j == 0, c, jnp.clip(j - 1, 0, jnp.maximum(c - 1, 0)))
+    e_of = None
+  args, sp = specs(lambda c, j: c, k_of, e_of)
+  q_out = lambda x: pl.BlockSpec(blk(x, G), lambda b, h, c, j: (b, h, c, 0, 0))
+  names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n, C, D), dt)]
+  if transport:
+    names += ["diag", "dp"]
+    out_shape += [jax.ShapeDtypeStruct((B, H, n, C, C), dt),
+                  jax.ShapeDtypeStruct((B, K, n, D, D), f32)]
+  if f["gate"]:
+    names.append("fq")
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n, C, 1), f32))
+  out_specs = [pl.BlockSpec((None, None, n, D, D), lambda b, h, c, j: (b, h, 0, 0, 0))
+               if name == "dp" else q_out(s) for name, s in zip(names, out_shape)]
+  scratch = [pltpu.VMEM((G, C, D), f32), pltpu.VMEM((G, C, 1), f32)]
+  if transport:
+    scratch += [pltpu.VMEM((G, C, D), f32), pltpu.VMEM((G, n, C, D), dt)]
+  outs = _call(functools.partial(dq_tpu_kernel, **kw), (B, K, n, steps), sp, out_specs,
+               out_shape, backend, bs, bwd=True, scratch=scratch, sequential_axes=2)(*args)
+  return {**grads, **dict(zip(names, outs))}
