@@ -89,8 +89,9 @@ def dq_step(qc, kc, qt, adj, dfq, *, scale, transport, precision, live=None):
           dot(qt, adjc, ta=True, precision=precision))
 
 
-def dkv_step(qcs, kc, mop, dk, dv, dfk, *, scale, transport, precision):
-  """Query chunk c > m of every head of the group (qcs: one dict per head) against key chunk m
+def dkv_step(query, kc, mop, dk, dv, dfk, *, scale, transport, precision):
+  """Query chunk c > m of every head of the group (query(g): head g's dict, loaded when its
+  turn comes, so that one head's tiles are live at a time) against key chunk m
   (kc: k^, v, fk (a list over heads), sk), mop = M_cm -> dk, dv, dfk with chunk c added (the
   caller moves the operator on: M <- P_c M)."""
   dt = kc["k"].dtype
@@ -98,7 +99,8 @@ def dkv_step(qcs, kc, mop, dk, dv, dfk, *, scale, transport, precision):
       else kc["k"]
   a = jnp.zeros(dk.shape, jnp.float32)
   dfk = list(dfk)
-  for g, qc in enumerate(qcs):
+  for g in range(len(dfk)):
+    qc = query(g)
     p, ds = tile_grads(qc, dict(kc, fk=kc["fk"][g]), scale * dot(qc["q"], kt, tb=True,
                                                                   precision=precision),
                        False, precision=precision)
@@ -113,14 +115,16 @@ def dkv_step(qcs, kc, mop, dk, dv, dfk, *, scale, transport, precision):
   return dk, dv, tuple(dfk)
 
 
-def dkv_diagonal(qcs, kc, diags, dk, dv, dfk, *, scale, transport, precision):
-  """The diagonal chunk c = m of every head; with transport its dS goes to the pre-pass (the dq
-  kernels write it), so only dv and dfk take it. diags: each head's in-chunk logits or None."""
+def dkv_diagonal(query, kc, diag, dk, dv, dfk, *, scale, transport, precision):
+  """The diagonal chunk c = m of every head (query(g), diag(g): head g's tiles and in-chunk
+  logits); with transport its dS goes to the pre-pass (the dq kernels write it), so only dv and
+  dfk take it."""
   dt = kc["k"].dtype
   dfk = list(dfk)
-  for g, (qc, d) in enumerate(zip(qcs, diags)):
-    s = d.astype(jnp.float32) if transport else scale * dot(qc["q"], kc["k"], tb=True,
-                                                             precision=precision)
+  for g in range(len(dfk)):
+    qc = query(g)
+    s = diag(g).astype(jnp.float32) if transport else scale * dot(qc["q"], kc["k"], tb=True,
+                                                                   precision=precision)
     p, ds = tile_grads(qc, dict(kc, fk=kc["fk"][g]), s, True, precision=precision)
     dv += dot(p.astype(dt), qc["do"], ta=True, precision=precision)
     if qc["fq"] is not None:
@@ -143,19 +147,21 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   kc = dict(k=r["k"][m], v=r["v"][m], fk=[None if not gate else r["fk"][g, m] for g in range(G)],
             sk=None if not segments else r["sk"][m])
 
-  def query(g, c):
-    return dict(q=r["q"][g, c], do=r["do"][g, c], lse=r["lse"][g, c], delta=r["delta"][g, c],
-                fq=None if not gate else r["fq"][g, c], sq=None if not segments else r["sq"][c])
+  def query(g, c):  # (load order as the products use them: fewer spills at head_dim 128)
+    return dict(q=r["q"][g, c], fq=None if not gate else r["fq"][g, c],
+                sq=None if not segments else r["sq"][c], lse=r["lse"][g, c], do=r["do"][g, c],
+                delta=r["delta"][g, c])
 
   kw = dict(scale=scale, transport=transport, precision=precision)
   dfk = tuple(jnp.zeros((1, C), f32) for _ in range(G))
-  dk, dv, dfk = dkv_diagonal([query(g, m) for g in range(G)], kc,
-                             [r["diag"][g, m] if transport else None for g in range(G)],
+  dk, dv, dfk = dkv_diagonal(lambda g: query(g, m), kc, lambda g: r["diag"][g, m],
                              jnp.zeros((C, D), f32), jnp.zeros((C, D), f32), dfk, **kw)
 
   def body(c, carry):
     mop, dk, dv, dfk = carry
-    dk, dv, dfk = dkv_step([query(g, c) for g in range(G)], kc, mop, dk, dv, dfk, **kw)
+    first = query(0, c)  # head 0's loads ahead of the operator product, the others lazily
+    dk, dv, dfk = dkv_step(lambda g: first if g == 0 else query(g, c), kc, mop, dk, dv, dfk,
+                           **kw)
     if transport:
       mop = mop - dot(r["e"][c], mop.astype(r["q"].dtype), precision=precision)  # P_c M
     return mop, dk, dv, dfk

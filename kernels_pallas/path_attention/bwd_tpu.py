@@ -62,7 +62,7 @@ def dkv_tpu_kernel(*refs, scale, transport, gate, segments, precision):
   m, j, n = pl.program_id(2), pl.program_id(3), pl.num_programs(3)
   kc = dict(k=r["k"][...], v=r["v"][...], fk=[r["fk"][g] if gate else None for g in range(G)],
             sk=r["sk"][...] if segments else None)
-  qcs = lambda: [_query(r, g, gate, segments) for g in range(G)]
+  query = lambda g: _query(r, g, gate, segments)
   kw = dict(scale=scale, transport=transport, precision=precision)
 
   def load():
@@ -78,15 +78,14 @@ def dkv_tpu_kernel(*refs, scale, transport, gate, segments, precision):
     D = r["mop"].shape[0]
     r["mop"][...] = bwd_kernels._eye(D)
     zero = jnp.zeros(r["dk_acc"].shape, jnp.float32)
-    diags = [r["diag"][g] if transport else None for g in range(G)]
-    store(*bwd_kernels.dkv_diagonal(qcs(), kc, diags, zero, zero,
+    store(*bwd_kernels.dkv_diagonal(query, kc, lambda g: r["diag"][g], zero, zero,
                                     tuple(jnp.zeros((1, zero.shape[0]), jnp.float32)
                                           for _ in range(G)), **kw))
 
   @pl.when((j > 0) & (m + j < n))
   def _():
     mop = r["mop"][...]
-    store(*bwd_kernels.dkv_step(qcs(), kc, mop, *load(), **kw))
+    store(*bwd_kernels.dkv_step(query, kc, mop, *load(), **kw))
     if transport:
       r["mop"][...] = mop - dot(r["e"][...], mop.astype(r["q"].dtype), precision=precision)
 
