@@ -28,7 +28,8 @@ class BlockSizes:
                                  # dk/dv kernel takes 2 at every head_dim without grouped heads
   bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
   bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
-                                 # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer)
+                                 # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer);
+                                 # 0: as many as fill the GPU's last wave best (auto_lanes)
   prepass: str = "split_hilo"    # prepass_kernel.VARIANTS: float32-accurate products from bf16
                                  # hi / lo halves, split once, one half for bf16-exact operands
                                  # (fwd+bwd 8.78 ms at 16,2048,12,64 on the H100, against 11.71
@@ -57,6 +58,8 @@ class BlockSizes:
     from kernels_pallas.path_attention.prepass_kernel import VARIANTS
     if self.prepass not in VARIANTS + ("jnp",):
       raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
+    if self.bwd_lanes is not None and self.bwd_lanes < 0:
+      raise ValueError(f"bwd_lanes={self.bwd_lanes} must be None (1 lane), 0 (auto) or >= 1")
     if head_dim < 16 or head_dim & (head_dim - 1):
       raise ValueError(f"head_dim={head_dim} must be a power of two >= 16")
 
@@ -316,6 +319,33 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   return grads
 
 
+def auto_lanes(programs: int, units: int, sm_count: int, max_lanes: int = 4) -> int:
+  """Lanes per kv head for the dq/dP kernel when BlockSizes.bwd_lanes = 0.
+
+  Each of the `programs` = B K programs walks all `units` (query-chunk pairs) of its head, so
+  they take equally long, and at one program per SM (the kernel's shared memory, ~150 KiB at
+  head_dim 64, leaves no room for a second) the launch runs in ceil(programs / sm_count) waves.
+  L lanes split each program's units L ways: time ~ ceil(L programs / sm_count) / L. At the 125M
+  model's layer (B 16, K 12: 192 programs on 132 SMs) one lane runs 2 waves, the second 45%
+  full; two lanes run 3 waves of half the work, 1.5 (predicted -25% on the kernel, not yet
+  measured). Ties go to fewer lanes (less memory)."""
+  lanes = range(1, max(1, min(max_lanes, units)) + 1)
+  return min(lanes, key=lambda L: (-(-programs * L // sm_count) / L, L))
+
+
+def _sm_count(backend: str) -> int:
+  """The GPU's SM count; 132 (the H100's and H200's) in the interpreter and when lowering for
+  the GPU on a host without one."""
+  if backend == "gpu":
+    try:
+      count = getattr(jax.devices("gpu")[0], "core_count", None)
+    except RuntimeError:  # no GPU here (lowering only)
+      count = None
+    if count:
+      return int(count)
+  return 132
+
+
 def _merged(x):
   """[B, H, n, C, ...] -> [B, H, n*C, ...]: chunks merged into time (contiguous: a bitcast)."""
   return None if x is None else x.reshape(x.shape[:2] + (x.shape[2] * x.shape[3],) + x.shape[4:])
@@ -330,7 +360,10 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   f = _flags(ops)
   pairs = bs.dq_pairs and f["transport"]
   units = n // 2 if pairs else n  # per head: query-chunk pairs or chunks
-  L = max(1, min(bs.bwd_lanes or 1, units))
+  if bs.bwd_lanes == 0 and backend in ("gpu", "interpret"):
+    L = auto_lanes(B * K, units, _sm_count(backend))
+  else:
+    L = max(1, min(bs.bwd_lanes or 1, units))
   if L > 1 and backend not in ("gpu", "interpret"):
     raise ValueError(f"bwd_lanes={L} needs the GPU backend or the interpreter (TPU output "
                      "blocks are written whole)")

@@ -205,11 +205,13 @@ class TestInterpret(PathKernelBase):
   def test_path_skips_chunks_before_the_document(self, key, segments):
     super().test_path_skips_chunks_before_the_document(key, segments)
 
-  @pytest.mark.parametrize("pairs", [True, False])
-  def test_path_even_chunks_lanes_f32(self, key, pairs):
-    """n = 4 (with pairs: query-chunk pairs only, no odd tail) split over 2 backward lanes."""
+  @pytest.mark.parametrize("pairs,lanes", [(True, 2), (False, 0)])
+  def test_path_even_chunks_lanes_f32(self, key, pairs, lanes):
+    """n = 4 (with pairs: query-chunk pairs only, no odd tail) split over backward lanes: 2, or
+    0 = auto_lanes, which at 2 programs takes 4 (one query chunk per lane without pairs)."""
     self._check(key, H=2, K=1, dtype=jnp.float32, gate=True, segments=False, T=64,
-                block_sizes=kp.BlockSizes(block_q=16, block_k=16, bwd_lanes=2, dq_pairs=pairs))
+                block_sizes=kp.BlockSizes(block_q=16, block_k=16, bwd_lanes=lanes,
+                                          dq_pairs=pairs))
 
   @pytest.mark.slow   # the call of test_path_gate_segments_gqa_f32 (n = 3) with 16-blocks
   def test_path_pairs_odd_tail_f32(self, key):
@@ -410,6 +412,18 @@ def test_tpu_kv_grid_forward_interpret(key, transport):
       ref = jax.jit(lambda *a: unipotent.forgetting_attention_reference(
           *a, segment_ids=seg, scale=D ** -0.5))(q, k, v, lf)
   assert_rel_rms(out, ref, 1e-4, "forward")
+
+
+def test_auto_lanes_fill_the_last_wave():
+  """bwd_lanes = 0: lanes that minimise ceil(L programs / SMs) / L, fewest on ties."""
+  from kernels_pallas.path_attention.calls import auto_lanes
+  assert auto_lanes(192, 16, 132) == 2   # the 125M model's layer: 2 waves -> 3 half waves
+  assert auto_lanes(1024, 16, 132) == 1  # 8 full waves: lanes would only add memory
+  assert auto_lanes(64, 128, 132) == 2   # 4,16384,16,128: 2 and 4 lanes tie, fewer wins
+  assert auto_lanes(4, 3, 132) == 3      # capped by the units a head has
+  assert auto_lanes(4, 16, 132) == 4     # and by max_lanes
+  with pytest.raises(ValueError, match="bwd_lanes"):
+    kp.BlockSizes(bwd_lanes=-1).validate(64)
 
 
 @pytest.mark.parametrize("fox", [False, True])
