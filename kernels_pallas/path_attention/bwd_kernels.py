@@ -70,23 +70,34 @@ def tile_grads(qc, kc, s, causal, *, precision):
   return p, p * (dot(qc["do"], kc["v"], tb=True, precision=precision) - qc["delta"])
 
 
-def dq_step(qc, kc, qt, adj, dfq, *, scale, transport, precision, live=None):
+def dq_step(qc, kc, qt, adj, dfq, *, scale, transport, precision, live=None, kv=False):
   """One key chunk m < c for a query tile (one chunk, or two stacked): state qt (kernel dtype),
   adj = R, the adjoint of the state after crossing chunk m -> (R P_m^T + scale dS k^_m, dfq,
-  s_m^T R, the contribution to dL/dP_m; None without transport). Rows outside `live` ([R, 1]
-  bool) take no part."""
+  s_m^T R, the contribution to dL/dP_m (None without transport), key-side parts). Rows
+  outside `live` ([R, 1] bool) take no part.
+
+  With kv the key-side parts are this tile's share of key chunk m's gradients, (dk^_m, dv_m,
+  dfk_m) = (scale dS^T s_m, p^T dO, -colsum dS): the state s_m = q^_c M_cm already carries the
+  transport, so dS^T s_m is the dk/dv kernel's (dS^T q^_c) M_cm without the D x D operator.
+  Else None."""
   dt = qt.dtype
   s = scale * dot(qt, kc["k"], tb=True, precision=precision)
   if live is not None:
     s = jnp.where(live, s, NEG_INF)
-  _, ds = tile_grads(qc, kc, s, False, precision=precision)
+  p, ds = tile_grads(qc, kc, s, False, precision=precision)
   dfq = dfq + jnp.sum(ds, axis=1, keepdims=True)
-  gk = scale * dot(ds.astype(dt), kc["k"], precision=precision)
+  dsc = ds.astype(dt)
+  gk = scale * dot(dsc, kc["k"], precision=precision)
+  parts = None
+  if kv:
+    parts = (scale * dot(dsc, qt, ta=True, precision=precision),
+             dot(p.astype(dt), qc["do"], ta=True, precision=precision),
+             -jnp.sum(ds, axis=0, keepdims=True))
   if not transport:
-    return adj + gk, dfq, None
+    return adj + gk, dfq, None, parts
   adjc = (adj if live is None else jnp.where(live, adj, 0.0)).astype(dt)
   return (gk + adj - dot(adjc, kc["e"], tb=True, precision=precision), dfq,
-          dot(qt, adjc, ta=True, precision=precision))
+          dot(qt, adjc, ta=True, precision=precision), parts)
 
 
 def dkv_step(query, kc, mop, dk, dv, dfk, *, scale, transport, precision):
@@ -176,7 +187,8 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
       r["dfk"][g] = dfk[g]
 
 
-def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, bounds=False):
+def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, bounds=False,
+              kv=False):
   """In: as dkv_kernel, except that the query-side operands have their chunks merged into time
   (q, do [G, n*C, D]; lse, delta, (fq) [G, n*C, 1]; (sq [n*C, 1]); (diag [G, n*C, C])), so that
   one load reads the rows of one chunk or of two adjacent ones. Out: dq [G, n*C, D],
@@ -184,21 +196,40 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
   pairs), (dfq [G, n*C, 1]); dP and dfq float32, the rest kernel dtype. `pairs` (transport
   only) and `lanes` come from calls.backward_dq. With `bounds` (lo, hi [n, 1, 1]) a query
   chunk walks key chunks lo_c .. c-1 only (prepass.chunk_bounds): left of lo_c every tile is
-  masked, so the adjoint starts at zero there and no dP_m gets a contribution."""
+  masked, so the adjoint starts at zero there and no dP_m gets a contribution.
+  With `kv` (BlockSizes.dkv_in_dq) the kernel also accumulates this lane's dk^, dv [n, C, D]
+  and (dfk [G, n, 1, C]) in float32 (dq_step's key-side parts), and calls.backward launches no
+  dk/dv kernel."""
   r = _unpack(refs, _in_spec(transport, gate, segments, bounds)
               + [("dq", True), ("ddiag", transport), ("dp", transport), ("st", transport),
-                 ("dfq", gate)])
+                 ("dfq", gate), ("dka", kv), ("dva", kv), ("dfka", kv and gate)])
   G = r["q"].shape[0]
   n, C, D = r["k"].shape
   dt = r["q"].dtype
   f32 = jnp.float32
 
-  if transport:
+  if transport or kv:
     def zero(m, carry):
-      r["dp"][m] = jnp.zeros((D, D), f32)
+      if transport:
+        r["dp"][m] = jnp.zeros((D, D), f32)
+      if kv:
+        r["dka"][m] = jnp.zeros((C, D), f32)
+        r["dva"][m] = jnp.zeros((C, D), f32)
+        if gate:
+          for g in range(G):
+            r["dfka"][g, m] = jnp.zeros((1, C), f32)
       return carry
 
     lax.fori_loop(0, n, zero, 0)
+
+  def add_kv(g, m, parts):  # key chunk m's gradients, read-modify-write (kv)
+    if parts is None:
+      return
+    dk, dv, dfk = parts
+    r["dka"][m] += dk
+    r["dva"][m] += dv
+    if gate:
+      r["dfka"][g, m] += dfk
 
   def rows(c, size):  # (a static chunk index, e.g. the odd last chunk, needs no hint)
     start = c * C
@@ -216,16 +247,22 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
   def diagonal(g, c, qc, kc):
     """-> initial adjoint (the diagonal's dq with FoX; with transport its dS goes to ddiag), dfq."""
     if transport:
-      _, ds = tile_grads(qc, kc, r["diag"][g, rows(c, C)].astype(f32), True, precision=precision)
+      p, ds = tile_grads(qc, kc, r["diag"][g, rows(c, C)].astype(f32), True, precision=precision)
       r["ddiag"][g, rows(c, C)] = ds.astype(r["ddiag"].dtype)
       adj = jnp.zeros((C, D), f32)
     else:
-      _, ds = tile_grads(qc, kc, scale * dot(qc["q"], kc["k"], tb=True, precision=precision),
+      p, ds = tile_grads(qc, kc, scale * dot(qc["q"], kc["k"], tb=True, precision=precision),
                          True, precision=precision)
       adj = scale * dot(ds.astype(dt), kc["k"], precision=precision)
+    if kv:  # the diagonal's dS reaches k^ through the pre-pass with transport (ddiag)
+      dk = (jnp.zeros((C, D), f32) if transport
+            else scale * dot(ds.astype(dt), qc["q"], ta=True, precision=precision))
+      add_kv(g, c, (dk, dot(p.astype(dt), qc["do"], ta=True, precision=precision),
+                    -jnp.sum(ds, axis=0, keepdims=True)))
     return adj, jnp.sum(ds, axis=1, keepdims=True)
 
-  step = functools.partial(dq_step, scale=scale, transport=transport, precision=precision)
+  step = functools.partial(dq_step, scale=scale, transport=transport, precision=precision,
+                           kv=kv)
 
   def move(qt, e):  # q~ <- q~ P_m = q~ - q~ E_m (float32 state)
     return qt - dot(qt.astype(dt), e, precision=precision)
@@ -272,9 +309,11 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
     def key_chunk(m, carry):
       adj, dfq = carry
       acc = early_dp(m) if transport else None
-      adj, dfq, dp = step(qc, load_key(g, m), state(m) if transport else qc["q"], adj, dfq)
+      adj, dfq, dp, parts = step(qc, load_key(g, m), state(m) if transport else qc["q"], adj,
+                                 dfq)
       if transport:
         add_dp(m, acc, dp)
+      add_kv(g, m, parts)
       return adj, dfq
 
     finish(g, c, C, *lax.fori_loop(lo, c, key_chunk, (adj, dfq)), False)
@@ -307,14 +346,16 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
     def key_chunk(m, carry):
       adj, dfq = carry
       acc = early_dp(m)
-      adj, dfq, dp = step(qp, load_key(g, m), r["st"][m], adj, dfq)
+      adj, dfq, dp, parts = step(qp, load_key(g, m), r["st"][m], adj, dfq)
       add_dp(m, acc, dp)
+      add_kv(g, m, parts)
       return adj, dfq
 
     init = (jnp.zeros((2 * C, D), f32), jnp.zeros((2 * C, 1), f32))
     adj, dfq = lax.fori_loop(lo, c, key_chunk, init)
-    adj, dfq, dp = step(qp, kc, qp["q"], adj, dfq, live=low)  # chunk c + 1 vs key chunk c
+    adj, dfq, dp, parts = step(qp, kc, qp["q"], adj, dfq, live=low)  # chunk c + 1 vs key c
     r["dp"][c] += dp
+    add_kv(g, c, parts)
     finish(g, c, 2 * C, adj, dfq, True)
 
   # Lane l takes units l, l + lanes, ... (a unit: a query pair with pairs, else a chunk);

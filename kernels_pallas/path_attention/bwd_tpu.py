@@ -158,9 +158,9 @@ def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
     dp = None
     for g in range(G):
       qt = r["st"][g, m] if transport else r["q"][g]
-      adj, dfq, dpg = bwd_kernels.dq_step(_query(r, g, gate, segments), kc(g), qt, r["adj"][g],
-                                          r["dfq_acc"][g], scale=scale, transport=transport,
-                                          precision=precision)
+      adj, dfq, dpg, _ = bwd_kernels.dq_step(_query(r, g, gate, segments), kc(g), qt,
+                                             r["adj"][g], r["dfq_acc"][g], scale=scale,
+                                             transport=transport, precision=precision)
       r["adj"][g], r["dfq_acc"][g] = adj, dfq
       dp = dpg if dp is None or dpg is None else dp + dpg
     if transport:

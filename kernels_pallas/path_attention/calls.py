@@ -48,6 +48,12 @@ class BlockSizes:
                                  # (bwd_kernels.py): half the dP read-modify-writes and key loads
   dq_num_warps: int | None = None  # dq/dP kernel's warps; None: 8 with dq_pairs (2C-row tiles),
                                    # else bwd_num_warps
+  dkv_in_dq: bool = False        # GPU: the dq/dP sweep also accumulates dk^, dv, dfk from its
+                                 # states (dS^T s_m = (dS^T q^) M_cm) and no dk/dv kernel runs:
+                                 # per (query, key chunk) pair ~C^2 D more MACs in dq/dP instead
+                                 # of the dk/dv kernel's ~3 C D^2 + D^3 (its D x D operator,
+                                 # which spills at D = 128), for a [T, D] float32 read-modify-
+                                 # write pair per step. Not measured yet
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -251,6 +257,8 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   if backend in ("tpu", "tpu_interpret"):
     from kernels_pallas.path_attention import bwd_tpu
     return bwd_tpu.backward(ops, do, lse, delta, **kw)
+  if bs.dkv_in_dq:
+    return backward_dq(ops, do, lse, delta, **kw)
   return {**backward_dkv(ops, do, lse, delta, **kw), **backward_dq(ops, do, lse, delta, **kw)}
 
 
@@ -359,6 +367,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   K = ops.k.shape[1]
   f = _flags(ops)
   pairs = bs.dq_pairs and f["transport"]
+  G = H // K
   units = n // 2 if pairs else n  # per head: query-chunk pairs or chunks
   if bs.bwd_lanes == 0 and backend in ("gpu", "interpret"):
     L = auto_lanes(B * K, units, _sm_count(backend))
@@ -385,10 +394,16 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   if f["gate"]:
     names.append("fq")
     out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), f32))
-  out_specs = [lane(s) if s.shape[1] == K * L and n_ in ("dp", "states") else grp(s)
-               for n_, s in zip(names, out_shape)]
+  kv = bs.dkv_in_dq
+  if kv:  # this lane's share of the key-side gradients, float32 (summed over lanes below)
+    names += ["k", "v"] + (["fk"] if f["gate"] else [])
+    out_shape += [jax.ShapeDtypeStruct((B, K * L, n, C, D), f32)] * 2
+    if f["gate"]:
+      out_shape.append(jax.ShapeDtypeStruct((B, K * L, G, n, 1, C), f32))
+  per_lane = ("dp", "states", "k", "v", "fk")
+  out_specs = [lane(s) if n_ in per_lane else grp(s) for n_, s in zip(names, out_shape)]
   kernel = functools.partial(bwd_kernels.dq_kernel, scale=scale, precision=precision, lanes=L,
-                             pairs=pairs, bounds=bounds, **f)
+                             pairs=pairs, bounds=bounds, kv=kv, **f)
   outs = _call(kernel, (B, K, L), specs, out_specs, out_shape, backend, bs, bwd=True,
                warps=bs.dq_num_warps or (8 if pairs else None))(*args)
   more = dict(zip(names, outs))
@@ -396,6 +411,12 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   for name in ("q", "diag", "fq"):  # back to [B, H, n, C, ...]
     if name in more:
       more[name] = more[name].reshape(B, H, n, C, *more[name].shape[3:])
-  if "dp" in more and L > 1:  # lanes summed in a fixed order: deterministic
-    more["dp"] = more["dp"].reshape(B, K, L, n, D, D).sum(2)
+  for name in ("dp", "k", "v", "fk") if L > 1 else ():  # lanes summed in a fixed order
+    if name in more:
+      x = more[name]
+      more[name] = x.reshape(B, K, L, *x.shape[2:]).sum(2)
+  if kv:  # as the dk/dv kernel leaves them: k, v in the kernel dtype, fk [B, H, n, 1, C]
+    more["k"], more["v"] = more["k"].astype(gdt), more["v"].astype(gdt)
+    if "fk" in more:
+      more["fk"] = more["fk"].reshape(B, H, n, 1, C)
   return more

@@ -117,6 +117,14 @@ class PathKernelBase:
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=True, fox=fox,
                 block_sizes=bs)
 
+  @pytest.mark.parametrize("fox", [False, True])
+  def test_dkv_in_dq_gqa_f32(self, key, fox):
+    """BlockSizes(dkv_in_dq=True): the dq/dP sweep also gives dk, dv, dfk (no dk/dv kernel),
+    over the lanes auto_lanes picks, with pairs (path) or single chunks (FoX); deterministic."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_in_dq=True, bwd_lanes=0)
+    self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True, fox=fox,
+                block_sizes=bs, determinism=True)
+
   def test_path_plain_f32_deterministic(self, key):
     self._check(key, H=2, K=2, dtype=jnp.float32, gate=False, segments=False, determinism=True)
 
@@ -471,7 +479,8 @@ def test_lowers_for_tpu(gate, fox):
     ("split", True, 64, jnp.bfloat16, 2), ("split_bf16", True, 64, jnp.bfloat16, 2),
     ("split_bf16x3", True, 64, jnp.bfloat16, 4), ("split_hilo", True, 64, jnp.bfloat16, 2),
     ("fold_bf16", True, 128, jnp.bfloat16, 2),
-    ("split", True, 64, jnp.float32, 4)])   # three-pass TF32 products everywhere
+    ("split", True, 64, jnp.float32, 4),   # three-pass TF32 products everywhere
+    ("split_hilo+dkv_in_dq", True, 128, jnp.bfloat16, 2)])
 def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
   """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
   built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""
@@ -481,7 +490,9 @@ def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
           sd((B, T, K, D), dtype), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32),
           sd((B, T, H), jnp.float32)]
   seg = sd((B, T), jnp.int32)
-  bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs)
+  prepass, _, fused = prepass.partition("+")
+  bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs, dkv_in_dq=bool(fused),
+                     bwd_lanes=0 if fused else None)   # (fused: with lanes, the harder layout)
   f = lambda *a: kp.path_attention(*a[:-1], segment_ids=a[-1], backend="gpu", block_sizes=bs)
   g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
   for fn in (f, g):
