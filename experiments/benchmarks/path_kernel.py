@@ -186,7 +186,8 @@ def part_jax(cases, variants, dtype="bfloat16"):
     }
     for name in variants:
       base, _, spec = name.partition("@")  # e.g. path@b128w8s1l4bw8: block 128, 8 warps, 1 stage,
-      # 4 backward lanes (l0: auto_lanes), 8 backward warps; kv: dkv_in_dq, ko: keep_operands
+      # 4 backward lanes (l0: auto_lanes), 8 backward warps; kv: dkv_in_dq, ko: keep_operands,
+      # mg: the Mosaic GPU forward (no gate: path only)
       fn, args = fns[base]
       if spec:  # pre=VARIANT picks the pre-pass (kernels_pallas BlockSizes.prepass)
         import re
@@ -199,6 +200,7 @@ def part_jax(cases, variants, dtype="bfloat16"):
                            bwd_lanes=int(l[1]) if l else None,
                            bwd_num_warps=int(bw[1]) if bw else None,
                            dkv_in_dq="kv" in spec, keep_operands="ko" in spec,
+                           fwd_kernel="mosaic" if "mg" in spec else "triton",
                            **({"prepass": pre[1]} if pre else {}))
         fn = (lambda f0, bs: lambda *a: f0(*a, bs))(
             {"path": lambda q, k, v, w, beta, bs: kp.path_attention(q, k, v, w, beta, block_sizes=bs),

@@ -48,6 +48,9 @@ class BlockSizes:
                                  # (bwd_kernels.py): half the dP read-modify-writes and key loads
   dq_num_warps: int | None = None  # dq/dP kernel's warps; None: 8 with dq_pairs (2C-row tiles),
                                    # else bwd_num_warps
+  fwd_kernel: str = "triton"     # GPU forward: "triton", or "mosaic" (fwd_mosaic.py: TMA + wgmma;
+                                 # transport without gate or segments, bf16/f16, chunk 64; not
+                                 # yet run on a GPU)
   dkv_in_dq: bool = False        # GPU: the dq/dP sweep also accumulates dk^, dv, dfk from its
                                  # states (dS^T s_m = (dS^T q^) M_cm) and no dk/dv kernel runs:
                                  # per (query, key chunk) pair ~C^2 D more MACs in dq/dP instead
@@ -64,6 +67,8 @@ class BlockSizes:
     from kernels_pallas.path_attention.prepass_kernel import VARIANTS
     if self.prepass not in VARIANTS + ("jnp",):
       raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
+    if self.fwd_kernel not in ("triton", "mosaic"):
+      raise ValueError(f"fwd_kernel={self.fwd_kernel!r} must be 'triton' or 'mosaic'")
     if self.bwd_lanes is not None and self.bwd_lanes < 0:
       raise ValueError(f"bwd_lanes={self.bwd_lanes} must be None (1 lane), 0 (auto) or >= 1")
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -181,6 +186,14 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
   """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32."""
   if backend in ("tpu", "tpu_interpret"):
     return _forward_kv(ops, scale=scale, precision=precision, backend=backend, bs=bs)
+  if bs.fwd_kernel == "mosaic":
+    from kernels_pallas.path_attention import fwd_mosaic
+    why = fwd_mosaic.supported(ops, bs)
+    if backend != "gpu" or why:
+      raise ValueError(f"fwd_kernel='mosaic' needs the GPU backend and PaTH without gate or "
+                       f"segments in bf16/f16 at block 64 (got backend {backend!r}"
+                       f"{', ' + why if why else ''})")
+    return fwd_mosaic.forward(ops, scale=scale)
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]
   f = _flags(ops)
