@@ -49,8 +49,8 @@ class BlockSizes:
   dq_num_warps: int | None = None  # dq/dP kernel's warps; None: 8 with dq_pairs (2C-row tiles),
                                    # else bwd_num_warps
   fwd_kernel: str = "triton"     # GPU forward: "triton", or "mosaic" (fwd_mosaic.py: TMA + wgmma;
-                                 # transport without gate or segments, bf16/f16, chunk 64; not
-                                 # yet run on a GPU)
+                                 # PaTH with or without gate and segments, bf16/f16, chunk 64;
+                                 # not yet run on a GPU)
   dkv_in_dq: bool = False        # GPU: the dq/dP sweep also accumulates dk^, dv, dfk from its
                                  # states (dS^T s_m = (dS^T q^) M_cm) and no dk/dv kernel runs:
                                  # per (query, key chunk) pair ~C^2 D more MACs in dq/dP instead
@@ -190,9 +190,8 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
     from kernels_pallas.path_attention import fwd_mosaic
     why = fwd_mosaic.supported(ops, bs)
     if backend != "gpu" or why:
-      raise ValueError(f"fwd_kernel='mosaic' needs the GPU backend and PaTH without gate or "
-                       f"segments in bf16/f16 at block 64 (got backend {backend!r}"
-                       f"{', ' + why if why else ''})")
+      raise ValueError(f"fwd_kernel='mosaic' needs the GPU backend and PaTH in bf16/f16 at "
+                       f"block 64 (got backend {backend!r}{', ' + why if why else ''})")
     return fwd_mosaic.forward(ops, scale=scale)
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]

@@ -9,8 +9,8 @@ i - 1) overlaps step i's products. The state q~ stays in float32 registers in th
 accumulator layout and enters each product as its bf16 cast (the A operand from registers),
 as the Triton kernel's dot(q~.astype(dt), .) does.
 
-Scope of this first version: transport without the gate or packed documents, bf16 or f16,
-chunk 64, head_dim a multiple of 64 (calls.forward routes everything else to Triton).
+Scope: transport (PaTH, with or without the forget gate and packed documents), bf16 or f16,
+chunk 64, head_dim a multiple of 64; calls.forward raises for anything else.
 Selected by BlockSizes(fwd_kernel="mosaic"); lowering is tested on the CPU host, the kernel
 has not run on a GPU yet.
 """
@@ -31,8 +31,6 @@ def supported(ops, bs) -> str | None:
   C, D = ops.q.shape[3], ops.q.shape[4]
   if ops.e is None:
     return "no transport (FoX runs on the Triton kernel)"
-  if ops.fq is not None or ops.sq is not None:
-    return "gate or segments"
   if ops.q.dtype not in (jnp.bfloat16, jnp.float16):
     return f"dtype {ops.q.dtype}"
   if C != 64 or D % 64:
@@ -41,92 +39,150 @@ def supported(ops, bs) -> str | None:
 
 
 def forward(ops, *, scale: float, slots: int = 2):
-  """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32, as calls.forward."""
+  """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32, as calls.forward.
+
+  The gate and segment ids travel as [.., n, C] vectors: the query chunk's once per program
+  (a row vector), the key chunk's with each walk step's k, v, E (a column vector), so a tile's
+  logits are s + F_i - F_j, masked where the ids differ. Every chunk pair is walked (no
+  prepass.chunk_bounds skipping yet): a masked tile contributes exp2(-inf) = 0."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]
   dt = ops.q.dtype
   f32 = jnp.float32
+  gate, segments = ops.fq is not None, ops.sq is not None
   wgmma_layout = plgpu.Layout.WGMMA
+  rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-  def body(q_ref, k_ref, v_ref, e_ref, d_ref, o_ref, lse_ref, scratch):
-    (q_smem, d_smem, vd_smem, k_smem, v_smem, e_smem, lse_smem), bars = scratch
-    head_bars, k_bars, v_bars, e_bars = bars
+  # name -> (array, index of the chunk this program reads: "head" the query / kv head's
+  # query-side chunk, "ring" the walk's key chunk). Vectors are [B, heads, n, C].
+  vec = lambda x: x.reshape(x.shape[:3] + (C,))
+  head = {"q": ops.q, "d": ops.diag, "vd": ops.v}
+  ring = {"k": ops.k, "v": ops.v, "e": ops.e}
+  if gate:
+    head.update(fq=vec(ops.fq), fkd=vec(ops.fk))
+    ring["fk"] = vec(ops.fk)
+  if segments:
+    head.update(sq=vec(ops.sq), skd=vec(ops.sk))
+    ring["sk"] = vec(ops.sk)
+  per_query_head = {"q", "d", "fq", "fkd", "fk"}   # the rest are per kv head (segments: one)
+
+  def body(refs, smem, bars):
     c, h, b = lax.axis_index("c"), lax.axis_index("heads"), lax.axis_index("batch")
     c = n - 1 - c  # longest walks first (calls.chunk_grid's reverse)
     kh = lax.div(h, jnp.array(G, h.dtype))
+    head_of = lambda name: (h if name in per_query_head else
+                            0 if name in ("sq", "skd", "sk") else kh)
 
-    def fetch(i):  # the k, v, E chunks of walk step i (key chunk c - 1 - i) into slot i % slots
+    def fetch(i):  # walk step i (key chunk c - 1 - i) into ring slot i % slots
       m, slot = c - 1 - i, lax.rem(i, jnp.array(slots, i.dtype))
-      plgpu.copy_gmem_to_smem(k_ref.at[b, kh, m], k_smem.at[slot], k_bars.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[b, kh, m], v_smem.at[slot], v_bars.at[slot])
-      plgpu.copy_gmem_to_smem(e_ref.at[b, kh, m], e_smem.at[slot], e_bars.at[slot])
+      for name in ring:
+        plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), m], smem[name].at[slot],
+                                bars[name].at[slot])
 
-    for j, (src, dst) in enumerate(((q_ref.at[b, h, c], q_smem), (d_ref.at[b, h, c], d_smem),
-                                    (v_ref.at[b, kh, c], vd_smem))):
-      plgpu.copy_gmem_to_smem(src, dst, head_bars.at[j])
+    for name in head:
+      plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), c], smem[name], bars[name])
     for i in range(slots):
       pl.when(i < c)(lambda i=i: fetch(jnp.int32(i)))
-    for j in range(3):
-      plgpu.barrier_wait(head_bars.at[j])
+    for name in head:
+      plgpu.barrier_wait(bars[name])
+
+    rows = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
+    cols = lambda x: lax.broadcast_in_dim(x, (C, C), [1])
+    load = lambda ref, layout: plgpu.load(ref, (), layout=layout)
+    fq = load(smem["fq"], rows_layout) if gate else None
+    sq = load(smem["sq"], rows_layout) if segments else None
+
+    def gate_and_mask(s, fk_ref, sk_ref, ok=None):
+      """Logits in log2 units (s already is) plus the gate, masked to -inf."""
+      if gate:
+        s = s + (rows(fq) - cols(load(fk_ref, cols_layout))) * LOG2E
+      if segments:
+        same = rows(sq) == cols(load(sk_ref, cols_layout))
+        ok = same if ok is None else ok & same
+      return s if ok is None else jnp.where(ok, s, -jnp.inf)
 
     # Diagonal chunk: every row sees itself, so the running max is finite from here on.
-    s = plgpu.load(d_smem, (), layout=wgmma_layout).astype(f32)
     row = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=wgmma_layout)
     col = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=wgmma_layout)
-    s = jnp.where(row >= col, s * LOG2E, -jnp.inf)   # log2 units: exp2 below
+    s = gate_and_mask(load(smem["d"], wgmma_layout).astype(f32) * LOG2E, smem.get("fkd"),
+                      smem.get("skd"), row >= col)
     m_i = s.max(axis=1)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_i, (C, C), [0]))
+    p = jnp.exp2(s - rows(m_i))
     l_i = p.sum(axis=1)
 
     def pv(acc, p16, v):
       return pl.run_state(lambda r: plgpu.wgmma(r, p16, v))(plgpu.ACC.init(acc))
 
-    acc = pv(plgpu.layout_cast(jnp.zeros((C, D), f32), wgmma_layout), p.astype(dt), vd_smem)
-    qt = plgpu.load(q_smem, (), layout=wgmma_layout).astype(f32)
+    acc = pv(plgpu.layout_cast(jnp.zeros((C, D), f32), wgmma_layout), p.astype(dt), smem["vd"])
+    qt = load(smem["q"], wgmma_layout).astype(f32)
 
     def step(i, carry):
       qt, acc, m_i, l_i = carry
       slot = lax.rem(i, jnp.array(slots, i.dtype))
+      at = lambda name: smem[name].at[slot] if name in smem else None
       qt16 = qt.astype(dt)
-      plgpu.barrier_wait(k_bars.at[slot])
+      plgpu.barrier_wait(bars["k"].at[slot])
+      for name in ("fk", "sk"):
+        if name in ring:
+          plgpu.barrier_wait(bars[name].at[slot])
 
       def qk(r):
-        plgpu.wgmma(r, qt16, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(r, qt16, plgpu.transpose_ref(at("k"), (1, 0)))
         return r[...]
 
-      s = pl.run_scoped(qk, plgpu.ACC((C, C), f32)) * (scale * LOG2E)
+      s = gate_and_mask(pl.run_scoped(qk, plgpu.ACC((C, C), f32)) * (scale * LOG2E), at("fk"),
+                        at("sk"))
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, (C, C), [0]))
+      p = jnp.exp2(s - rows(m_new))
       l_i = l_i * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, (C, D), [0])
-      plgpu.barrier_wait(v_bars.at[slot])
-      acc = pv(acc, p.astype(dt), v_smem.at[slot])
-      plgpu.barrier_wait(e_bars.at[slot])
+      plgpu.barrier_wait(bars["v"].at[slot])
+      acc = pv(acc, p.astype(dt), at("v"))
+      plgpu.barrier_wait(bars["e"].at[slot])
       # q~ - q~ E_m: the accumulator starts at q~, the A operand is -q~ in the kernel dtype
-      qt = pl.run_state(lambda r: plgpu.wgmma(r, -qt16, e_smem.at[slot]))(plgpu.ACC.init(qt))
+      qt = pl.run_state(lambda r: plgpu.wgmma(r, -qt16, at("e")))(plgpu.ACC.init(qt))
       # every product reading this slot has completed (their results were read): refill it
       pl.when(i + slots < c)(lambda: fetch(i + slots))
       return qt, acc, m_new, l_i
 
     _, acc, m_i, l_i = lax.fori_loop(0, c, step, (qt, acc, m_i, l_i))
-    q_smem[...] = (acc / lax.broadcast_in_dim(l_i, (C, D), [0])).astype(dt)   # reuse q's tile
-    lse_smem[...] = (m_i + jnp.log2(l_i)) * (1.0 / LOG2E)
+    smem["q"][...] = (acc / lax.broadcast_in_dim(l_i, (C, D), [0])).astype(dt)  # q's tile, reused
+    smem["lse"][...] = (m_i + jnp.log2(l_i)) * (1.0 / LOG2E)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, c])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, c])
+    plgpu.copy_smem_to_gmem(smem["q"], refs["o"].at[b, h, c])
+    plgpu.copy_smem_to_gmem(smem["lse"], refs["lse"].at[b, h, c])
     plgpu.wait_smem_to_gmem(0)
 
-  def entry(q_ref, k_ref, v_ref, e_ref, d_ref, o_ref, lse_ref):
-    tile = lambda *shape: plgpu.SMEM(shape, dt, transforms=(
-        plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))
-    smem = (tile(C, D), tile(C, C), tile(C, D), tile(slots, C, D), tile(slots, C, D),
-            tile(slots, D, D), plgpu.SMEM((C,), f32))
-    bars = (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=slots),
-            plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots))
-    pl.run_scoped(lambda *scratch: body(q_ref, k_ref, v_ref, e_ref, d_ref, o_ref, lse_ref,
-                                        (scratch[:7], scratch[7:])), *smem, *bars)
+  def tile(*shape):
+    return plgpu.SMEM(shape, dt, transforms=(plgpu.TilingTransform((8, 64)),
+                                             plgpu.SwizzleTransform(128)))
+
+  def scratch_of(name, x, ring_slots=None):
+    shape = x.shape[3:] if ring_slots is None else (ring_slots,) + x.shape[3:]
+    if x.ndim == 4:  # a [C] vector: no tiling
+      return plgpu.SMEM(shape, x.dtype)
+    return tile(*shape)
+
+  names_in = list(head) + [name for name in ring if name not in head]
+  arrays = {**head, **ring}
+
+  def entry(*refs_flat):
+    refs = dict(zip(names_in + ["o", "lse"], refs_flat))
+    smem_types = {name: scratch_of(name, head[name]) for name in head}
+    smem_types.update({name: scratch_of(name, ring[name], slots) for name in ring})
+    smem_types["lse"] = plgpu.SMEM((C,), f32)
+    bar_types = {name: plgpu.Barrier(num_barriers=slots) for name in ring}
+    bar_types.update({name: plgpu.Barrier() for name in head})
+    smem_names, bar_names = list(smem_types), list(bar_types)
+
+    def scoped(*scratch):
+      smem = dict(zip(smem_names, scratch[:len(smem_names)]))
+      bars = dict(zip(bar_names, scratch[len(smem_names):]))
+      body(refs, smem, bars)
+
+    pl.run_scoped(scoped, *smem_types.values(), *bar_types.values())
 
   o, lse = plgpu.kernel(
       entry,
@@ -134,5 +190,5 @@ def forward(ops, *, scale: float, slots: int = 2):
                 jax.ShapeDtypeStruct((B, H, n, C), f32)),
       grid=(n, H, B), grid_names=("c", "heads", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(ops.q, ops.k, ops.v, ops.e, ops.diag)
+  )(*(arrays[name] for name in names_in))
   return o, lse[..., None]

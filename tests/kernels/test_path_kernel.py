@@ -281,13 +281,13 @@ class TestGPU(PathKernelBase):
   T = 300
   D = 64
 
-  @pytest.mark.parametrize("D", [64, 128])
-  def test_mosaic_forward_bf16(self, key, D):
+  @pytest.mark.parametrize("D,gate_segments", [(64, False), (128, False), (64, True)])
+  def test_mosaic_forward_bf16(self, key, D, gate_segments):
     """BlockSizes(fwd_kernel="mosaic") (fwd_mosaic.py) against the oracle, gradients through
-    the Triton backward; grouped heads."""
+    the Triton backward; grouped heads, with and without the gate and packed documents."""
     self.D = D
-    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=False, segments=False, T=520,
-                block_sizes=kp.BlockSizes(fwd_kernel="mosaic"))
+    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=gate_segments, segments=gate_segments,
+                T=520, block_sizes=kp.BlockSizes(fwd_kernel="mosaic"))
 
 
 
@@ -508,24 +508,31 @@ def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
     assert "__gpu$xla.gpu.triton" in text
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_mosaic_forward_lowers_for_gpu(D):
+@pytest.mark.parametrize("D,gate_segments", [(64, False), (128, False), (64, True)])
+def test_mosaic_forward_lowers_for_gpu(D, gate_segments):
   """BlockSizes(fwd_kernel="mosaic"): the forward lowers through Mosaic GPU (TMA, wgmma) on a
   CPU host, inside jax.grad too (the backward stays on the Triton kernels); plgpu's wgmma does
-  not run in interpret mode, so TestGPU.test_mosaic_forward checks its values on the device."""
+  not run in interpret mode, so TestGPU.test_mosaic_forward_bf16 checks its values on the
+  device."""
   B, T, H, K = 1, 300, 4, 2
   sd = jax.ShapeDtypeStruct
   args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
           sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
+  if gate_segments:
+    args += [sd((B, T, H), jnp.float32), sd((B, T), jnp.int32)]   # log_forget, segment ids
   bs = kp.BlockSizes(fwd_kernel="mosaic")
-  f = lambda *a: kp.path_attention(*a, backend="gpu", block_sizes=bs)
-  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
+  split = lambda a: (a[:-1], a[-1]) if gate_segments else (a, None)
+  f = lambda *a: kp.path_attention(*split(a)[0], backend="gpu", block_sizes=bs,
+                                   segment_ids=split(a)[1])
+  n_diff = len(args) - gate_segments
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(n_diff)))
   for fn in (f, g):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-  with pytest.raises(ValueError, match="fwd_kernel"):  # the gate is not in the Mosaic form yet
+  with pytest.raises(ValueError, match="fwd_kernel"):  # float32 stays on the Triton kernel
+    f32 = [sd(a.shape, jnp.float32) for a in args[:5]]
     jax.jit(lambda *a: kp.path_attention(*a, backend="gpu", block_sizes=bs)).trace(
-        *args, sd((B, T, H), jnp.float32)).lower(lowering_platforms=("cuda",))
+        *f32).lower(lowering_platforms=("cuda",))
 
 
 def test_argument_errors():
