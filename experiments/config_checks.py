@@ -73,9 +73,14 @@ def check_model(config, vocab_size: int) -> model_lib.ModelConfig:
     raise ValueError(f"config.model.block={m.block!r} must be one of {model_lib.BLOCKS}")
   if m.dtype not in model_lib.DTYPES:
     raise ValueError(f"config.model.dtype={m.dtype!r} must be one of {tuple(model_lib.DTYPES)}")
-  if m.implementation is not None and m.implementation not in _checks.IMPLEMENTATIONS:
-    raise ValueError(f"config.model.implementation={m.implementation!r} must be None (auto) "
-                     f"or one of {_checks.IMPLEMENTATIONS}")
+  if m.implementation is not None:
+    try:  # "pallas:KEY=VALUE,..." passes kernel block sizes to the PaTH / FoX kernels
+      _checks.check_implementation(m.implementation, _checks.IMPLEMENTATIONS,
+                                   kernel_options=True)
+      _checks.kernel_block_sizes(m.implementation)
+    except ValueError as e:
+      raise ValueError(f"config.model.implementation={m.implementation!r} must be None (auto) "
+                       f"or one of {_checks.IMPLEMENTATIONS} ({e})") from None
   if not 0.0 <= float(m.dropout) < 1.0:
     raise ValueError(f"config.model.dropout={m.dropout} must be in [0, 1)")
   if m.encoding in encodings.MODIFIERS:

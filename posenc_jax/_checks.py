@@ -51,9 +51,37 @@ def check_even(name: str, d: int) -> None:
     raise ValueError(f"{name}={d} must be even: rotations act on pairs of channels")
 
 
-def check_implementation(implementation, allowed: Sequence[str]) -> None:
-  if implementation not in allowed:
+def check_implementation(implementation, allowed: Sequence[str], *,
+                         kernel_options: bool = False) -> None:
+  """`implementation` names one of `allowed`; "pallas:KEY=VALUE,..." (kernel_options: the
+  PaTH / FoX kernels) also passes kernels_pallas.BlockSizes fields (kernel_block_sizes)."""
+  name, _, options = str(implementation).partition(":")
+  if name not in allowed:
     raise ValueError(f"implementation={implementation!r} is not one of {tuple(allowed)}")
+  if options and not (kernel_options and name == "pallas"):
+    raise ValueError(f"implementation={implementation!r}: options after ':' are kernel block "
+                     "sizes of the PaTH / FoX Pallas kernels ('pallas:bwd_lanes=0,...')")
+
+
+def kernel_block_sizes(implementation: str):
+  """"pallas:bwd_lanes=0,fwd_kernel=mosaic" -> kernels_pallas.BlockSizes(bwd_lanes=0,
+  fwd_kernel="mosaic"); None without options. Values: integers, true / false, else strings."""
+  _, _, options = implementation.partition(":")
+  if not options:
+    return None
+  import kernels_pallas  # imported lazily: the kernels are optional on CPU
+  kw = {}
+  for item in options.split(","):
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+      raise ValueError(f"implementation={implementation!r}: {item!r} is not KEY=VALUE")
+    low = value.lower()
+    kw[key] = (int(value) if value.lstrip("-").isdigit() else
+               low == "true" if low in ("true", "false") else value)
+  try:
+    return kernels_pallas.BlockSizes(**kw)
+  except TypeError as e:
+    raise ValueError(f"implementation={implementation!r}: {e}") from None
 
 
 def is_concrete(x) -> bool:

@@ -188,12 +188,14 @@ def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim
   return Choice("chunked", f"{backend}: blockwise jnp for {family}, never a T x T array per head")
 
 
-def _pick(implementation, family: str, allowed, q, v, segment_ids):
+def _pick(implementation, family: str, allowed, q, v, segment_ids, *, kernel_options=False):
+  """-> the implementation to run; with kernel_options "pallas:..." stays whole (the PaTH / FoX
+  kernels read their block sizes from it: _checks.kernel_block_sizes)."""
   if implementation is None:
     return auto_implementation(family, T=q.shape[1], dtype=q.dtype, head_dim=q.shape[-1],
                                v_head_dim=v.shape[-1],
                                has_segments=segment_ids is not None).implementation
-  _checks.check_implementation(implementation, allowed)
+  _checks.check_implementation(implementation, allowed, kernel_options=kernel_options)
   return implementation
 
 
@@ -302,12 +304,13 @@ def path_attention(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale
   """
   _, T, _, _, D = _check_path_inputs(q, k, v, w, beta, log_forget, segment_ids)
   impl = _pick(implementation, "path", ("reference", "scan", "chunked", "pallas"), q, v,
-               segment_ids)
+               segment_ids, kernel_options=True)
   kwargs = dict(log_forget=log_forget, segment_ids=segment_ids, scale=_scale(scale, D))
-  if impl == "pallas":
+  if impl.startswith("pallas"):
     import kernels_pallas  # imported lazily: the kernels are optional on CPU
     return kernels_pallas.path_attention(q, k, v, w, beta, log_forget,
                                          scale=kwargs["scale"], segment_ids=segment_ids,
+                                         block_sizes=_checks.kernel_block_sizes(impl),
                                          interpret=jax.default_backend() == "cpu")
   fn = {"reference": householder.path_attention_reference,
         "scan": householder.path_attention_scan,
@@ -327,12 +330,13 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale=None,
   _checks.check_range("log_forget", log_forget, -float("inf"), 0.0)
   _checks.check_segment_ids(segment_ids, B, T)
   impl = _pick(implementation, "forgetting", ("reference", "chunked", "pallas"), q, v,
-               segment_ids)
+               segment_ids, kernel_options=True)
   scale = _scale(scale, D)
-  if impl == "pallas":
+  if impl.startswith("pallas"):
     import kernels_pallas
     return kernels_pallas.forgetting_attention(q, k, v, log_forget, scale=scale,
                                                segment_ids=segment_ids,
+                                               block_sizes=_checks.kernel_block_sizes(impl),
                                                interpret=jax.default_backend() == "cpu")
   fn = {"reference": unipotent.forgetting_attention_reference,
         "chunked": unipotent.forgetting_attention_chunked}[impl]

@@ -247,3 +247,45 @@ def test_tapa_chunked_with_a_grown_block_matches_reference(key):
   assert_rel_rms(jax.jit(lambda *a: tapa.tapa_attention_chunked(*a, **kw))(q, k, v),
                  jax.jit(lambda *a: tapa.tapa_attention_reference(*a, **kw))(q, k, v), 1e-5,
                  "o")
+
+
+def test_pallas_kernel_options_reach_the_path_kernel(key, monkeypatch):
+  """implementation="pallas:KEY=VALUE,..." passes BlockSizes to the PaTH / FoX kernels (what
+  `--config.model.implementation` and train_throughput's --implementation take); the result
+  matches the dense oracle."""
+  import kernels_pallas
+  from posenc_jax import householder
+  seen = []
+  real = kernels_pallas.path_attention
+  monkeypatch.setattr(kernels_pallas, "path_attention",
+                      lambda *a, **kw: seen.append(kw["block_sizes"]) or real(*a, **kw))
+  ks = jax.random.split(key, 5)
+  B, T, H, D = 1, 40, 2, 16
+  q, k, v = (jax.random.normal(ks[i], (B, T, H, D)) for i in range(3))
+  w = jax.random.normal(ks[3], (B, T, H, D))
+  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+  beta = 2 * jax.random.uniform(ks[4], (B, T, H))
+  impl = "pallas:block_q=16,block_k=16,bwd_lanes=0,dkv_in_dq=true"
+  out = attention.path_attention(q, k, v, w, beta, implementation=impl)
+  assert seen == [kernels_pallas.BlockSizes(block_q=16, block_k=16, bwd_lanes=0,
+                                            dkv_in_dq=True)]
+  with jax.default_matmul_precision("highest"):
+    ref = householder.path_attention_reference(q, k, v, w, beta, scale=D ** -0.5)
+  assert_rel_rms(out, ref, 1e-4, "forward")
+
+
+@pytest.mark.parametrize("call,impl,match", [
+    ("path", "pallas:no_such_field=1", "unexpected keyword"),
+    ("path", "pallas:bwd_lanes", "not KEY=VALUE"),
+    ("path", "chunked:bwd_lanes=0", "options after ':'"),
+    ("softmax", "pallas:bwd_lanes=0", "options after ':'")])
+def test_pallas_kernel_options_errors_name_the_implementation(call, impl, match):
+  q, k, v = _zeros()
+  B, T, H, D = q.shape
+  with pytest.raises(ValueError, match=match):
+    if call == "softmax":
+      attention.softmax_attention(q, k, v, implementation=impl)
+    else:
+      K = k.shape[2]
+      w = jnp.ones((B, T, K, D)) / D ** 0.5
+      attention.path_attention(q, k, v, w, jnp.ones((B, T, K)), implementation=impl)

@@ -43,6 +43,8 @@ def _assert_one_error_line(proc, *fragments):
      ["config.eval.lengths", "1000000000"]),
     (["--config.train.warmup_steps=50"], ["config.train.warmup_steps=50"]),
     (["--config.mesh.data=3"], ["config.mesh"]),
+    (["--config.model.implementation=pallas:bwd_lanes"],
+     ["config.model.implementation='pallas:bwd_lanes'", "not KEY=VALUE"]),
 ])
 def test_bad_config_is_one_line(tmp_path, overrides, fragments):
   workdir = tmp_path / "run"
