@@ -131,17 +131,24 @@ def part_check(prepass=None):
   rel = _rel
   rows = []
   pre16 = prepass or kp.BlockSizes().prepass
-  for dtype, (B, T, H, K, D), gate, seg, pre in [
+  # the last rows: the options not yet on by default (BlockSizes fields), at benchmark sizes
+  mosaic, fused = dict(fwd_kernel="mosaic"), dict(dkv_in_dq=True, bwd_lanes=0)
+  for dtype, (B, T, H, K, D), gate, seg, pre, *opts in [
       (jnp.float32, (2, 300, 4, 2, 64), True, True, "jnp"),
       (jnp.float32, (2, 300, 4, 2, 64), True, True, kp.BlockSizes().prepass),
       (jnp.bfloat16, (2, 1024, 4, 4, 64), True, False, pre16),
       (jnp.bfloat16, (1, 1000, 4, 4, 128), False, True, pre16),
-      (jnp.bfloat16, (1, 1000, 4, 2, 128), False, True, pre16)]:
+      (jnp.bfloat16, (1, 1000, 4, 2, 128), False, True, pre16),
+      (jnp.bfloat16, (2, 1024, 4, 4, 64), True, True, pre16, mosaic),
+      (jnp.bfloat16, (1, 1000, 4, 4, 128), False, False, pre16, mosaic),
+      (jnp.bfloat16, (2, 1024, 4, 2, 64), True, True, pre16, fused),
+      (jnp.bfloat16, (1, 1000, 4, 4, 128), False, True, pre16, dict(fused, keep_operands=True))]:
+    opts = opts[0] if opts else {}
     q, k, v, w, beta, g, do = _inputs(B, T, H, D, dtype=dtype)
     k, v, w, beta = k[:, :, :K], v[:, :, :K], w[:, :, :K], beta[:, :, :K]
     g = g if gate else None
     segs = (jnp.arange(T)[None] * 3 // T).astype(jnp.int32).repeat(B, 0) if seg else None
-    bs = kp.BlockSizes(prepass=pre)
+    bs = kp.BlockSizes(prepass=pre, **opts)
     f = lambda *a: kp.path_attention(*a, segment_ids=segs, block_sizes=bs)
     r = lambda *a: householder.path_attention_reference(*a[:5], log_forget=a[5], segment_ids=segs,
                                                         scale=D ** -0.5)
@@ -151,7 +158,8 @@ def part_check(prepass=None):
                                        argnums=tuple(range(n))))
     used = usable_variant(pre, backend=jax.default_backend(), dtype=dtype, heads_per_kv=H // K,
                           head_dim=D)
-    row = dict(dtype=jnp.dtype(dtype).name, shape=(B, T, H, K, D), gate=gate, seg=seg, prepass=used)
+    row = dict(dtype=jnp.dtype(dtype).name, shape=(B, T, H, K, D), gate=gate, seg=seg, prepass=used,
+               **({"options": opts} if opts else {}))
     try:  # one failing configuration (e.g. a compile error) does not hide the others
       o, orf = jax.jit(f)(*args), jax.jit(r)(*args)
       grad_f = loss(f)  # one compile for both runs of the determinism check
