@@ -11,14 +11,16 @@ dkv_tpu_kernel, grid (B, K, key chunk m, j): step j reads query chunk c = m + j 
   diagonal), carrying the operator M_cm, dk, dv and dfk in scratch (bwd_kernels.dkv_step).
 
 dq_tpu_kernel, grid (B, K, query chunk c, j), c and j both "arbitrary": dL/dP_m sums over every
-  query chunk, so it accumulates across c in its [n, D, D] float32 output block, which keeps its
-  block index (and its VMEM buffer) for the whole (batch, kv head). With transport, steps 1 .. c store the states
+  query chunk, so it stays in HBM (memory space ANY) and each sweep step moves its [D, D]
+  float32 tile by DMA (read, add, write back; the first contribution, from query chunk m + 1,
+  writes it). With transport, steps 1 .. c store the states
   s_m = q^_c M_cm right to left (m = c - j, a [G, n, C, D] scratch) and steps c+1 .. 2c sweep
   left to right with the adjoint (m = j - c - 1, bwd_kernels.dq_step); FoX sweeps at steps
   1 .. c. The G query heads of the kv head share each key block.
-  The states and dP are what stays sequence-long in VMEM: G T D kernel-dtype and 4 T D^2 / C
-  bytes per kv head (4 + 16 MiB at T = 16384, D = 128, C = 64, bf16, G = 1; dP's block is
-  double-buffered), against whole-sequence blocks of every operand before.
+  The states go to HBM the same way, one [C, D] tile per store and load. Nothing in VMEM grows
+  with T (before: whole-sequence blocks of every operand; then, in a first version of this
+  file, the states and dP, 4 + 2 x 16 MiB at T = 16384, D = 128, C = 64, bf16). The DMAs are
+  synchronous (start, wait): the latency is not hidden yet.
 
 No chunk skipping (prepass.chunk_bounds) on the TPU: a loop bound read from VMEM is a vector
 value there; the masked tiles are computed and contribute zero.
@@ -29,7 +31,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import bwd_kernels
@@ -102,29 +103,38 @@ def dkv_tpu_kernel(*refs, scale, transport, gate, segments, precision):
 def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
   """Blocks: the query-side ones (as dkv_tpu_kernel's) of query chunk c; k, v, (fk), (sk) of
   key chunk key_chunk(c, j), (e) of transport_chunk(c, j) (calls below). Out: dq [G, C, D],
-  (ddiag [G, C, C]), (dfq [G, C, 1]) of chunk c, (dP [n, D, D] float32 of the kv head: its block index is the same at every step of the
-  kv head, so it stays in VMEM and accumulates in place). Scratch: adj [G, C, D], dfq [G, C, 1]
-  float32; with transport the moving state [G, C, D] float32 and the states [G, n, C, D]
-  (kernel dtype)."""
+  (ddiag [G, C, C]), (dfq [G, C, 1]) of chunk c. With transport two outputs stay in HBM
+  (memory space ANY) and move by DMA one chunk at a time: dP [B, K, n, D, D] float32 and the
+  states [B, K, G, n, C, D] (kernel dtype; scratch, dropped by the caller). Scratch: adj
+  [G, C, D], dfq [G, C, 1] float32; with transport the moving state [G, C, D] float32, one
+  state tile [C, D], one dP tile [D, D] and a DMA semaphore."""
   r = _refs(refs, transport=transport, gate=gate, segments=segments,
-            outs=[("dq", True), ("ddiag", transport), ("dp", transport), ("dfq", gate)],
-            scratch=[("adj", True), ("dfq_acc", True), ("qt", transport), ("st", transport)])
+            outs=[("dq", True), ("ddiag", transport), ("dp", transport), ("st", transport),
+                  ("dfq", gate)],
+            scratch=[("adj", True), ("dfq_acc", True), ("qt", transport), ("st_tile", transport),
+                     ("dp_tile", transport), ("sem", transport)])
   G, C, D = r["q"].shape
-  c, j = pl.program_id(2), pl.program_id(3)
+  b, kh, c, j = (pl.program_id(i) for i in range(4))
+  n = pl.num_programs(2)
   dt = r["q"].dtype
   f32 = jnp.float32
   off = c if transport else 0   # the sweep's first step is off + 1
   kc = lambda g: dict(k=r["k"][...], v=r["v"][...], e=r["e"][...] if transport else None,
                       fk=r["fk"][g] if gate else None, sk=r["sk"][...] if segments else None)
 
-  if transport:
-    @pl.when((c == 0) & (j == 0))
-    def _():
-      def zero(i, carry):
-        r["dp"][i] = jnp.zeros((D, D), f32)
-        return carry
+  def copy(src, dst):  # one synchronous DMA (HBM <-> VMEM)
+    from jax.experimental.pallas import tpu as pltpu
+    cp = pltpu.make_async_copy(src, dst, r["sem"])
+    cp.start()
+    cp.wait()
 
-      lax.fori_loop(0, r["dp"].shape[0], zero, 0)
+  if transport:
+    # dP_m's first contribution comes from query chunk m + 1 (chunks run in order), which
+    # writes it; the last key chunk has none and is zeroed by the last query chunk.
+    @pl.when((c == n - 1) & (j == 0))
+    def _():
+      r["dp_tile"][...] = jnp.zeros((D, D), f32)
+      copy(r["dp_tile"], r["dp"].at[b, kh, n - 1])
 
   @pl.when(j == 0)
   def _():  # the diagonal (key chunk c)
@@ -149,7 +159,8 @@ def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
       m = c - j
       for g in range(G):
         qt = r["qt"][g]
-        r["st"][g, m] = qt.astype(dt)
+        r["st_tile"][...] = qt.astype(dt)
+        copy(r["st_tile"], r["st"].at[b, kh, g, m])
         r["qt"][g] = qt - dot(qt.astype(dt), r["e"][...], precision=precision)
 
   @pl.when((j > off) & (j <= off + c))
@@ -157,14 +168,25 @@ def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
     m = j - off - 1
     dp = None
     for g in range(G):
-      qt = r["st"][g, m] if transport else r["q"][g]
+      if transport:
+        copy(r["st"].at[b, kh, g, m], r["st_tile"])
+        qt = r["st_tile"][...]
+      else:
+        qt = r["q"][g]
       adj, dfq, dpg, _ = bwd_kernels.dq_step(_query(r, g, gate, segments), kc(g), qt,
                                              r["adj"][g], r["dfq_acc"][g], scale=scale,
                                              transport=transport, precision=precision)
       r["adj"][g], r["dfq_acc"][g] = adj, dfq
       dp = dpg if dp is None or dpg is None else dp + dpg
     if transport:
-      r["dp"][m] = r["dp"][m] + dp
+      first = c == m + 1
+
+      @pl.when(jnp.logical_not(first))
+      def _():
+        copy(r["dp"].at[b, kh, m], r["dp_tile"])
+
+      r["dp_tile"][...] = jnp.where(first, 0.0, r["dp_tile"][...]) + dp
+      copy(r["dp_tile"], r["dp"].at[b, kh, m])
 
   @pl.when(j == off + c)
   def _():  # the last useful step of chunk c: the output blocks leave when c changes
@@ -243,17 +265,23 @@ def backward(ops, do, lse, delta, *, scale: float, precision, backend: str, bs):
   q_out = lambda x: pl.BlockSpec(blk(x, G), lambda b, h, c, j: (b, h, c, 0, 0))
   names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n, C, D), dt)]
   if transport:
-    names += ["diag", "dp"]
+    names += ["diag", "dp", "states"]
     out_shape += [jax.ShapeDtypeStruct((B, H, n, C, C), dt),
-                  jax.ShapeDtypeStruct((B, K, n, D, D), f32)]
+                  jax.ShapeDtypeStruct((B, K, n, D, D), f32),
+                  jax.ShapeDtypeStruct((B, K, G, n, C, D), dt)]
   if f["gate"]:
     names.append("fq")
     out_shape.append(jax.ShapeDtypeStruct((B, H, n, C, 1), f32))
-  out_specs = [pl.BlockSpec((None, None, n, D, D), lambda b, h, c, j: (b, h, 0, 0, 0))
-               if name == "dp" else q_out(s) for name, s in zip(names, out_shape)]
+  # left in HBM, moved by the kernel's own DMAs (pl.ANY; its TPU spelling where that is gone)
+  hbm = pl.BlockSpec(memory_space=getattr(pl, "ANY", None) or pltpu.MemorySpace.HBM)
+  out_specs = [hbm if name in ("dp", "states") else q_out(s)
+               for name, s in zip(names, out_shape)]
   scratch = [pltpu.VMEM((G, C, D), f32), pltpu.VMEM((G, C, 1), f32)]
   if transport:
-    scratch += [pltpu.VMEM((G, C, D), f32), pltpu.VMEM((G, n, C, D), dt)]
+    scratch += [pltpu.VMEM((G, C, D), f32), pltpu.VMEM((C, D), dt), pltpu.VMEM((D, D), f32),
+                pltpu.SemaphoreType.DMA(())]
   outs = _call(functools.partial(dq_tpu_kernel, **kw), (B, K, n, steps), sp, out_specs,
                out_shape, backend, bs, bwd=True, scratch=scratch, sequential_axes=2)(*args)
-  return {**grads, **dict(zip(names, outs))}
+  grads.update(zip(names, outs))
+  grads.pop("states", None)
+  return grads
