@@ -227,6 +227,8 @@ def part_jax(cases, variants, dtype="bfloat16"):
                          fwdbwd_gib=fb_gib, wall_s=round(time.time() - t0, 1))
       except Exception as e:  # record and go on
         res[name] = "ERR " + type(e).__name__ + ": " + str(e).splitlines()[0][:200]
+      # each variant as it finishes: a call cut off by its time limit keeps the rows it timed
+      print(json.dumps({"case": ci, name: res[name]}), flush=True)
     rows.append(res)
     print(json.dumps(res), flush=True)
   return rows

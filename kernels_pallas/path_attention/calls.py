@@ -27,9 +27,12 @@ class BlockSizes:
   num_stages: int | None = None  # None: 2 for head_dim <= 64, else 1 (shared memory); the
                                  # dk/dv kernel takes 2 at every head_dim without grouped heads
   bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
-  bwd_lanes: int | None = None   # programs per kv head in the sequential dq/dW/dU backward
-                                 # kernel; None: 1 (each lane adds a [T, D, D/C] float32 buffer);
-                                 # 0: as many as fill the GPU's last wave best (auto_lanes)
+  bwd_lanes: int | None = 0      # programs per kv head in the sequential dq/dW/dU backward
+                                 # kernel (each lane adds a [T, D, D/C] float32 buffer); 0: as
+                                 # many as fill the GPU's last wave best (auto_lanes; fwd+bwd
+                                 # 8.81 -> 8.39 ms at 16,2048,12,64 on the H100, 52.68 -> 52.53
+                                 # at 8,4096,16,128; 392.7 -> 288.1 with 2 lanes at
+                                 # 4,16384,16,128 on the H200); None: 1
   prepass: str = "split_hilo"    # prepass_kernel.VARIANTS: float32-accurate products from bf16
                                  # hi / lo halves, split once, one half for bf16-exact operands
                                  # (fwd+bwd 8.78 ms at 16,2048,12,64 on the H100, against 11.71
@@ -40,23 +43,26 @@ class BlockSizes:
                                  # head_dim 64, +6% time; "jnp": batched jnp.
                                  # prepass_kernel.usable_variant routes a shape that does not
                                  # build on the GPU to "jnp"
-  keep_operands: bool = False    # keep the pre-pass's outputs from the forward for the backward
-                                 # instead of running the pre-pass again there (0.95 ms of the
-                                 # 8.78 ms fwd+bwd at 16,2048,12,64 on the H100; ~4 q-sized
-                                 # arrays per layer of extra residuals). Not measured yet
+  keep_operands: bool = True     # keep the pre-pass's outputs from the forward for the backward
+                                 # instead of running the pre-pass again there: fwd+bwd 8.81 ->
+                                 # 8.24 ms at 16,2048,12,64 on the H100 (8.11 with auto lanes),
+                                 # for ~4 q-sized arrays per layer of extra residuals
   dq_pairs: bool = True          # dq/dP kernel: two query chunks as one 2C-row tile per sweep
                                  # (bwd_kernels.py): half the dP read-modify-writes and key loads
   dq_num_warps: int | None = None  # dq/dP kernel's warps; None: 8 with dq_pairs (2C-row tiles),
                                    # else bwd_num_warps
   fwd_kernel: str = "triton"     # GPU forward: "triton", or "mosaic" (fwd_mosaic.py: TMA + wgmma;
-                                 # PaTH with or without gate and segments, bf16/f16, chunk 64;
-                                 # not yet run on a GPU)
+                                 # PaTH with or without gate and segments, bf16/f16, chunk 64).
+                                 # Whole forward on the H100: 1.57 (triton) vs 1.62 ms (mosaic)
+                                 # at 16,2048,12,64; 9.27 vs 11.66 at 8,4096,16,128
   dkv_in_dq: bool = False        # GPU: the dq/dP sweep also accumulates dk^, dv, dfk from its
                                  # states (dS^T s_m = (dS^T q^) M_cm) and no dk/dv kernel runs:
                                  # per (query, key chunk) pair ~C^2 D more MACs in dq/dP instead
                                  # of the dk/dv kernel's ~3 C D^2 + D^3 (its D x D operator,
                                  # which spills at D = 128), for a [T, D] float32 read-modify-
-                                 # write pair per step. Not measured yet
+                                 # write pair per step. Slower on the H100: fwd+bwd 8.81 ->
+                                 # 10.25 ms at 16,2048,12,64; at 8,4096,16,128 it asks for 240
+                                 # of 227 KiB of shared memory
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:

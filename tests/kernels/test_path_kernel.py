@@ -110,10 +110,12 @@ class PathKernelBase:
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True)
 
   @pytest.mark.parametrize("fox", [False, True])
-  def test_keep_operands_bf16(self, key, fox):
-    """BlockSizes(keep_operands=True): the backward reads the forward's pre-pass outputs and
-    its pullback instead of running the pre-pass again (gate, segments, grouped heads)."""
-    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, keep_operands=True)
+  def test_recomputed_operands_one_lane_bf16(self, key, fox):
+    """BlockSizes(keep_operands=False, bwd_lanes=None): the backward runs the pre-pass again
+    instead of reading the forward's outputs (the default keeps them), and the dq/dP sweep
+    takes one lane (gate, segments, grouped heads)."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, keep_operands=False,
+                       bwd_lanes=None)
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=True, fox=fox,
                 block_sizes=bs)
 
