@@ -61,8 +61,9 @@ class BlockSizes:
                                  # of the dk/dv kernel's ~3 C D^2 + D^3 (its D x D operator,
                                  # which spills at D = 128), for a [T, D] float32 read-modify-
                                  # write pair per step. Slower on the H100: fwd+bwd 8.81 ->
-                                 # 10.25 ms at 16,2048,12,64; at 8,4096,16,128 it asks for 240
-                                 # of 227 KiB of shared memory
+                                 # 10.25 ms at 16,2048,12,64. PaTH at D 128 or with float32
+                                 # inputs runs the two kernels instead (fused_dkv_builds:
+                                 # shared memory)
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -275,9 +276,25 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   if backend in ("tpu", "tpu_interpret"):
     from kernels_pallas.path_attention import bwd_tpu
     return bwd_tpu.backward(ops, do, lse, delta, **kw)
-  if bs.dkv_in_dq:
+  if bs.dkv_in_dq and fused_dkv_builds(backend=backend, dtype=ops.q.dtype,
+                                       heads_per_kv=ops.q.shape[1] // ops.k.shape[1],
+                                       head_dim=ops.q.shape[-1], transport=ops.e is not None):
     return backward_dq(ops, do, lse, delta, **kw)
+  kw["bs"] = dataclasses.replace(bs, dkv_in_dq=False)
   return {**backward_dkv(ops, do, lse, delta, **kw), **backward_dq(ops, do, lse, delta, **kw)}
+
+
+def fused_dkv_builds(*, backend: str, dtype, heads_per_kv: int, head_dim: int,
+                     transport: bool) -> bool:
+  """Whether BlockSizes(dkv_in_dq=True)'s fused dq/dP + dk/dv sweep fits the GPU's 227 KiB of
+  shared memory per block; where it does not, the backward runs its two kernels instead.
+
+  Seen on the H100 (2026-11-25): PaTH in bf16 built at G = 2, D = 64; it asked for 240 KiB at
+  G = 1, D = 128 (bf16) and 337 KiB at G = 2, D = 64 with float32 inputs. FoX (no transport
+  state) built in float32 at G = 2, D = 64. The interpreters have no such limit."""
+  if backend != "gpu" or not transport:
+    return True
+  return jnp.dtype(dtype).itemsize <= 2 and head_dim <= 64
 
 
 def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv, *, bounds: bool):

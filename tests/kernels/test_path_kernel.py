@@ -576,6 +576,19 @@ def test_chunk_bounds_cover_every_visible_pair(key, mode):
     assert int(jnp.sum(c_idx - lo[:, :, None] >= 0)) > 0 and bool(jnp.any(lo > 0))
 
 
+@pytest.mark.parametrize("backend,dtype,G,D,transport,fused", [
+    ("gpu", jnp.bfloat16, 2, 64, True, True),      # built on the H100
+    ("gpu", jnp.bfloat16, 1, 128, True, False),    # asked for 240 KiB there
+    ("gpu", jnp.float32, 2, 64, True, False),      # 337 KiB
+    ("gpu", jnp.float32, 2, 64, False, True),      # FoX: no transport state, built
+    ("interpret", jnp.float32, 2, 128, True, True)])
+def test_fused_dkv_routing(backend, dtype, G, D, transport, fused):
+  """dkv_in_dq runs fused only where the fused sweep fits the GPU's shared memory."""
+  from kernels_pallas.path_attention.calls import fused_dkv_builds
+  assert fused_dkv_builds(backend=backend, dtype=dtype, heads_per_kv=G, head_dim=D,
+                          transport=transport) is fused
+
+
 @pytest.mark.parametrize("requested,backend,dtype,G,D,expected", [
     ("split", "gpu", jnp.float32, 2, 64, "jnp"),   # operands VJP asked 272 of 227 KiB (H100)
     ("split", "gpu", jnp.bfloat16, 2, 64, "jnp"),  # float32-accurate products: the same tiles
