@@ -5,6 +5,7 @@ flash-linear-attention's Triton PaTH kernel (PyTorch, fla-core 0.6.0), at the an
                                                                     # the correlated-w rows, then
                                                                     # ours vs FLA (fla_parity.py)
   python experiments/benchmarks/path_kernel.py --part jax --cases 0,1,2,3,4
+  python experiments/benchmarks/path_kernel.py --part jax --cases 3 --variants path,path@l1rc,path@pre!=split_bf16x3
   python experiments/benchmarks/path_kernel.py --part fla --cases 0,1,2,3,4
 
 Times: median ms of repeated runs after warm-up (JAX: wall clock around block_until_ready;
@@ -175,6 +176,58 @@ def part_check(prepass=None):
   return rows + part_correlated(prepass) + fla_parity.run()
 
 
+def _block_sizes_of(spec):
+  """A variant's spec -> (BlockSizes, force the pre-pass). Tokens change BlockSizes' defaults:
+  b128 block 128, w8 forward warps, s1 stages, l2 backward lanes (l1: one lane, l0: auto),
+  bw8 backward warps, kv dkv_in_dq, rc the backward runs the pre-pass again (keep_operands
+  off), ko keep_operands on, mg the Mosaic GPU forward (PaTH without the gate), pre=VARIANT the
+  pre-pass, pre!=VARIANT that pre-pass even where prepass_kernel.usable_variant would route the
+  shape to the jnp one (shared memory): to time whether it builds and what it gains.
+  E.g. path@l1rc is the seventh session's defaults."""
+  import dataclasses
+  import re
+  import kernels_pallas as kp
+  pre = re.search(r"pre(!?)=([a-z_0-9]+)", spec)
+  spec = re.sub(r"pre!?=[a-z_0-9]+", "", spec)
+  bs = kp.BlockSizes()
+  num = lambda pattern: (lambda m: int(m[1]) if m else None)(re.search(pattern, spec))
+  b, w, s, l, bw = (num(p) for p in (r"b(\d+)", r"(?<!b)w(\d+)", r"s(\d+)", r"l(\d+)",
+                                       r"bw(\d+)"))
+  changes = {k: v for k, v in dict(block_q=b, block_k=b, num_warps=w, num_stages=s,
+                                   bwd_num_warps=bw).items() if v is not None}
+  if l is not None:
+    changes["bwd_lanes"] = l if l != 1 else None
+  changes.update({"dkv_in_dq": True} if "kv" in spec else {})
+  changes.update({"keep_operands": False} if "rc" in spec else {})
+  changes.update({"keep_operands": True} if "ko" in spec else {})
+  changes.update({"fwd_kernel": "mosaic"} if "mg" in spec else {})
+  changes.update({"prepass": pre[2]} if pre else {})
+  return dataclasses.replace(bs, **changes), bool(pre and pre[1])
+
+
+class _prepass_as_requested:
+  """While active (forced=True), the kernel runs the requested pre-pass variant at every shape:
+  prepass_kernel.usable_variant keeps only its float32-inputs rule."""
+
+  def __init__(self, forced):
+    self.forced = forced
+
+  def __enter__(self):
+    from kernels_pallas.path_attention import prepass_kernel
+    self.saved = prepass_kernel.usable_variant
+    if self.forced:
+      import jax.numpy as jnp
+
+      def as_requested(requested, *, dtype, **_):
+        f32 = jnp.dtype(dtype).itemsize == 4
+        return "split" if f32 and requested in ("split_bf16x3", "split_hilo") else requested
+      prepass_kernel.usable_variant = as_requested
+
+  def __exit__(self, *exc):
+    from kernels_pallas.path_attention import prepass_kernel
+    prepass_kernel.usable_variant = self.saved
+
+
 def part_jax(cases, variants, dtype="bfloat16"):
   import jax
   import jax.numpy as jnp
@@ -193,23 +246,10 @@ def part_jax(cases, variants, dtype="bfloat16"):
         "fox": (lambda q, k, v, g: kp.forgetting_attention(q, k, v, g), (q, k, v, g)),
     }
     for name in variants:
-      base, _, spec = name.partition("@")  # e.g. path@b128w8s1l4bw8: block 128, 8 warps, 1 stage,
-      # 4 backward lanes (l0: auto_lanes), 8 backward warps; kv: dkv_in_dq, ko: keep_operands,
-      # mg: the Mosaic GPU forward (no gate: path only)
+      base, _, spec = name.partition("@")
       fn, args = fns[base]
-      if spec:  # pre=VARIANT picks the pre-pass (kernels_pallas BlockSizes.prepass)
-        import re
-        pre = re.search(r"pre=([a-z_0-9]+)", spec)
-        spec = re.sub(r"pre=[a-z_0-9]+", "", spec)
-        b, w, s, l, bw = (re.search(p, spec) for p in (r"b(\d+)", r"(?<!b)w(\d+)", r"s(\d+)",
-                                                           r"l(\d+)", r"bw(\d+)"))
-        bs = kp.BlockSizes(block_q=int(b[1]) if b else 64, block_k=int(b[1]) if b else 64,
-                           num_warps=int(w[1]) if w else 4, num_stages=int(s[1]) if s else None,
-                           bwd_lanes=int(l[1]) if l else None,
-                           bwd_num_warps=int(bw[1]) if bw else None,
-                           dkv_in_dq="kv" in spec, keep_operands="ko" in spec,
-                           fwd_kernel="mosaic" if "mg" in spec else "triton",
-                           **({"prepass": pre[1]} if pre else {}))
+      bs, forced = _block_sizes_of(spec) if spec else (None, False)
+      if bs is not None:
         fn = (lambda f0, bs: lambda *a: f0(*a, bs))(
             {"path": lambda q, k, v, w, beta, bs: kp.path_attention(q, k, v, w, beta, block_sizes=bs),
              "path_fox": lambda q, k, v, w, beta, g, bs: kp.path_attention(q, k, v, w, beta, g,
@@ -219,10 +259,11 @@ def part_jax(cases, variants, dtype="bfloat16"):
         fb = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
                               argnums=tuple(range(len(args)))))
         t0 = time.time()
-        f_ms = _median_ms(fwd, *args)
-        f_gib = _gib(fwd.lower(*args).compile())
-        fb_ms = _median_ms(fb, *args, n=5)
-        fb_gib = _gib(fb.lower(*args).compile())
+        with _prepass_as_requested(forced):   # both traced (and compiled) inside
+          f_ms = _median_ms(fwd, *args)
+          f_gib = _gib(fwd.lower(*args).compile())
+          fb_ms = _median_ms(fb, *args, n=5)
+          fb_gib = _gib(fb.lower(*args).compile())
         res[name] = dict(fwd_ms=round(f_ms, 2), fwdbwd_ms=round(fb_ms, 2), fwd_gib=f_gib,
                          fwdbwd_gib=fb_gib, wall_s=round(time.time() - t0, 1))
       except Exception as e:  # record and go on

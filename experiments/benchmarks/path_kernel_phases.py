@@ -1,6 +1,7 @@
 """Where the PaTH kernel's time goes, on one GPU: each phase jitted and timed alone.
 
   python experiments/benchmarks/path_kernel_phases.py --cases 0,3 --prepass split_bf16,fold_bf16
+  python experiments/benchmarks/path_kernel_phases.py --cases 3 --prepass split_bf16x3 --force-prepass
 
 Phases: the pre-pass (forward), the forward kernel, the dk/dv kernel, the dq/dP kernel, the
 pre-pass VJP (recompute + pullback), and the whole fwd+bwd for comparison. bf16, no gate,
@@ -16,7 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.benchmarks.path_kernel import CASES, OUT, _inputs, _median_ms  # noqa: E402
+from experiments.benchmarks.path_kernel import (CASES, OUT, _inputs, _median_ms,  # noqa: E402
+                                                _prepass_as_requested)
 
 
 PHASES = ("prepass", "fwd_kernel", "dkv_kernel", "dq_kernel", "prepass_vjp", "fwd_bwd")
@@ -90,6 +92,9 @@ def main():
   p.add_argument("--backend", default="gpu", help="interpret: a CPU smoke run of the script")
   p.add_argument("--prepass", default="",
                  help="comma-separated pre-pass variants (default: BlockSizes' default)")
+  p.add_argument("--force-prepass", action="store_true",
+                 help="run the requested pre-pass variant where usable_variant would route the "
+                      "shape to the jnp one (shared memory): does it build, what does it gain")
   p.add_argument("--kv-heads", type=int, default=None, help="K < H: grouped-query heads")
   p.add_argument("--bs", action="append", default=None,
                  help="BlockSizes overrides, e.g. dq_pairs=0,bwd_num_warps=8; repeat to compare")
@@ -102,8 +107,9 @@ def main():
     for variant in a.prepass.split(",") if a.prepass else [None]:
       for spec in a.bs or [""]:
         try:  # a configuration that does not build (e.g. shared memory) is reported, not fatal
-          rows.append(case_phases(int(c), a.backend, variant, a.kv_heads, spec,
-                                  a.phases.split(","), a.reps))
+          with _prepass_as_requested(a.force_prepass):
+            rows.append(case_phases(int(c), a.backend, variant, a.kv_heads, spec,
+                                    a.phases.split(","), a.reps))
         except Exception as e:
           print(json.dumps(dict(case=int(c), prepass=variant, bs=spec, error=type(e).__name__
                                 + ": " + str(e).splitlines()[0][:300])), flush=True)

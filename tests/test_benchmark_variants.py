@@ -1,0 +1,29 @@
+"""The kernel benchmark's variant tokens (experiments/benchmarks/path_kernel.py): each token
+changes one BlockSizes field from the library's defaults, and forcing a pre-pass bypasses the
+shared-memory routing only while it is active."""
+import jax.numpy as jnp
+
+import kernels_pallas as kp
+from experiments.benchmarks.path_kernel import _block_sizes_of, _prepass_as_requested
+from kernels_pallas.path_attention import prepass_kernel
+
+
+def test_tokens_change_the_defaults():
+  bs, forced = _block_sizes_of("l1rc")
+  assert bs == kp.BlockSizes(bwd_lanes=None, keep_operands=False) and not forced
+  bs, forced = _block_sizes_of("b128w8s1l4bw8kvmg")
+  assert bs == kp.BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=1, bwd_lanes=4,
+                             bwd_num_warps=8, dkv_in_dq=True, fwd_kernel="mosaic")
+  assert _block_sizes_of("pre=split_bf16") == (kp.BlockSizes(prepass="split_bf16"), False)
+  assert _block_sizes_of("pre!=split_bf16x3") == (kp.BlockSizes(prepass="split_bf16x3"), True)
+
+
+def test_forced_prepass_bypasses_the_routing_only_inside():
+  ask = dict(backend="gpu", heads_per_kv=1, head_dim=128)
+  assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
+  with _prepass_as_requested(True):
+    assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "split_hilo"
+    assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.float32, **ask) == "split"
+  with _prepass_as_requested(False):
+    assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
+  assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
