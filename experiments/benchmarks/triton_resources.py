@@ -117,12 +117,16 @@ def main() -> None:
   p.add_argument("--no-segments", dest="segments", action="store_false")
   p.add_argument("--block-sizes", default="",
                  help="BlockSizes overrides, e.g. dq_pairs=0,num_stages=1,prepass=split_bf16")
+  p.add_argument("--force-prepass", action="store_true",
+                 help="the requested pre-pass even where usable_variant routes to jnp")
   a = p.parse_args()
   import jax.numpy as jnp
+  from experiments.benchmarks.path_kernel import _prepass_as_requested
   from experiments.benchmarks.path_kernel_phases import _block_sizes
   B, T, H, K, D = (int(x) for x in a.shape.split(","))
-  mods = kernel_modules(B, T, H, K, D, dtype=jnp.dtype(a.dtype), gate=a.gate,
-                        segments=a.segments, block_sizes=_block_sizes(a.block_sizes))
+  with _prepass_as_requested(a.force_prepass):
+    mods = kernel_modules(B, T, H, K, D, dtype=jnp.dtype(a.dtype), gate=a.gate,
+                          segments=a.segments, block_sizes=_block_sizes(a.block_sizes))
   limit_kib = 227  # per block on the H100 / H200
   print(f"{'kernel':20s} {'warps':>5s} {'stages':>6s} {'shared KiB':>10s} {'regs':>5s} "
         f"{'spill st/ld B':>14s}")
