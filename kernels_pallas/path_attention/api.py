@@ -51,7 +51,8 @@ def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
                                           dtype=q.dtype, heads_per_kv=q.shape[2] // k.shape[2],
                                           head_dim=q.shape[-1])
   transport = prepass.transport_jnp if variant == "jnp" else functools.partial(
-      prepass_kernel.transport_pallas, backend=cfg.backend, variant=variant)
+      prepass_kernel.transport_pallas, backend=cfg.backend, variant=variant,
+      num_warps=cfg.block_sizes.prepass_num_warps)
   return prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale,
                          C=cfg.block_sizes.block_q, dtype=q.dtype, transport=transport)
 

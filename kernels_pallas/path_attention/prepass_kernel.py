@@ -191,18 +191,31 @@ def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision=None
 
   Written by hand rather than traced with jax.vjp: ~13 + 12 G products with few live tiles,
   and every product can take bf16 operands (odt) or bf16 halves (hilo), which jax.vjp's
-  transposes of a bf16 product cannot (they meet float32 cotangents)."""
+  transposes of a bf16 product cannot (they meet float32 cotangents). It is the two halves
+  below in one program; the "split2_*" pre-pass runs them as two kernels."""
   dqhs, dkh, de, dds = cts
-  C = w.shape[0]
   p = _Products(precision, odt, hilo)
+  common = _vjp_common(k, w, y, beta_r, p)
+  partial = chunk_operands_vjp_kv(common, dkh, de, p)
+  return chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, scale=scale, p=p)
+
+
+def _vjp_common(k, w, y, beta_r, p):
+  """What both halves of the VJP recompute from the inputs: X = Y diag(beta), the marked
+  operands and WK = strictLower(W K^T)."""
+  strict, _, _ = _masks(w.shape[0])
+  X, W, K = p.acc(y * beta_r), p.acc(w), p.hi(k)
+  WK = p.acc(jnp.where(strict, p.mm(W, K, tb=True), 0.0))
+  return y, beta_r, X, W, K, WK
+
+
+def chunk_operands_vjp_kv(common, dkh, de, p):
+  """The VJP's terms of E = W^T U and k^ = K - Z^T W, which read no query head: -> partial
+  (dw [C, D], dx [C, C], dwk [C, C], unmasked) float32."""
+  _, _, X, W, _, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
-  strict, lower, _ = _masks(C)
-  x = y * beta_r
-  X, W, K = acc(x), acc(w), hi(k)
   DE, DKH = hi(de), hi(dkh)
   u = mm(X, W)
-  wk = jnp.where(strict, mm(W, K, tb=True), 0.0)
-  WK = acc(wk)
   z = mm(X, WK)
   du = mm(W, DE)                                                # E = W^T U
   dz = -mm(W, DKH, tb=True)                                     # k^ = K - Z^T W
@@ -211,6 +224,17 @@ def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision=None
   dw = mm(hi(u), DE, tb=True) + mm(X, DU, ta=True) - mm(acc(z), DKH)
   dx = mm(DU, W, tb=True) + mm(DZ, WK, tb=True)
   dwk = mm(X, DZ, ta=True)
+  return dw, dx, dwk
+
+
+def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p):
+  """The rest of the VJP: each query head's terms (q^ = Q - GM W, diag = Q K^T - GM WK) added
+  to chunk_operands_vjp_kv's partial (dw, dx, dwk), then WK's and X's pullbacks:
+  -> (tuple of dq, dk, dw, dy, dbeta_r)."""
+  y, beta_r, X, W, K, WK = common
+  mm, acc, hi = p.mm, p.acc, p.hi
+  strict, lower, _ = _masks(y.shape[0])
+  dw, dx, dwk = partial
   dk = dkh
   dqs = []
   for q, dqh, dd in zip(qs, dqhs, dds):
@@ -233,6 +257,7 @@ def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision=None
   DWK = acc(dwk)
   dw = dw + mm(DWK, K)
   dk = dk + mm(DWK, W, ta=True)
+  # X = Y diag(beta): dY = dX diag(beta), dbeta = the column sums of dX * Y
   return tuple(dqs), dk, dw, dx * beta_r, jnp.sum(dx * y, axis=0, keepdims=True)
 
 
@@ -249,6 +274,9 @@ class _Cfg:
                         # inverse VJP inside the operands-VJP kernel (no dY or second dW in
                         # HBM; Y is still recomputed by its own kernel)
   time_major: bool = False  # q, k, w (and dq, dk, dw) as [B, Tp, heads, D], read in place
+  num_warps: int = 4
+  vjp2: bool = False    # the operands VJP as two kernels (chunk_operands_vjp_kv, then _q), its
+                        # partial dw, dx, dwk through HBM: fewer live tiles per program
 
 
 def _f32(*refs):
@@ -320,6 +348,33 @@ def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref
   dbr_ref[...] = dbr
 
 
+def _ops_bwd_kv_kernel(k_ref, w_ref, y_ref, br_ref, dkh_ref, de_ref, dw_ref, dx_ref, dwk_ref, *,
+                       cfg):
+  """The first of the two operands-VJP kernels ("split2_*"): the E and k^ terms."""
+  p = _Products(cfg.precision, cfg.odt, cfg.hilo)
+  common = _vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
+  dw, dx, dwk = chunk_operands_vjp_kv(common, *_f32(dkh_ref, de_ref), p)
+  dw_ref[...] = dw
+  dx_ref[...] = dx
+  dwk_ref[...] = dwk
+
+
+def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_ref, dwa_ref,
+                      dxa_ref, dwka_ref, dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref, *, cfg):
+  """The second: the query heads' terms on top of the first kernel's partials."""
+  p = _Products(cfg.precision, cfg.odt, cfg.hilo)
+  common = _vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
+  dqs, dk, dw, dy, dbr = chunk_operands_vjp_q(
+      common, _q_heads(q_ref, cfg), _heads(dqh_ref), dkh_ref[...].astype(jnp.float32),
+      _heads(dd_ref), _f32(dwa_ref, dxa_ref, dwka_ref), scale=cfg.scale, p=p)
+  for g in range(len(dqs)):
+    _put_q(dq_ref, g, dqs[g], cfg)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dw_ref[...] = dw.astype(dw_ref.dtype)
+  dy_ref[...] = dy
+  dbr_ref[...] = dbr
+
+
 def _specs(G):
   """BlockSpecs of the grid (B, K, n) for blocked [B, heads, n, ...] arrays: `grp` blocks hold
   the G query heads of kv head kh, `one` blocks one kv head."""
@@ -340,7 +395,7 @@ def _input_specs(cfg, G, C, D):
 
 def _call(cfg, kernel, grid, in_specs, out_specs, out_shape):
   kwargs = {}
-  params = calls.prepass_compiler_params(cfg.backend, len(grid))
+  params = calls.prepass_compiler_params(cfg.backend, len(grid), cfg.num_warps)
   if params is not None:
     kwargs["compiler_params"] = params
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
@@ -406,9 +461,23 @@ def _transport_bwd(cfg, res, cts):
                sd(w.shape, w.dtype if cfg.fold else f32), sd(dy_shape, f32),
                sd((B, K, n, 1, C), f32)]
   out_specs = [spec_q, spec_1, spec_1, one(*dy_shape[-2:]), one(1, C)]
-  kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
-  dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
-      q, k, w, y, br, bc, *cts)
+  if cfg.vjp2:
+    dqh, dkh, de, dd = cts
+    kernel = functools.partial(_ops_bwd_kv_kernel, cfg=cfg)
+    partial = _call(cfg, kernel, (B, K, n), [spec_1, spec_1, one(C, C), one(1, C), one(C, D),
+                                              one(D, D)],
+                    [one(C, D), one(C, C), one(C, C)],
+                    [sd((B, K, n, C, D), f32), sd((B, K, n, C, C), f32),
+                     sd((B, K, n, C, C), f32)])(k, w, y, br, dkh, de)
+    kernel = functools.partial(_ops_bwd_q_kernel, cfg=cfg)
+    in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), grp(C, D), one(C, D), grp(C, C),
+                one(C, D), one(C, C), one(C, C)]
+    dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
+        q, k, w, y, br, dqh, dkh, dd, *partial)
+  else:
+    kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
+    dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
+        q, k, w, y, br, bc, *cts)
   if cfg.fold:
     dbc = dy
   else:
@@ -424,7 +493,8 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
-VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3", "split_hilo")
+VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3", "split_hilo",
+            "split2", "split2_bf16x3", "split2_hilo")
 
 
 def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1,
@@ -446,9 +516,9 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
     pre-pass.
   """
   f32 = jnp.dtype(dtype).itemsize == 4
-  bf16_halves = requested in ("split_bf16x3", "split_hilo")
+  bf16_halves = requested.endswith(("_bf16x3", "_hilo"))
   if bf16_halves and f32:
-    requested = "split"
+    requested = requested.split("_")[0]   # "split" or "split2": three TF32 passes
   if backend != "gpu" or requested == "jnp" or (heads_per_kv == 1 and head_dim < 128):
     return requested
   if not f32 and (requested.endswith("_bf16") or (bf16_halves and head_dim < 128)):
@@ -457,7 +527,7 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
 
 
 def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precision=None,
-                     variant: str = "split"):
+                     variant: str = "split", num_warps: int = 4):
   """Drop-in for prepass.transport_jnp (same arguments, shapes and dtypes) as Pallas kernels on
   `backend`: q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C].
 
@@ -481,6 +551,15 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   ms, split_bf16x3 11.71-11.88, three-pass TF32 20.71, bf16 operands 7.73; the pre-pass VJP
   3.22 / 6.12-6.35 / 13.55 / 2.32 ms.
 
+  "split2_*": the operands VJP as two kernels, the E and k^ terms (chunk_operands_vjp_kv), then
+  each query head's terms (chunk_operands_vjp_q), with float32 partial dw, dx, dwk through HBM,
+  so that fewer tiles are live per program. For head_dim 128, where the one-kernel VJP does not
+  fit in shared memory and usable_variant takes the jnp pre-pass; not yet timed on a GPU.
+  Resource report (bf16, G 1, D 128, 4 warps; shared KiB / spill loads per thread): one kernel
+  208 / 12,456 (split_hilo) and 160 / 11,296 (split_bf16x3); two kernels 160 + 122 / 2,940 +
+  4,148 (split2_hilo) and 80 + 96 / 3,596 + 5,460 (split2_bf16x3). At D = 64: 120 / 2,748
+  against 80 + 82 / 276 + 2,180 (hilo). num_warps sets the pre-pass kernels' warps.
+
   Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
   bf16 q, k, v, relative RMS against the float32 oracle): float32-accurate products 3-4e-3 in
   every gradient, the floor set by the bf16 outputs; bf16 operands 1.1-1.5e-2 (dw, dbeta); TF32
@@ -498,8 +577,8 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
   time_major = backend in ("gpu", "interpret")
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
-             inv_precision=accurate,
-             odt=odt, hilo=hilo, fold=variant.startswith("fold"), time_major=time_major)
+             inv_precision=accurate, odt=odt, hilo=hilo, fold=variant.startswith("fold"),
+             time_major=time_major, num_warps=num_warps, vjp2=variant.startswith("split2"))
   if not time_major:
     C = bb.shape[-1]
     q, k, w = (prepass.blocked(x, C) for x in (q, k, w))

@@ -260,7 +260,8 @@ def _gpu_rounding_dot(dot):
 
 @pytest.mark.parametrize("w_mode,prepass", [
     ("shared:0.01", "split"), ("antiparallel", "split"), ("shared:0.01", "split_bf16x3"),
-    ("shared:0.01", "split_hilo"), ("antiparallel", "split_hilo")])
+    ("shared:0.01", "split_hilo"), ("antiparallel", "split_hilo"),
+    ("antiparallel", "split2_hilo")])
 def test_tf32_products_correlated_w(key, monkeypatch, w_mode, prepass):
   """The interpreter with every float32 product rounded as the GPU rounds it, on the bf16 inputs
   whose transport is ill-conditioned (neighbouring w nearly parallel or antiparallel, beta = 2).
@@ -372,6 +373,7 @@ def test_chunk_inverse_correlated_w(key, w_mode):
     for variant in ("split", "split_bf16", "fold_bf16")] + [
     (jnp.bfloat16, "split_bf16x3", "interpret")] + [
     (dtype, "split_hilo", "interpret") for dtype in (jnp.float32, jnp.bfloat16)] + [
+    (jnp.bfloat16, "split2_hilo", "interpret"), (jnp.float32, "split2", "interpret")] + [
     (jnp.float32, "fold_bf16", "tpu_interpret")])   # TPU: blocked inputs (time-major elsewhere)
 def test_prepass_kernel_matches_jnp(key, dtype, variant, backend):
   """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass."""
@@ -403,7 +405,8 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant, backend):
   # variants, bf16 halves where the output is insensitive in "split_hilo" (designed for <=
   # 2.5e-4 per chunk: _Products), and bf16 gradients of q, k.
   tol = 1e-5 if dtype == jnp.float32 else {"split_bf16": 1e-2, "fold_bf16": 1e-2,
-                                             "split_hilo": 1e-3}.get(variant, 1e-5)
+                                             "split_hilo": 1e-3, "split2_hilo": 1e-3}.get(
+                                                 variant, 1e-5)
   for name, a, b in zip(("q^", "k^", "E", "diag"), o_fast, o_ref):
     assert_rel_rms(a, b, tol, name)
   tol = 1e-5 if dtype == jnp.float32 else 1e-2
@@ -442,6 +445,8 @@ def test_auto_lanes_fill_the_last_wave():
   assert auto_lanes(4, 16, 132) == 4     # and by max_lanes
   with pytest.raises(ValueError, match="bwd_lanes"):
     kp.BlockSizes(bwd_lanes=-1).validate(64)
+  with pytest.raises(ValueError, match="prepass_num_warps"):
+    kp.BlockSizes(prepass_num_warps=6).validate(64)
 
 
 @pytest.mark.parametrize("fox,dtype", [(False, jnp.float32), (True, jnp.float32),
@@ -491,6 +496,7 @@ def test_lowers_for_tpu(gate, fox, D):
     ("split", False, 64, jnp.bfloat16, 4),   # K = H: the Pallas pre-pass (G > 1 takes jnp)
     ("split", True, 64, jnp.bfloat16, 2), ("split_bf16", True, 64, jnp.bfloat16, 2),
     ("split_bf16x3", True, 64, jnp.bfloat16, 4), ("split_hilo", True, 64, jnp.bfloat16, 2),
+    ("split2_hilo", True, 64, jnp.bfloat16, 2),
     ("fold_bf16", True, 128, jnp.bfloat16, 2),
     ("split", True, 64, jnp.float32, 4),   # three-pass TF32 products everywhere
     ("split_hilo+dkv_in_dq", True, 128, jnp.bfloat16, 2)])
@@ -608,6 +614,8 @@ def test_fused_dkv_routing(backend, dtype, G, D, transport, fused):
     ("split_hilo", "gpu", jnp.bfloat16, 2, 64, "split_hilo"),
     ("split_hilo", "gpu", jnp.bfloat16, 1, 128, "jnp"),
     ("split_hilo", "gpu", jnp.float32, 1, 64, "split"),
+    ("split2_hilo", "gpu", jnp.float32, 1, 64, "split2"),
+    ("split2_bf16x3", "gpu", jnp.bfloat16, 1, 128, "jnp"),
     ("split", "interpret", jnp.float32, 2, 64, "split"),
     ("split", "tpu", jnp.float32, 2, 128, "split")])
 def test_usable_variant_routes_grouped_heads_off_the_pallas_prepass(requested, backend, dtype, G,
