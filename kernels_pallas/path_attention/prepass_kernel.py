@@ -340,6 +340,12 @@ def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref
   if cfg.fold:
     dw2, dy = chunk_inverse_vjp(w, *_f32(bc_ref), y, dy, precision=cfg.inv_precision)
     dw = dw + dw2
+  _put_vjp((dqs, dk, dw, dy, dbr), (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref), cfg)
+
+
+def _put_vjp(grads, refs, cfg):
+  """The operands VJP's outputs: dq (G heads), dk, dw in their refs' dtypes, dy, dbeta_r."""
+  (dqs, dk, dw, dy, dbr), (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref) = grads, refs
   for g in range(len(dqs)):
     _put_q(dq_ref, g, dqs[g], cfg)
   dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -364,15 +370,10 @@ def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_r
   """The second: the query heads' terms on top of the first kernel's partials."""
   p = _Products(cfg.precision, cfg.odt, cfg.hilo)
   common = _vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
-  dqs, dk, dw, dy, dbr = chunk_operands_vjp_q(
+  grads = chunk_operands_vjp_q(
       common, _q_heads(q_ref, cfg), _heads(dqh_ref), dkh_ref[...].astype(jnp.float32),
       _heads(dd_ref), _f32(dwa_ref, dxa_ref, dwka_ref), scale=cfg.scale, p=p)
-  for g in range(len(dqs)):
-    _put_q(dq_ref, g, dqs[g], cfg)
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  dw_ref[...] = dw.astype(dw_ref.dtype)
-  dy_ref[...] = dy
-  dbr_ref[...] = dbr
+  _put_vjp(grads, (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref), cfg)
 
 
 def _specs(G):
