@@ -514,7 +514,8 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
     "split_bf16x3" and "split_hilo" with bf16 inputs at head_dim < 128, which built and
     passed the correlated-w tests at G = 2, D = 64 (H100, 2026-11-24). Their operands VJP
     estimates 240 KiB at D = 128 (triton_resources.py, which reads low): D = 128 takes the jnp
-    pre-pass.
+    pre-pass. The "split2_*" forms route the same way until their D = 128 build is seen on a
+    device (the kernel benchmark's `pre!=` forces them there).
   """
   f32 = jnp.dtype(dtype).itemsize == 4
   bf16_halves = requested.endswith(("_bf16x3", "_hilo"))
