@@ -435,20 +435,6 @@ def test_tpu_kv_grid_forward_interpret(key, transport):
   assert_rel_rms(out, ref, 1e-4, "forward")
 
 
-def test_auto_lanes_fill_the_last_wave():
-  """bwd_lanes = 0: lanes that minimise ceil(L programs / SMs) / L, fewest on ties."""
-  from kernels_pallas.path_attention.calls import auto_lanes
-  assert auto_lanes(192, 16, 132) == 2   # the 125M model's layer: 2 waves -> 3 half waves
-  assert auto_lanes(1024, 16, 132) == 1  # 8 full waves: lanes would only add memory
-  assert auto_lanes(64, 128, 132) == 2   # 4,16384,16,128: 2 and 4 lanes tie, fewer wins
-  assert auto_lanes(4, 3, 132) == 3      # capped by the units a head has
-  assert auto_lanes(4, 16, 132) == 4     # and by max_lanes
-  with pytest.raises(ValueError, match="bwd_lanes"):
-    kp.BlockSizes(bwd_lanes=-1).validate(64)
-  with pytest.raises(ValueError, match="prepass_num_warps"):
-    kp.BlockSizes(prepass_num_warps=6).validate(64)
-
-
 @pytest.mark.parametrize("fox,dtype", [(False, jnp.float32), (True, jnp.float32),
                                        (False, jnp.bfloat16)])
 def test_tpu_backward_interpret(key, fox, dtype):
@@ -580,49 +566,3 @@ def test_chunk_bounds_cover_every_visible_pair(key, mode):
     assert bool(jnp.all(hi == n - 1 - jnp.argmax(visible[:, ::-1, :], axis=1)))
   if mode == "short":  # the case the skipping is for: most pairs below the diagonal go
     assert int(jnp.sum(c_idx - lo[:, :, None] >= 0)) > 0 and bool(jnp.any(lo > 0))
-
-
-@pytest.mark.parametrize("backend,dtype,G,D,transport,fused", [
-    ("gpu", jnp.bfloat16, 2, 64, True, True),      # built on the H100
-    ("gpu", jnp.bfloat16, 1, 128, True, False),    # asked for 240 KiB there
-    ("gpu", jnp.float32, 2, 64, True, False),      # 337 KiB
-    ("gpu", jnp.float32, 2, 64, False, True),      # FoX: no transport state, built
-    ("interpret", jnp.float32, 2, 128, True, True)])
-def test_fused_dkv_routing(backend, dtype, G, D, transport, fused):
-  """dkv_in_dq runs fused only where the fused sweep fits the GPU's shared memory."""
-  from kernels_pallas.path_attention.calls import fused_dkv_builds
-  assert fused_dkv_builds(backend=backend, dtype=dtype, heads_per_kv=G, head_dim=D,
-                          transport=transport) is fused
-
-
-@pytest.mark.parametrize("requested,backend,dtype,G,D,expected", [
-    ("split", "gpu", jnp.float32, 2, 64, "jnp"),   # operands VJP asked 272 of 227 KiB (H100)
-    ("split", "gpu", jnp.bfloat16, 2, 64, "jnp"),  # float32-accurate products: the same tiles
-    ("split", "gpu", jnp.bfloat16, 2, 128, "jnp"),
-    ("split_bf16", "gpu", jnp.bfloat16, 2, 128, "split_bf16"),  # built (H200, round 4)
-    ("split_bf16", "gpu", jnp.float32, 2, 64, "jnp"),  # float32 q keeps float32 operands
-    ("split", "gpu", jnp.float32, 1, 64, "split"),
-    ("split", "gpu", jnp.bfloat16, 1, 128, "jnp"),   # 288 of 227 KiB (H100)
-    ("split_bf16", "gpu", jnp.bfloat16, 1, 128, "split_bf16"),
-    ("split", "gpu", jnp.bfloat16, 1, 64, "split"),     # the 12-layer model's layer
-    ("split_bf16x3", "gpu", jnp.bfloat16, 2, 64, "split_bf16x3"),  # built (H100, 2026-11-24)
-    ("split_bf16x3", "gpu", jnp.bfloat16, 1, 128, "jnp"),  # operands VJP ~240 KiB (estimate)
-    ("split_bf16x3", "gpu", jnp.float32, 1, 64, "split"),  # float32 keeps float32 accuracy
-    ("split_bf16x3", "gpu", jnp.float32, 2, 64, "jnp"),
-    ("split_bf16x3", "interpret", jnp.float32, 1, 64, "split"),
-    ("split_bf16x3", "interpret", jnp.bfloat16, 2, 128, "split_bf16x3"),
-    ("split_hilo", "gpu", jnp.bfloat16, 2, 64, "split_hilo"),
-    ("split_hilo", "gpu", jnp.bfloat16, 1, 128, "jnp"),
-    ("split_hilo", "gpu", jnp.float32, 1, 64, "split"),
-    ("split2_hilo", "gpu", jnp.float32, 1, 64, "split2"),
-    ("split2_bf16x3", "gpu", jnp.bfloat16, 1, 128, "jnp"),
-    ("split", "interpret", jnp.float32, 2, 64, "split"),
-    ("split", "tpu", jnp.float32, 2, 128, "split")])
-def test_usable_variant_routes_grouped_heads_off_the_pallas_prepass(requested, backend, dtype, G,
-                                                                     D, expected):
-  """The GPU shapes whose Pallas pre-pass VJP overflows shared memory take the jnp pre-pass;
-  every other backend and shape keeps the requested variant."""
-  from kernels_pallas.path_attention.prepass_kernel import usable_variant
-  assert usable_variant(requested, backend=backend, dtype=dtype, heads_per_kv=G,
-                        head_dim=D) == expected
-  assert usable_variant("jnp", backend=backend, dtype=dtype, heads_per_kv=G, head_dim=D) == "jnp"
