@@ -25,6 +25,7 @@ def test_forced_prepass_bypasses_the_routing_only_inside():
   with _prepass_as_requested(True):
     assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "split_hilo"
     assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.float32, **ask) == "split"
+    assert prepass_kernel.usable_variant("split2_hilo", dtype=jnp.float32, **ask) == "split2"
   with _prepass_as_requested(False):
     assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
   assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"

@@ -217,12 +217,8 @@ class _prepass_as_requested:
     from kernels_pallas.path_attention import prepass_kernel
     self.saved = prepass_kernel.usable_variant
     if self.forced:
-      import jax.numpy as jnp
-
-      def as_requested(requested, *, dtype, **_):
-        f32 = jnp.dtype(dtype).itemsize == 4
-        return "split" if f32 and requested in ("split_bf16x3", "split_hilo") else requested
-      prepass_kernel.usable_variant = as_requested
+      prepass_kernel.usable_variant = lambda requested, *, dtype, **_: (
+          prepass_kernel.variant_for_dtype(requested, dtype))
 
   def __exit__(self, *exc):
     from kernels_pallas.path_attention import prepass_kernel

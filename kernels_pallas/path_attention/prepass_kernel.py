@@ -498,6 +498,14 @@ VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3", "split_h
             "split2", "split2_bf16x3", "split2_hilo")
 
 
+def variant_for_dtype(requested: str, dtype) -> str:
+  """float32 inputs keep float32 accuracy: a variant of bf16 halves ("*_bf16x3", "*_hilo")
+  becomes its three-pass TF32 form ("split" / "split2")."""
+  if jnp.dtype(dtype).itemsize == 4 and requested.endswith(("_bf16x3", "_hilo")):
+    return requested.split("_")[0]
+  return requested
+
+
 def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1,
                    head_dim: int = 64) -> str:
   """The pre-pass to run: `requested`, or the nearest one known to build and to be accurate.
@@ -519,8 +527,7 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
   """
   f32 = jnp.dtype(dtype).itemsize == 4
   bf16_halves = requested.endswith(("_bf16x3", "_hilo"))
-  if bf16_halves and f32:
-    requested = requested.split("_")[0]   # "split" or "split2": three TF32 passes
+  requested = variant_for_dtype(requested, dtype)
   if backend != "gpu" or requested == "jnp" or (heads_per_kv == 1 and head_dim < 128):
     return requested
   if not f32 and (requested.endswith("_bf16") or (bf16_halves and head_dim < 128)):
