@@ -15,6 +15,7 @@ temporaries) of the whole step; torch max_memory_allocated. One JSON line per ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -206,23 +207,19 @@ def _block_sizes_of(spec):
   return dataclasses.replace(bs, **changes), bool(pre and pre[1])
 
 
-class _prepass_as_requested:
+@contextlib.contextmanager
+def _prepass_as_requested(forced):
   """While active (forced=True), the kernel runs the requested pre-pass variant at every shape:
-  prepass_kernel.usable_variant keeps only its float32-inputs rule."""
-
-  def __init__(self, forced):
-    self.forced = forced
-
-  def __enter__(self):
-    from kernels_pallas.path_attention import prepass_kernel
-    self.saved = prepass_kernel.usable_variant
-    if self.forced:
-      prepass_kernel.usable_variant = lambda requested, *, dtype, **_: (
-          prepass_kernel.variant_for_dtype(requested, dtype))
-
-  def __exit__(self, *exc):
-    from kernels_pallas.path_attention import prepass_kernel
-    prepass_kernel.usable_variant = self.saved
+  prepass_kernel.usable_variant keeps only its float32-inputs rule (variant_for_dtype)."""
+  from kernels_pallas.path_attention import prepass_kernel
+  saved = prepass_kernel.usable_variant
+  if forced:
+    prepass_kernel.usable_variant = lambda requested, *, dtype, **_: (
+        prepass_kernel.variant_for_dtype(requested, dtype))
+  try:
+    yield
+  finally:
+    prepass_kernel.usable_variant = saved
 
 
 def part_jax(cases, variants, dtype="bfloat16"):

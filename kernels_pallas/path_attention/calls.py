@@ -282,12 +282,16 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   if backend in ("tpu", "tpu_interpret"):
     from kernels_pallas.path_attention import bwd_tpu
     return bwd_tpu.backward(ops, do, lse, delta, **kw)
-  if bs.dkv_in_dq and fused_dkv_builds(backend=backend, dtype=ops.q.dtype,
-                                       heads_per_kv=ops.q.shape[1] // ops.k.shape[1],
-                                       head_dim=ops.q.shape[-1], transport=ops.e is not None):
+  if _fused_dkv(ops, bs, backend):
     return backward_dq(ops, do, lse, delta, **kw)
-  kw["bs"] = dataclasses.replace(bs, dkv_in_dq=False)
   return {**backward_dkv(ops, do, lse, delta, **kw), **backward_dq(ops, do, lse, delta, **kw)}
+
+
+def _fused_dkv(ops: Operands, bs: BlockSizes, backend: str) -> bool:
+  """dkv_in_dq asked for and buildable: the dq/dP sweep gives dk, dv (and dfk) too."""
+  return bs.dkv_in_dq and fused_dkv_builds(
+      backend=backend, dtype=ops.q.dtype, heads_per_kv=ops.q.shape[1] // ops.k.shape[1],
+      head_dim=ops.q.shape[-1], transport=ops.e is not None)
 
 
 def fused_dkv_builds(*, backend: str, dtype, heads_per_kv: int, head_dim: int,
@@ -435,7 +439,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   if f["gate"]:
     names.append("fq")
     out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), f32))
-  kv = bs.dkv_in_dq
+  kv = _fused_dkv(ops, bs, backend)
   if kv:  # this lane's share of the key-side gradients, float32 (summed over lanes below)
     names += ["k", "v"] + (["fk"] if f["gate"] else [])
     out_shape += [jax.ShapeDtypeStruct((B, K * L, n, C, D), f32)] * 2
