@@ -280,7 +280,7 @@ def fla_gate(log_forget, scale):
   return log_forget / scale
 
 
-def part_fla(cases):
+def part_fla(cases, *, gate=True):
   import torch
   import torch.nn.functional as F
   from triton.testing import do_bench
@@ -296,7 +296,8 @@ def part_fla(cases):
     g = fla_gate(torch.log(torch.empty(B, T, H, device=dev).uniform_(0.95, 1.0)),
                  D ** -0.5).requires_grad_(True)  # same function as our path_fox
     res = {"case": ci, "B": B, "T": T, "H": H, "D": D}
-    for name, args in (("fla_path", (q, k, v, w, beta)), ("fla_path_fox", (q, k, v, w, beta, g))):
+    runs = (("fla_path", (q, k, v, w, beta)), ("fla_path_fox", (q, k, v, w, beta, g)))
+    for name, args in runs[:2 if gate else 1]:   # gate=False: no path_fox row (a shorter call)
       try:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -324,16 +325,17 @@ def main():
   p.add_argument("--variants", default="cudnn,path,path_fox")
   p.add_argument("--prepass", default=None, help="check: the bf16 rows' pre-pass variant")
   p.add_argument("--dtype", default="bfloat16", help="jax: input dtype (cudnn needs bf16)")
+  p.add_argument("--shape", default="4,2048,12,64", help="correlated: B,T,H,D")
   a = p.parse_args()
   cases = [int(c) for c in a.cases.split(",") if c]
   if a.part == "check":
     rows = part_check(a.prepass)
   elif a.part == "correlated":
-    rows = part_correlated(a.prepass)
+    rows = part_correlated(a.prepass, *(int(x) for x in a.shape.split(",")))
   elif a.part == "jax":
     rows = part_jax(cases, a.variants.split(","), a.dtype)
   else:
-    rows = part_fla(cases)
+    rows = part_fla(cases, gate="path_fox" in a.variants.split(","))
   with open(os.path.join(OUT, f"path_kernel_{a.part}.json"), "w") as f:
     json.dump(rows, f, indent=1)
 

@@ -33,11 +33,15 @@ class BlockSizes:
                                  # 8.81 -> 8.39 ms at 16,2048,12,64 on the H100, 52.68 -> 52.53
                                  # at 8,4096,16,128; 392.7 -> 288.1 with 2 lanes at
                                  # 4,16384,16,128 on the H200); None: 1
-  prepass: str = "split_hilo"    # prepass_kernel.VARIANTS: float32-accurate products from bf16
-                                 # hi / lo halves, split once, one half for bf16-exact operands
-                                 # (fwd+bwd 8.78 ms at 16,2048,12,64 on the H100, against 11.71
-                                 # for "split_bf16x3", three bf16 passes per product, and 20.71
-                                 # for "split", three TF32 passes; float32 inputs take "split");
+  prepass: str = "split2_hilo"   # prepass_kernel.VARIANTS: float32-accurate products from bf16
+                                 # hi / lo halves, split once, one half for bf16-exact operands,
+                                 # the operands VJP as two kernels (fwd+bwd 7.12 ms at
+                                 # 16,2048,12,64 on the H200 against 7.80 for "split_hilo", one
+                                 # VJP kernel, which does not build at head_dim 128; 44.95 against
+                                 # 48.96 for the jnp pre-pass at 8,4096,16,128). "split_hilo":
+                                 # 8.78 ms on the H100 against 11.71 for "split_bf16x3" (three
+                                 # bf16 passes per product) and 20.71 for "split" (three TF32
+                                 # passes); float32 inputs take "split2" / "split");
                                  # "*_bf16": bf16 operands, 2-4x the gradient error when the w of
                                  # a chunk share a direction; "fold*": -6% peak memory at
                                  # head_dim 64, +6% time; "jnp": batched jnp.

@@ -26,7 +26,8 @@ memory of the whole step 4.53 -> 4.28 GiB at the first shape (2.38 -> 2.63 at th
 kernel as well was slower still (VJP 13.2 ms).
 
 Precision: every product takes float32 accuracy (exact float32 in the interpreter and on the
-TPU; on the GPU bf16 hi / lo halves for bf16 inputs, the default "split_hilo" (_Products), three
+TPU; on the GPU bf16 hi / lo halves for bf16 inputs, "split_hilo" and the default "split2_hilo"
+(_Products), three
 TF32 passes for float32 ones) at every input dtype, except in the "*_bf16" variants. With
 near-parallel w the products cancel: Y's entries alternate in sign, so U = X W, E = W^T U,
 Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the transport depends on
@@ -522,15 +523,20 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
     "split_bf16x3" and "split_hilo" with bf16 inputs at head_dim < 128, which built and
     passed the correlated-w tests at G = 2, D = 64 (H100, 2026-11-24). Their operands VJP
     estimates 240 KiB at D = 128 (triton_resources.py, which reads low): D = 128 takes the jnp
-    pre-pass. The "split2_*" forms route the same way until their D = 128 build is seen on a
-    device (the kernel benchmark's `pre!=` forces them there).
+    pre-pass there. The "split2_*" forms (the operands VJP as two kernels) built at G = 1,
+    D = 128 with bf16 inputs (H200, 2026-11-25: split2_hilo 44.95 ms fwd+bwd at
+    8,4096,16,128 against 48.96 through jnp, peak 2.38 against 4.38 GiB), so they keep
+    head_dim 128 at G = 1; grouped heads at D = 128 stay on jnp until seen to build.
   """
   f32 = jnp.dtype(dtype).itemsize == 4
   bf16_halves = requested.endswith(("_bf16x3", "_hilo"))
+  two_vjp_kernels = requested.startswith("split2")
   requested = variant_for_dtype(requested, dtype)
   if backend != "gpu" or requested == "jnp" or (heads_per_kv == 1 and head_dim < 128):
     return requested
   if not f32 and (requested.endswith("_bf16") or (bf16_halves and head_dim < 128)):
+    return requested
+  if not f32 and bf16_halves and two_vjp_kernels and heads_per_kv == 1 and head_dim <= 128:
     return requested
   return "jnp"
 
@@ -562,8 +568,11 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
 
   "split2_*": the operands VJP as two kernels, the E and k^ terms (chunk_operands_vjp_kv), then
   each query head's terms (chunk_operands_vjp_q), with float32 partial dw, dx, dwk through HBM,
-  so that fewer tiles are live per program. For head_dim 128, where the one-kernel VJP does not
-  fit in shared memory and usable_variant takes the jnp pre-pass; not yet timed on a GPU.
+  so that fewer tiles are live per program. Built for head_dim 128, where the one-kernel VJP
+  does not fit in shared memory. H200, 2026-11-25, forward+backward (ms): at 8,4096,16,128
+  split2_hilo 44.95, split2_bf16x3 47.59, split_bf16x3 (one kernel, forced) 49.66, the jnp
+  pre-pass 48.96 (peak 2.38 against 4.38 GiB); at 16,2048,12,64 split2_hilo 7.12, split_hilo
+  7.80, split2_bf16x3 7.70 (peak 1.13 against 1.04 GiB). 8 pre-pass warps: no change at D 128.
   Resource report (bf16, G 1, D 128, 4 warps; shared KiB / spill loads per thread): one kernel
   208 / 12,456 (split_hilo) and 160 / 11,296 (split_bf16x3); two kernels 160 + 122 / 2,940 +
   4,148 (split2_hilo) and 80 + 96 / 3,596 + 5,460 (split2_bf16x3). At D = 64: 120 / 2,748

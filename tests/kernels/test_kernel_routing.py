@@ -54,7 +54,12 @@ def test_fused_dkv_routing(backend, dtype, G, D, transport, fused):
     ("split_hilo", "gpu", jnp.bfloat16, 1, 128, "jnp"),
     ("split_hilo", "gpu", jnp.float32, 1, 64, "split"),
     ("split2_hilo", "gpu", jnp.float32, 1, 64, "split2"),
-    ("split2_bf16x3", "gpu", jnp.bfloat16, 1, 128, "jnp"),
+    ("split2_bf16x3", "gpu", jnp.bfloat16, 1, 128, "split2_bf16x3"),
+    ("split2_hilo", "gpu", jnp.bfloat16, 1, 128, "split2_hilo"),  # built (H200, 2026-11-25)
+    ("split2_hilo", "gpu", jnp.bfloat16, 2, 128, "jnp"),    # not yet seen to build
+    ("split2_hilo", "gpu", jnp.bfloat16, 1, 256, "jnp"),
+    ("split2_hilo", "gpu", jnp.float32, 1, 128, "jnp"),
+    ("split2_hilo", "gpu", jnp.bfloat16, 2, 64, "split2_hilo"),
     ("split", "interpret", jnp.float32, 2, 64, "split"),
     ("split", "tpu", jnp.float32, 2, 128, "split")])
 def test_usable_variant_routes_grouped_heads_off_the_pallas_prepass(requested, backend, dtype, G,

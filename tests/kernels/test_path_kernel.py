@@ -292,6 +292,12 @@ class TestGPU(PathKernelBase):
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=gate_segments, segments=gate_segments,
                 T=520, block_sizes=kp.BlockSizes(fwd_kernel="mosaic"))
 
+  def test_head_dim_128_pallas_prepass_bf16(self, key):
+    """head_dim 128 with one query head per kv head: the default pre-pass ("split2_hilo", the
+    operands VJP as two kernels) runs on Pallas there, where the one-kernel VJP did not fit."""
+    self.D = 128
+    self._check(key, H=2, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520)
+
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -482,7 +488,7 @@ def test_lowers_for_tpu(gate, fox, D):
     ("split", False, 64, jnp.bfloat16, 4),   # K = H: the Pallas pre-pass (G > 1 takes jnp)
     ("split", True, 64, jnp.bfloat16, 2), ("split_bf16", True, 64, jnp.bfloat16, 2),
     ("split_bf16x3", True, 64, jnp.bfloat16, 4), ("split_hilo", True, 64, jnp.bfloat16, 2),
-    ("split2_hilo", True, 64, jnp.bfloat16, 2),
+    ("split2_hilo", True, 64, jnp.bfloat16, 2), ("split2_hilo", True, 128, jnp.bfloat16, 4),
     ("fold_bf16", True, 128, jnp.bfloat16, 2),
     ("split", True, 64, jnp.float32, 4),   # three-pass TF32 products everywhere
     ("split_hilo+dkv_in_dq", True, 128, jnp.bfloat16, 2)])
