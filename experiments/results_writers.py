@@ -282,6 +282,41 @@ def merge_summaries(out_dir: str, summaries: list[dict], *, fingerprint: str,
   return merged
 
 
+def gather_summaries(dirs, *, fingerprint: str, log=print) -> list[dict]:
+  """The summaries of the results directories `dirs` (each written by a sweep of this config
+  with --results), for sweeps run side by side (say one per encoding on one GPU) and gathered
+  afterwards. A directory's runs of another config are left out, with a note."""
+  out = []
+  for d in dirs:
+    path = os.path.join(d, SUMMARIES)
+    if not os.path.exists(path):
+      raise ValueError(f"--gather: {path} does not exist (no sweep wrote results there)")
+    with open(path) as f:
+      runs = json.load(f)
+    other = [s for s in runs if s.get("config_fingerprint") != fingerprint]
+    if other:
+      log(f"{path}: {len(other)} run(s) of another config left out "
+          f"({sorted({s['encoding'] for s in other})})")
+    out += [s for s in runs if s.get("config_fingerprint") == fingerprint]
+  return out
+
+
+def gathered_provenance(argv: list[str], summaries: list[dict]) -> dict:
+  """provenance() for gathered runs: their devices and jax, the last one's finish, and the wall
+  time from the first start to the last finish (runs side by side overlap)."""
+  def stamp(s):
+    return time.mktime(time.strptime(s["finished"], "%Y-%m-%d %H:%M UTC"))
+  ends = [stamp(s) for s in summaries if s.get("finished", "").endswith("UTC")]
+  starts = [stamp(s) - s.get("wall_time_s", 0) for s in summaries
+            if s.get("finished", "").endswith("UTC")]
+  join = lambda key: ", ".join(sorted({str(s.get(key, "?")) for s in summaries}))  # noqa: E731
+  return {"command": "python -m experiments.sweeps " + " ".join(argv[1:]),
+          "machine": f"{join('device')} (runs of {len(summaries)} gathered from side-by-side sweeps)",
+          "jax": join("jax"),
+          "date": max(s.get("finished", "?") for s in summaries) if summaries else "?",
+          "wall_time_s": round(max(ends) - min(starts)) if ends else 0}
+
+
 def runs_table(summaries: list[dict]) -> list[str]:
   """Where each run trained: device, date, wall time, tokens seen, command (when recorded)."""
   if not any("device" in s for s in summaries):

@@ -2,6 +2,7 @@ r"""Paper-reproduction sweeps: encodings x seeds (x one more axis), then results
 
   python -m experiments.sweeps --config=experiments/configs/flipflop.py[:arg] \
       --workdir=DIR [--results=experiments/results/flipflop]
+  python -m experiments.sweeps --config=...[:arg] --results=OUT --gather=PART1,PART2,...
 
 Extends experiments/main.py (which sweeps encodings only) with three config fields:
 
@@ -24,6 +25,11 @@ command, machine, date and total wall time, and a Runs table each run's device, 
 time and tokens seen. The results directory keeps its summaries.json: a later invocation of
 the same config (say, other encodings in another device call) adds its runs to the same
 table instead of replacing it.
+
+Sweeps of one config may also run side by side (small models leave most of a GPU idle), each
+with its own workdir and --results directory; `--gather=DIR,...` then merges their runs into
+one --results directory without training, and its README gives the span from the first run's
+start to the last one's finish as the wall time.
 """
 from __future__ import annotations
 
@@ -76,11 +82,12 @@ def plan_runs(config, workdir: str) -> list[dict]:
 
 
 def config_fingerprint(config) -> str:
-  """The experiment config without the fields that pick which runs to make (encodings, seeds):
-  runs with equal fingerprints belong in one results table."""
+  """The experiment config without the fields that pick which runs to make (encodings, seeds,
+  the swept axis's values): runs with equal fingerprints belong in one results table."""
   import hashlib
   d = config.to_dict()
-  d["sweep"] = {k: v for k, v in d["sweep"].items() if k not in ("encodings", "seeds")}
+  d["sweep"] = {k: v for k, v in d["sweep"].items()
+                if k not in ("encodings", "seeds", "axis_values")}
   return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -95,7 +102,7 @@ def run_sweep(config, workdir: str, *, log=print) -> list[dict]:
   runs = plan_runs(config, workdir)
   checked = [config_checks.check(r["config"], workdir=r["workdir"], data_module=data,
                                  num_devices=jax.device_count()) for r in runs]
-  summaries = []
+  summaries, interrupted = [], False
   for r, mcfg in zip(runs, checked):
     done = os.path.join(r["workdir"], "summary.json")
     if os.path.exists(done):
@@ -103,8 +110,11 @@ def run_sweep(config, workdir: str, *, log=print) -> list[dict]:
         summary = json.load(f)
     else:
       summary = train.run(r["config"], r["workdir"], data_module=data, mcfg=mcfg)
-      if summary["interrupted"]:
-        raise SystemExit(143)
+      if summary["interrupted"]:  # its checkpoint resumes it; the finished runs are kept
+        log(f"{r['workdir']}: interrupted at step {summary.get('step', '?')}; "
+            f"{len(summaries)} finished run(s) kept")
+        interrupted = True
+        break
     if config.sweep.get("eval_tokens"):  # equal-token evaluation at every length
       from experiments.probes import length_eval
       summary["eval"] = length_eval.evaluate_lengths(
@@ -116,7 +126,38 @@ def run_sweep(config, workdir: str, *, log=print) -> list[dict]:
     summaries.append(summary)
   with open(os.path.join(workdir, "summaries.json"), "w") as f:
     json.dump(summaries, f, indent=1)
+  if interrupted:
+    raise Interrupted(summaries)
   return summaries
+
+
+class Interrupted(SystemExit):
+  """A run of the sweep was interrupted (its checkpoint resumes it); `.summaries` holds the
+  runs that finished before it, so their results can still be written."""
+
+  def __init__(self, summaries: list[dict]):
+    super().__init__(143)
+    self.summaries = summaries
+
+
+def _gather(config, dirs, results) -> None:
+  """--gather: no training; the runs in `dirs` (sweeps of this config that ran side by side,
+  each with its own --results) merged into `results`, and its files written."""
+  from experiments import results_writers
+
+  if not results:
+    raise app.UsageError("--gather needs --results (where the gathered runs go)")
+  fingerprint = config_fingerprint(config)
+  try:
+    summaries = results_writers.gather_summaries(dirs, fingerprint=fingerprint)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  prov = results_writers.gathered_provenance(sys.argv, summaries)
+  summaries = results_writers.merge_summaries(results, summaries, fingerprint=fingerprint)
+  prov["train_time_s"] = round(sum(s["wall_time_s"] for s in summaries))
+  results_writers.write(config.sweep.experiment, summaries, config, results, prov)
+  print(f"results: {results} ({len(summaries)} runs)")
 
 
 def main(argv) -> None:
@@ -127,13 +168,21 @@ def main(argv) -> None:
   from experiments import results_writers
 
   config, workdir = _CONFIG.value, _WORKDIR.value
+  if _GATHER.value:
+    _gather(config, _GATHER.value, _RESULTS.value)
+    return
+  if not workdir:
+    raise app.UsageError("--workdir is required (except with --gather)")
   started = time.time()
+  interrupted = None
   try:
     summaries = run_sweep(config, workdir)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  if _RESULTS.value:
+  except Interrupted as e:  # write what finished, then exit as interrupted
+    summaries, interrupted = e.summaries, e
+  if _RESULTS.value and summaries:
     prov = results_writers.provenance(sys.argv, time.time() - started)
     for s in summaries:
       s.setdefault("command", prov["command"])
@@ -142,6 +191,8 @@ def main(argv) -> None:
     prov["train_time_s"] = round(sum(s["wall_time_s"] for s in summaries))
     results_writers.write(config.sweep.experiment, summaries, config, _RESULTS.value, prov)
     print(f"results: {_RESULTS.value}")
+  if interrupted is not None:
+    raise interrupted
 
 
 if __name__ == "__main__":
@@ -150,5 +201,8 @@ if __name__ == "__main__":
                                             lock_config=False)
   _WORKDIR = flags.DEFINE_string("workdir", None, "Directory holding one sub-directory per run.")
   _RESULTS = flags.DEFINE_string("results", None, "Write results.json/README.md/plots here.")
-  flags.mark_flags_as_required(["config", "workdir"])
+  _GATHER = flags.DEFINE_list(
+      "gather", [], "Results directories of sweeps of this config that ran side by side: "
+      "merge their runs into --results instead of training (no --workdir needed).")
+  flags.mark_flags_as_required(["config"])
   app.run(main)

@@ -24,6 +24,10 @@ def test_config_fingerprint_ignores_only_the_run_selection():
   assert fp("encodings=rope") == fp("encodings=path+alibi") == fp("encodings=rope,seeds=3")
   assert fp("encodings=rope") != fp("encodings=rope,steps=7")
   assert fp("encodings=rope") != fp("encodings=rope,train_len=128")
+  from experiments.configs import word_problem
+  fp = lambda arg: sweeps.config_fingerprint(word_problem.get_config(arg))  # noqa: E731
+  assert fp("gpu,layers=1+2") == fp("gpu,layers=3+4,encodings=path")   # the axis's values
+  assert fp("gpu") != fp("gpu,seq_len=128")
 
 
 def test_merge_summaries_gathers_runs_of_one_config(tmp_path):
@@ -78,3 +82,41 @@ def test_length_extrapolation_gpu_is_the_issue_scale():
   assert set(c.sweep.encodings) == set(length_extrapolation.GPU_ENCODINGS)
   params = 12 * c.model.d_model ** 2 * c.model.num_layers
   assert 40e6 <= params <= 125e6, params
+
+
+def test_gather_merges_side_by_side_sweeps_of_one_config(tmp_path):
+  parts = [str(tmp_path / p) for p in ("a", "b")]
+  a = dict(_summary("rope", 2.0), finished="2026-11-25 05:10 UTC", wall_time_s=120.0)
+  b = dict(_summary("path", 1.5), finished="2026-11-25 05:12 UTC", wall_time_s=60.0)
+  results_writers.merge_summaries(parts[0], [a], fingerprint="A", log=print)
+  results_writers.merge_summaries(parts[1], [b, _summary("alibi", 1.0)], fingerprint="A",
+                                  log=print)
+  results_writers.merge_summaries(str(tmp_path / "c"), [_summary("nope", 3.0)], fingerprint="B",
+                                  log=print)
+  notes = []
+  got = results_writers.gather_summaries(parts + [str(tmp_path / "c")], fingerprint="A",
+                                         log=notes.append)
+  assert sorted(s["encoding"] for s in got) == ["alibi", "path", "rope"]
+  assert len(notes) == 1 and "nope" in notes[0]          # the other config's run, named
+  prov = results_writers.gathered_provenance(["sweeps", "--gather=a,b"], [a, b])
+  assert prov["wall_time_s"] == 240                       # 05:08 start of rope to 05:12
+  assert prov["date"] == "2026-11-25 05:12 UTC"
+  with pytest.raises(ValueError, match="--gather: .*does not exist"):
+    results_writers.gather_summaries([str(tmp_path / "missing")], fingerprint="A")
+
+
+def test_interrupted_sweep_keeps_the_runs_that_finished(tmp_path, monkeypatch):
+  from experiments import train
+  from experiments.configs import flipflop
+
+  def fake_run(config, workdir, **_):
+    if config.model.encoding == "path":
+      return {"encoding": "path", "step": 3, "interrupted": True}
+    return dict(_summary(config.model.encoding, 1.0), interrupted=False)
+
+  monkeypatch.setattr(train, "run", fake_run)
+  config = flipflop.get_config("runlocal,encodings=rope+path+alibi,seeds=1")
+  with pytest.raises(sweeps.Interrupted) as e:
+    sweeps.run_sweep(config, str(tmp_path), log=lambda *_: None)
+  assert e.value.code == 143                              # exits as interrupted
+  assert [s["encoding"] for s in e.value.summaries] == ["rope"]   # alibi never started
