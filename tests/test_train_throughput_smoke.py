@@ -79,3 +79,17 @@ def test_scanned_rows_are_keyed_apart_and_compared_with_scanned_rope():
   assert tables.label(rows[2]) == "path [scan]" and tables.label(rows[1]) == "rope [cudnn, scan]"
   assert tables._ratio_to_rope(rows[2], by_label_t) == pytest.approx(0.5)
   assert tables._ratio_to_rope(rows[3], by_label_t) == pytest.approx(0.6)
+
+
+def test_step_profile_times_each_part_of_a_real_run(capsys):
+  """experiments/benchmarks/step_profile.py on the flip-flop runlocal config: the run's own
+  Trainer and data stream, each part timed; an encoding outside the sweep is named."""
+  from experiments.benchmarks import step_profile
+  step_profile.main(["--config=experiments/configs/flipflop.py:runlocal", "--encoding", "rope",
+                     "--steps", "2"])
+  table = capsys.readouterr().out.splitlines()
+  assert "tokens/step 128" in table[0]                 # runlocal: batch 4 x length 32
+  values = [float(x.replace(",", "")) for x in table[-1].strip("| ").split(" | ")]
+  assert len(values) == 5 and all(v > 0 for v in values)
+  with pytest.raises(SystemExit, match="--encoding='xpos' is not in the config's"):
+    step_profile.main(["--config=experiments/configs/flipflop.py:runlocal", "--encoding", "xpos"])
