@@ -568,11 +568,8 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
 
   "split2_*": the operands VJP as two kernels, the E and k^ terms (chunk_operands_vjp_kv), then
   each query head's terms (chunk_operands_vjp_q), with float32 partial dw, dx, dwk through HBM,
-  so that fewer tiles are live per program. Built for head_dim 128, where the one-kernel VJP
-  does not fit in shared memory. H200, 2026-11-25, forward+backward (ms): at 8,4096,16,128
-  split2_hilo 44.95, split2_bf16x3 47.59, split_bf16x3 (one kernel, forced) 49.66, the jnp
-  pre-pass 48.96 (peak 2.38 against 4.38 GiB); at 16,2048,12,64 split2_hilo 7.12, split_hilo
-  7.80, split2_bf16x3 7.70 (peak 1.13 against 1.04 GiB). 8 pre-pass warps: no change at D 128.
+  so that fewer tiles are live per program; it builds at head_dim 128, where the one-kernel
+  VJP does not, and is faster at 64 too, for more memory (RESULTS.md round 10).
   Resource report (bf16, G 1, D 128, 4 warps; shared KiB / spill loads per thread): one kernel
   208 / 12,456 (split_hilo) and 160 / 11,296 (split_bf16x3); two kernels 160 + 122 / 2,940 +
   4,148 (split2_hilo) and 80 + 96 / 3,596 + 5,460 (split2_bf16x3). At D = 64: 120 / 2,748
