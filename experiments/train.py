@@ -154,6 +154,19 @@ def _eval_sets(config, data_module, process_count: int) -> dict:
           for n in config_checks.eval_lengths(config)} if e.num_batches else {}
 
 
+def setup(config, mcfg, data_module):
+  """-> (mesh, Trainer, this process's training stream) for a checked config (`mcfg`)."""
+  t = config.train
+  data_n, fsdp_n = config_checks.check_mesh(config, jax.device_count())
+  mesh = sharding.make_mesh(data=data_n, fsdp=fsdp_n)
+  trainer = Trainer(mcfg, t, mesh, rules=config.mesh.rules)
+  pc = jax.process_count()
+  train_iter = data_module.make_train_iter(config.data, batch_size=t.batch_size // pc,
+                                           seed=t.seed, process_index=jax.process_index(),
+                                           process_count=pc)
+  return mesh, trainer, train_iter
+
+
 def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | None = None) -> dict:
   """Trains config's model in workdir (resuming if it holds a checkpoint); returns a summary.
 
@@ -174,13 +187,8 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
     with open(os.path.join(workdir, CONFIG), "w") as f:
       f.write(config.to_json_best_effort(indent=1))
   t = config.train
-  data_n, fsdp_n = config_checks.check_mesh(config, jax.device_count())
-  mesh = sharding.make_mesh(data=data_n, fsdp=fsdp_n)
-  trainer = Trainer(mcfg, t, mesh, rules=config.mesh.rules)
+  mesh, trainer, train_iter = setup(config, mcfg, data_module)
   pc = jax.process_count()
-  train_iter = data_module.make_train_iter(config.data, batch_size=t.batch_size // pc,
-                                           seed=t.seed, process_index=jax.process_index(),
-                                           process_count=pc)
   eval_sets = _eval_sets(config, data_module, pc)
   evaluate_now = lambda params: evaluate.evaluate_all(trainer.eval_step, params, eval_sets,
                                                       trainer.put)

@@ -39,14 +39,11 @@ def profile(config, *, steps: int, trace_dir: str | None = None) -> dict:
   """-> {"data_ms", "put_ms", "step_ms", "loop_ms", "tokens_per_step"} for `config`'s run."""
   import jax
 
-  from experiments import config_checks, data, sharding, train
+  from experiments import config_checks, data, train
 
   mcfg = config_checks.check(config, workdir="", data_module=data, num_devices=jax.device_count())
-  data_n, fsdp_n = config_checks.check_mesh(config, jax.device_count())
-  mesh = sharding.make_mesh(data=data_n, fsdp=fsdp_n)
   t = config.train
-  trainer = train.Trainer(mcfg, t, mesh, rules=config.mesh.rules)
-  it = data.make_train_iter(config.data, batch_size=t.batch_size, seed=t.seed)
+  mesh, trainer, it = train.setup(config, mcfg, data)
   with jax.set_mesh(mesh):
     state = trainer.init_state(t.seed)
     batch = trainer.put(next(it))
