@@ -304,17 +304,15 @@ def gather_summaries(dirs, *, fingerprint: str, log=print) -> list[dict]:
 def gathered_provenance(argv: list[str], summaries: list[dict]) -> dict:
   """provenance() for gathered runs: their devices and jax, the last one's finish, and the wall
   time from the first start to the last finish (runs side by side overlap)."""
-  def stamp(s):
-    return time.mktime(time.strptime(s["finished"], "%Y-%m-%d %H:%M UTC"))
-  ends = [stamp(s) for s in summaries if s.get("finished", "").endswith("UTC")]
-  starts = [stamp(s) - s.get("wall_time_s", 0) for s in summaries
-            if s.get("finished", "").endswith("UTC")]
+  timed = [(time.mktime(time.strptime(s["finished"], "%Y-%m-%d %H:%M UTC")),
+            s.get("wall_time_s", 0)) for s in summaries if s.get("finished", "").endswith("UTC")]
   join = lambda key: ", ".join(sorted({str(s.get(key, "?")) for s in summaries}))  # noqa: E731
   return {"command": "python -m experiments.sweeps " + " ".join(argv[1:]),
-          "machine": f"{join('device')} (runs of {len(summaries)} gathered from side-by-side sweeps)",
+          "machine": f"{join('device')} ({len(summaries)} runs gathered from side-by-side sweeps)",
           "jax": join("jax"),
           "date": max(s.get("finished", "?") for s in summaries) if summaries else "?",
-          "wall_time_s": round(max(ends) - min(starts)) if ends else 0}
+          "wall_time_s": round(max(e for e, _ in timed) - min(e - w for e, w in timed))
+                         if timed else 0}
 
 
 def runs_table(summaries: list[dict]) -> list[str]:

@@ -147,14 +147,21 @@ def _gather(config, dirs, results) -> None:
 
   if not results:
     raise app.UsageError("--gather needs --results (where the gathered runs go)")
-  fingerprint = config_fingerprint(config)
   try:
-    summaries = results_writers.gather_summaries(dirs, fingerprint=fingerprint)
+    summaries = results_writers.gather_summaries(dirs, fingerprint=config_fingerprint(config))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   prov = results_writers.gathered_provenance(sys.argv, summaries)
-  summaries = results_writers.merge_summaries(results, summaries, fingerprint=fingerprint)
+  _write_results(config, summaries, results, prov)
+
+
+def _write_results(config, summaries, results: str, prov: dict) -> None:
+  """This invocation's runs merged with those already in `results`, and its files written."""
+  from experiments import results_writers
+
+  summaries = results_writers.merge_summaries(results, summaries,
+                                              fingerprint=config_fingerprint(config))
   prov["train_time_s"] = round(sum(s["wall_time_s"] for s in summaries))
   results_writers.write(config.sweep.experiment, summaries, config, results, prov)
   print(f"results: {results} ({len(summaries)} runs)")
@@ -186,11 +193,7 @@ def main(argv) -> None:
     prov = results_writers.provenance(sys.argv, time.time() - started)
     for s in summaries:
       s.setdefault("command", prov["command"])
-    summaries = results_writers.merge_summaries(_RESULTS.value, summaries,
-                                                fingerprint=config_fingerprint(config))
-    prov["train_time_s"] = round(sum(s["wall_time_s"] for s in summaries))
-    results_writers.write(config.sweep.experiment, summaries, config, _RESULTS.value, prov)
-    print(f"results: {_RESULTS.value}")
+    _write_results(config, summaries, _RESULTS.value, prov)
   if interrupted is not None:
     raise interrupted
 
