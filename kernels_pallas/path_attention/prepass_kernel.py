@@ -27,8 +27,8 @@ kernel as well was slower still (VJP 13.2 ms).
 
 Precision: every product takes float32 accuracy (exact float32 in the interpreter and on the
 TPU; on the GPU bf16 hi / lo halves for bf16 inputs, "split_hilo" and the default "split2_hilo"
-(_Products), three
-TF32 passes for float32 ones) at every input dtype, except in the "*_bf16" variants. With
+(_Products), three TF32 passes for float32 ones) at every input dtype, except in the "*_bf16"
+variants. With
 near-parallel w the products cancel: Y's entries alternate in sign, so U = X W, E = W^T U,
 Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the transport depends on
 the differences between neighbouring w (~eps), which a rounding of w or X perturbs relatively
@@ -534,9 +534,8 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
   requested = variant_for_dtype(requested, dtype)
   if backend != "gpu" or requested == "jnp" or (heads_per_kv == 1 and head_dim < 128):
     return requested
-  if not f32 and (requested.endswith("_bf16") or (bf16_halves and head_dim < 128)):
-    return requested
-  if not f32 and bf16_halves and two_vjp_kernels and heads_per_kv == 1 and head_dim <= 128:
+  fits = head_dim < 128 or (two_vjp_kernels and heads_per_kv == 1 and head_dim == 128)
+  if not f32 and (requested.endswith("_bf16") or (bf16_halves and fits)):
     return requested
   return "jnp"
 
