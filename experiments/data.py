@@ -20,7 +20,17 @@ Fields of the `data` ConfigDict (`default_data_config()` has them all):
   text:               text_dir None (= the interpreter's stdlib), max_files None (all),
                       valid_fraction 0.05, shuffle_window 256 (rows shuffled in a
                       window after packing; 0 turns it off)
+  synthetic tasks:    read_threads 1, prefetch_batches 16: the host threads that generate
+                      the training stream ahead of the step, and how many batches they keep
+                      ready (grain.ReadOptions)
 The task modules (experiments/tasks/) document each task's exact definition.
+
+Why one read thread: the generators are Python, so they hold the GIL while they work, and
+every thread that does takes it in turn from the training loop's dispatch. With grain's default
+(16 threads, 500 batches ahead) the flip-flop model's step took 32-47 ms on an H200 host
+whose device work was under 2 ms (experiments/benchmarks/step_profile.py); on the 2-core CPU a
+trivial put-and-dispatch went from 0.13 to 3.1 ms while the default pool was filling. One
+thread generates as fast (the GIL serialises them anyway) without the convoy.
 
 Determinism: synthetic example i of a stream comes from numpy's Generator seeded with
 (seed, stream, i), stream 0 for training and 1 + k for the k-th test set, so eval sets
@@ -65,6 +75,9 @@ def default_data_config() -> ml_collections.ConfigDict:
       "max_files": config_dict.placeholder(int),
       "valid_fraction": 0.05,
       "shuffle_window": 256,
+      # synthetic tasks' training stream
+      "read_threads": 1,
+      "prefetch_batches": 16,
   })
 
 
@@ -77,6 +90,10 @@ def _check(config, seq_len: int | None = None) -> None:
   minimum = SYNTHETIC[config.task].MIN_SEQ_LEN if config.task in SYNTHETIC else 1
   if not isinstance(seq_len, (int, np.integer)) or seq_len < minimum:
     raise ValueError(f"{name}={seq_len!r} must be an int >= {minimum} for data.task={config.task!r}")
+  for field in ("read_threads", "prefetch_batches"):
+    value = config[field]
+    if not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"data.{field}={value!r} must be an int >= 1")
   if config.task in SYNTHETIC:
     SYNTHETIC[config.task].validate(config)
   else:
@@ -199,7 +216,9 @@ def make_train_iter(config, *, batch_size: int, seed: int, process_index: int = 
     return iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack))
   rows = _synthetic_rows(config, split="train", seq_len=config.seq_len, seed=seed)
   rows = rows[process_index::process_count]
-  return iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack).to_iter_dataset())
+  read = grain.ReadOptions(num_threads=config.read_threads,
+                           prefetch_buffer_size=config.prefetch_batches)
+  return iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack).to_iter_dataset(read))
 
 
 def make_eval_sets(config, *, seq_len: int, batch_size: int, num_batches: int,

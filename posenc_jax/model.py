@@ -56,6 +56,10 @@ from posenc_jax.encodings.additive_decode import kv_shift_step
 BLOCKS = ("llama", "acc_rot")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
+# Vocabularies up to this size are embedded by a one-hot matmul instead of a gather; see
+# embed_tokens.
+ONE_HOT_EMBED_MAX_VOCAB = 32768
+
 # Default activation constraint: a no-op outside a mesh (see experiments/sharding.py).
 ShardFn = Callable[[jax.Array, Sequence[str | None]], jax.Array]
 
@@ -268,6 +272,32 @@ class Block(nnx.Module):
     return x_BTC + self.mlp(self.mlp_norm(x_BTC)), cache
 
 
+def embed_tokens(table_VC, tokens, *, dtype, one_hot: bool | None = None):
+  """Rows of table_VC [V, C] for integer `tokens` [...] -> [..., C] in `dtype`.
+
+  one_hot (None: V <= ONE_HOT_EMBED_MAX_VOCAB on an accelerator, the gather on the CPU)
+  computes one_hot(tokens) @ table instead of a gather. The forward is the same bits (one non-zero product per output, accumulated in
+  float32). What differs is the gradient: a gather's is a scatter-add, which on a GPU runs as
+  atomics serialised on the rows that repeat. With a small vocabulary every row repeats
+  thousands of times per batch: flip-flop's (V 5, 32,768 tokens a step) took 147 ms of a
+  ~150 ms training step on an H200. The matmul's gradient is one [V, B*T] x [B*T, C]
+  product, accumulated in float32 and deterministic, where the scatter added in `dtype`.
+  Measured on an H200 (experiments/benchmarks/embed_grad.py, 32,768 bf16 tokens, fwd+bwd):
+  the gather 44-380 ms, the one-hot 0.07 ms at V 5 and 9.7 ms at V 32,000 with every id used.
+  Its cost, 2 B T V C multiply-adds a pass, is why vocabularies above 32,768 keep the gather,
+  and the CPU, where the gather's gradient is cheap and the matmul is not (V 256, C 768: 7
+  against 173 ms), keeps it at every size.
+  """
+  V = table_VC.shape[0]
+  if one_hot is None:
+    one_hot = V <= ONE_HOT_EMBED_MAX_VOCAB and jax.default_backend() != "cpu"
+  table = table_VC.astype(dtype)
+  if not one_hot:
+    return jnp.take(table, tokens, axis=0)
+  onehot = jax.nn.one_hot(tokens, V, dtype=dtype)
+  return jnp.dot(onehot, table, preferred_element_type=jnp.float32).astype(dtype)
+
+
 class Transformer(nnx.Module):
   """tokens [B, T] -> logits [B, T, V] (float32)."""
 
@@ -295,7 +325,7 @@ class Transformer(nnx.Module):
     B, T = tokens_BT.shape
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = self.shard(self.embed(tokens_BT), ("batch", "length", "embed"))
+    x = self.shard(self._embed(tokens_BT), ("batch", "length", "embed"))
     layer = dict(tokens_BT=tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
     if self.cfg.scan_layers and len(self.blocks) > 1:
       return self._logits(self._scan_blocks(x, rngs=rngs, train=train, **layer))
@@ -326,6 +356,9 @@ class Transformer(nnx.Module):
 
     x_BTC, _ = jax.lax.scan(body, x_BTC, (stacked, keys))
     return x_BTC
+
+  def _embed(self, tokens):
+    return embed_tokens(self.embed.embedding[...], tokens, dtype=DTYPES[self.cfg.dtype])
 
   def _logits(self, x_BTC):
     x = self.final_norm(x_BTC)
@@ -360,7 +393,7 @@ class Transformer(nnx.Module):
     layer = dict(tokens_BT=tokens_BP, segment_ids_BT=valid.astype(jnp.int32),
                  positions_BT=jnp.where(valid, jnp.arange(P)[None] - slots.start[:, None], 0),
                  slots=slots)
-    x = self.embed(tokens_BP)
+    x = self._embed(tokens_BP)
     layers = []
     for block, c in zip(self.blocks, cache["layers"]):
       x, c = block.cached(x, step=False, cache=c, **layer)
@@ -371,7 +404,7 @@ class Transformer(nnx.Module):
     """Appends one token per row at its slot `end`: (logits [B, V] float32 of the next token,
     cache). The caller keeps end below max_len (posenc_jax.generation checks it)."""
     slots = kv_cache.Slots(cache["start"], cache["end"])
-    x = self.embed(tokens_B[:, None])
+    x = self._embed(tokens_B[:, None])
     layers = []
     for block, c in zip(self.blocks, cache["layers"]):
       x, c = block.cached(x, step=True, cache=c, tokens_BT=tokens_B[:, None], slots=slots)

@@ -258,6 +258,8 @@ def test_unknown_task_raises_naming_data_task():
     ({"task": "text", "text_dir": "/nonexistent/dir"}, "data.text_dir"),
     ({"task": "text", "valid_fraction": 0.0}, "data.valid_fraction"),
     ({"task": "text", "max_files": 0}, "data.max_files"),
+    ({"task": "flipflop", "read_threads": 0}, "data.read_threads"),
+    ({"task": "mqrar", "prefetch_batches": 0}, "data.prefetch_batches"),
 ])
 def test_bad_fields_raise(overrides, match):
   config = _config(**overrides)

@@ -156,3 +156,28 @@ def test_scanned_layers_draw_per_layer_keys_from_rngs(key):
   a, b, c = (model(tok, rngs=rngs(s), train=True) for s in (1, 1, 2))
   np.testing.assert_array_equal(a, b)
   assert not np.allclose(a, c)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_hot_embedding_matches_the_gather(dtype, key):
+  """embed_tokens' one-hot matmul (small vocabularies) against the gather it replaces: the same
+  rows, and the table gradient of a random cotangent against the float32 scatter-add's."""
+  k1, k2, k3 = jax.random.split(key, 3)
+  V, C = 7, 24
+  table = jax.random.normal(k1, (V, C), jnp.float32)
+  tokens = jax.random.randint(k2, (3, 50), 0, V)      # every row repeats: the case that matters
+  ct = jax.random.normal(k3, (3, 50, C), jnp.float32)
+
+  def loss(t, one_hot, dt):
+    out = model_lib.embed_tokens(t, tokens, dtype=dt, one_hot=one_hot)
+    return jnp.sum(out.astype(jnp.float32) * ct), out
+
+  (_, fast), g_fast = jax.value_and_grad(loss, has_aux=True)(table, True, dtype)
+  (_, gather), _ = jax.value_and_grad(loss, has_aux=True)(table, False, dtype)
+  _, g_oracle = jax.value_and_grad(loss, has_aux=True)(table, False, jnp.float32)
+  assert fast.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(fast, np.float32), np.asarray(gather, np.float32))
+  # The one-hot gradient accumulates in float32 and rounds to dtype once.
+  tol = 1e-6 if dtype == jnp.float32 else 4e-3
+  assert_rel_rms(g_fast, g_oracle, tol)
+  assert model_lib.embed_tokens(table, tokens, dtype=dtype).dtype == dtype
