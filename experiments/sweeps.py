@@ -83,11 +83,13 @@ def plan_runs(config, workdir: str) -> list[dict]:
 
 def config_fingerprint(config) -> str:
   """The experiment config without the fields that pick which runs to make (encodings, seeds,
-  the swept axis's values): runs with equal fingerprints belong in one results table."""
+  the swept axis's values) or only how fast the host feeds them (data.read_threads,
+  data.prefetch_batches): runs with equal fingerprints belong in one results table."""
   import hashlib
   d = config.to_dict()
   d["sweep"] = {k: v for k, v in d["sweep"].items()
                 if k not in ("encodings", "seeds", "axis_values")}
+  d["data"] = {k: v for k, v in d["data"].items() if k not in ("read_threads", "prefetch_batches")}
   return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -28,6 +28,11 @@ def test_config_fingerprint_ignores_only_the_run_selection():
   fp = lambda arg: sweeps.config_fingerprint(word_problem.get_config(arg))  # noqa: E731
   assert fp("gpu,layers=1+2") == fp("gpu,layers=3+4,encodings=path")   # the axis's values
   assert fp("gpu") != fp("gpu,seq_len=128")
+  assert fp("gpu") != fp("gpu,lr=3e-3")
+  # How fast the host feeds the runs is no part of what they compute.
+  fast = word_problem.get_config("gpu")
+  fast.data.update(read_threads=4, prefetch_batches=64)
+  assert sweeps.config_fingerprint(fast) == fp("gpu")
 
 
 def test_merge_summaries_gathers_runs_of_one_config(tmp_path):
