@@ -28,13 +28,12 @@ kernel as well was slower still (VJP 13.2 ms).
 Precision: every product takes float32 accuracy (exact float32 in the interpreter and on the
 TPU; on the GPU bf16 hi / lo halves for bf16 inputs, "split_hilo" and the default "split2_hilo"
 (_Products), three TF32 passes for float32 ones) at every input dtype, except in the "*_bf16"
-variants. With
-near-parallel w the products cancel: Y's entries alternate in sign, so U = X W, E = W^T U,
-Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the transport depends on
-the differences between neighbouring w (~eps), which a rounding of w or X perturbs relatively
-by (rounding / eps). Single-pass TF32 (the GPU's default for float32 operands: the tensor cores
-read the top 10 mantissa bits, i.e. truncate) was the default until 2026-11-23 and failed the
-GPU tests at w_t = normalize(a + 0.01 n_t), beta = 2 (dw 4.7e-2 relative RMS, H100);
+variants. With near-parallel w the products cancel: Y's entries alternate in sign, so U = X W,
+E = W^T U, Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the transport
+depends on the differences between neighbouring w (~eps), which a rounding of w or X perturbs
+relatively by (rounding / eps). Single-pass TF32 (the GPU's default for float32 operands: the
+tensor cores read the top 10 mantissa bits, i.e. truncate), the default until 2026-11-23, failed
+the GPU tests at w_t = normalize(a + 0.01 n_t), beta = 2 (dw 4.7e-2 relative RMS, H100);
 test_path_kernel.py::test_tf32_products_correlated_w emulates that truncation in the interpreter
 and shows where: the operands' products (dw 8.7e-2 at C = D = 64, T = 256), not the inverse
 (already float32-accurate) nor the attention kernels (4.4e-3 with TF32 everywhere else).
@@ -395,8 +394,8 @@ def _input_specs(cfg, G, C, D):
           pl.BlockSpec((None, C, None, D), lambda b, kh, c: (b, c, kh, 0)))
 
 
-def _call(cfg, kernel, grid, in_specs, out_specs, out_shape):
-  kwargs = {}
+def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, aliases=None):
+  kwargs = {"input_output_aliases": aliases} if aliases else {}
   params = calls.prepass_compiler_params(cfg.backend, len(grid), cfg.num_warps)
   if params is not None:
     kwargs["compiler_params"] = params
@@ -474,8 +473,10 @@ def _transport_bwd(cfg, res, cts):
     kernel = functools.partial(_ops_bwd_q_kernel, cfg=cfg)
     in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), grp(C, D), one(C, D), grp(C, C),
                 one(C, D), one(C, C), one(C, C)]
-    dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
-        q, k, w, y, br, dqh, dkh, dd, *partial)
+    aliases = {8 + i: o for i, o in ((0, 2), (1, 3))  # partial dw, dx -> dw, dy in place
+               if partial[i].shape == out_shape[o].shape and out_shape[o].dtype == f32}
+    dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape,
+                                aliases)(q, k, w, y, br, dqh, dkh, dd, *partial)
   else:
     kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
     dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
