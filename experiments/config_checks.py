@@ -53,10 +53,10 @@ def model_config(config, vocab_size: int) -> model_lib.ModelConfig:
 
 def stored_form(mcfg: model_lib.ModelConfig) -> dict:
   """What a checkpoint records of the model: everything but the speed-only choices (kernel,
-  layer scan), which leave the parameters as they are."""
+  layer scan, embedding lookup), which leave the parameters as they are."""
   d = dataclasses.asdict(mcfg)
-  d.pop("implementation")
-  d.pop("scan_layers")
+  for speed_only in ("implementation", "scan_layers", "embed_one_hot"):
+    d.pop(speed_only)
   d["encoding_kwargs"] = [list(kv) for kv in d["encoding_kwargs"]]
   return d
 

@@ -89,6 +89,7 @@ class ModelConfig:
   dtype: str = "float32"
   implementation: str | None = None
   scan_layers: bool = False
+  embed_one_hot: bool | None = None   # None: embed_tokens' rule (one-hot on accelerators)
 
   @property
   def kv_heads(self) -> int:
@@ -276,17 +277,18 @@ def embed_tokens(table_VC, tokens, *, dtype, one_hot: bool | None = None):
   """Rows of table_VC [V, C] for integer `tokens` [...] -> [..., C] in `dtype`.
 
   one_hot (None: V <= ONE_HOT_EMBED_MAX_VOCAB on an accelerator, the gather on the CPU)
-  computes one_hot(tokens) @ table instead of a gather. The forward is the same bits (one non-zero product per output, accumulated in
-  float32). What differs is the gradient: a gather's is a scatter-add, which on a GPU runs as
-  atomics serialised on the rows that repeat. With a small vocabulary every row repeats
-  thousands of times per batch: flip-flop's (V 5, 32,768 tokens a step) took 147 ms of a
-  ~150 ms training step on an H200. The matmul's gradient is one [V, B*T] x [B*T, C]
-  product, accumulated in float32 and deterministic, where the scatter added in `dtype`.
-  Measured on an H200 (experiments/benchmarks/embed_grad.py, 32,768 bf16 tokens, fwd+bwd):
-  the gather 44-380 ms, the one-hot 0.07 ms at V 5 and 9.7 ms at V 32,000 with every id used.
-  Its cost, 2 B T V C multiply-adds a pass, is why vocabularies above 32,768 keep the gather,
-  and the CPU, where the gather's gradient is cheap and the matmul is not (V 256, C 768: 7
-  against 173 ms), keeps it at every size.
+  computes one_hot(tokens) @ table instead of a gather. The forward is the same bits (one
+  non-zero product per output, accumulated in float32). The gradient differs:
+  - a gather's is a scatter-add, which on a GPU runs as atomics serialised on the rows that
+    repeat. With a small vocabulary every row repeats thousands of times per batch:
+    flip-flop's (V 5, 32,768 tokens a step) took 147 ms of a ~150 ms step on an H200;
+  - the matmul's is one [V, B*T] x [B*T, C] product, accumulated in float32 and deterministic,
+    where the scatter added in `dtype`.
+  Measured on an H200 (experiments/benchmarks/embed_grad.py, 32,768 bf16 tokens, fwd+bwd): the
+  gather 44-380 ms, the one-hot 0.07 ms at V 5 and 9.7 ms at V 32,000 with every id used. The
+  matmul's cost, 2 B T V C multiply-adds a pass, is why vocabularies above 32,768 keep the
+  gather. So does the CPU at every size: there the gather's gradient is cheap and the matmul
+  is not (V 256, C 768: 7 against 173 ms).
   """
   V = table_VC.shape[0]
   if one_hot is None:
@@ -358,7 +360,8 @@ class Transformer(nnx.Module):
     return x_BTC
 
   def _embed(self, tokens):
-    return embed_tokens(self.embed.embedding[...], tokens, dtype=DTYPES[self.cfg.dtype])
+    return embed_tokens(self.embed.embedding[...], tokens, dtype=DTYPES[self.cfg.dtype],
+                        one_hot=self.cfg.embed_one_hot)
 
   def _logits(self, x_BTC):
     x = self.final_norm(x_BTC)

@@ -24,7 +24,7 @@ def child_argv(args, *, name: str, seq_len: int) -> list[str]:
           "--seq-len", str(seq_len)]
   for flag in ("tokens_per_step", "dtype", "implementation", "steps", "warmup", "loss_steps",
                "num_batches", "layers", "d_model", "heads", "head_dim", "vocab", "peak_tflops",
-               "measured_tflops"):
+               "measured_tflops", "embed"):
     value = getattr(args, flag)
     if value is not None:
       argv += ["--" + flag.replace("_", "-"), str(value)]

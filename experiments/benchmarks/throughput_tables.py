@@ -13,7 +13,7 @@ ANCHORS = ("fla_path", "fla_path_fox")
 KV_SHIFT = "+kv_shift"  # "rope+kv_shift": ModelConfig(encoding="rope", kv_shift=True)
 MATMUL = "matmul_bf16"  # the measured-peak row
 # scan_layers: absent (None) in rows from before the flag, which all ran the unrolled loop.
-KEY_FIELDS = ("encoding", "seq_len", "batch", "dtype", "implementation", "scan_layers")
+KEY_FIELDS = ("encoding", "seq_len", "batch", "dtype", "implementation", "scan_layers", "embed")
 
 
 def runnable_encodings() -> list[str]:

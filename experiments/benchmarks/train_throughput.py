@@ -97,6 +97,8 @@ from experiments.benchmarks.throughput_tables import (  # noqa: E402 (after the 
     ANCHORS, MATMUL, print_table, read_rows, render_markdown, runnable_encodings)
 
 PATH_CHUNK = 64
+# --embed -> ModelConfig.embed_one_hot
+EMBED = {"auto": None, "gather": False, "one_hot": True}
 ROW_PREFIX = "ROW "  # the child's result line on stdout
 
 
@@ -260,7 +262,7 @@ def count_params(params) -> tuple[int, int]:
 def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
             implementation: str, schedule: Schedule, peak_tflops: float | None,
             measured_tflops: float | None, scan_layers: bool = False,
-            compile_only: bool = False) -> dict:
+            embed: str = "auto", compile_only: bool = False) -> dict:
   """Compiles and times the project's train step for one encoding; returns the row.
 
   compile_only: stop after compiling (the pre-compile phase fills the persistent cache)."""
@@ -276,7 +278,7 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
       num_layers=size.num_layers, d_model=size.d_model, num_heads=size.num_heads,
       head_dim=size.head_dim, block="llama", dtype=dtype,
       implementation=None if implementation == "auto" else implementation,
-      scan_layers=scan_layers)
+      scan_layers=scan_layers, embed_one_hot=EMBED[embed])
   train_cfg = base.get_config().train
   mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
   trainer = train.Trainer(mcfg, train_cfg, mesh)
@@ -359,7 +361,9 @@ def row_identity(args, *, name: str, seq_len: int) -> dict:
           "batch": batch_for(tokens_per_step=args.tokens_per_step, seq_len=seq_len),
           "dtype": args.dtype, "implementation": impl,
           # None, not False, unscanned: the key of the rows from before the flag
-          "scan_layers": True if args.scan_layers and name not in ANCHORS else None}
+          "scan_layers": True if args.scan_layers and name not in ANCHORS else None,
+          # None: the gather, which every row from before the flag used
+          "embed": None if args.embed == "gather" or name in ANCHORS else args.embed}
 
 
 def one_row(args, *, name: str, seq_len: int) -> dict:
@@ -377,7 +381,8 @@ def one_row(args, *, name: str, seq_len: int) -> dict:
       row.update(fla_anchor_model.run_row(name=name, varlen=args.fla_varlen, **common))
     else:
       row.update(run_jax(name=name, implementation=args.implementation,
-                         scan_layers=args.scan_layers, compile_only=args.compile_only,
+                         scan_layers=args.scan_layers, embed=args.embed,
+                         compile_only=args.compile_only,
                          **common))
   except Exception as e:  # one row's failure is data, not the end of the run
     row["error"] = f"{type(e).__name__}: {_first_line(str(e))}"
@@ -416,6 +421,9 @@ def parse_args(argv=None):
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
   p.add_argument("--implementation", default="auto",
                  help="auto (ModelConfig.implementation=None) or a forced one for every layer")
+  p.add_argument("--embed", choices=tuple(EMBED), default="auto",
+                 help="the token embedding: ModelConfig.embed_one_hot None (auto: one-hot on a "
+                      "GPU), False (gather) or True (one-hot)")
   p.add_argument("--scan-layers", action="store_true",
                  help="ModelConfig.scan_layers: the blocks as one lax.scan (compiles one layer; "
                       "rows labelled [scan], their ratio taken to rope [cudnn, scan])")
