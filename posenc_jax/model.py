@@ -38,6 +38,7 @@ F mlp width, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -56,9 +57,10 @@ from posenc_jax.encodings.additive_decode import kv_shift_step
 BLOCKS = ("llama", "acc_rot")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-# Vocabularies up to this size are embedded by a one-hot matmul instead of a gather; see
-# embed_tokens.
+# Vocabularies up to this size take the embedding's gradient as one-hot matmuls over chunks of
+# ONE_HOT_GRAD_CHUNK tokens instead of the gather's scatter-add; see embed_tokens.
 ONE_HOT_EMBED_MAX_VOCAB = 32768
+ONE_HOT_GRAD_CHUNK = 4096
 
 # Default activation constraint: a no-op outside a mesh (see experiments/sharding.py).
 ShardFn = Callable[[jax.Array, Sequence[str | None]], jax.Array]
@@ -276,28 +278,57 @@ class Block(nnx.Module):
 def embed_tokens(table_VC, tokens, *, dtype, one_hot: bool | None = None):
   """Rows of table_VC [V, C] for integer `tokens` [...] -> [..., C] in `dtype`.
 
-  one_hot (None: V <= ONE_HOT_EMBED_MAX_VOCAB on an accelerator, the gather on the CPU)
-  computes one_hot(tokens) @ table instead of a gather. The forward is the same bits (one
-  non-zero product per output, accumulated in float32). The gradient differs:
-  - a gather's is a scatter-add, which on a GPU runs as atomics serialised on the rows that
-    repeat. With a small vocabulary every row repeats thousands of times per batch:
+  The forward is always a gather. one_hot (None: V <= ONE_HOT_EMBED_MAX_VOCAB on an
+  accelerator, False on the CPU) picks the table's gradient:
+  - False: the gather's own, a scatter-add, which on a GPU runs as atomics serialised on the
+    rows that repeat. With a small vocabulary every row repeats thousands of times per batch:
     flip-flop's (V 5, 32,768 tokens a step) took 147 ms of a ~150 ms step on an H200;
-  - the matmul's is one [V, B*T] x [B*T, C] product, accumulated in float32 and deterministic,
-    where the scatter added in `dtype`.
-  Measured on an H200 (experiments/benchmarks/embed_grad.py, 32,768 bf16 tokens, fwd+bwd): the
-  gather 44-380 ms, the one-hot 0.07 ms at V 5 and 9.7 ms at V 32,000 with every id used. The
-  matmul's cost, 2 B T V C multiply-adds a pass, is why vocabularies above 32,768 keep the
-  gather. So does the CPU at every size: there the gather's gradient is cheap and the matmul
-  is not (V 256, C 768: 7 against 173 ms).
+  - True: one_hot(tokens)^T @ cotangent, as matmuls over chunks of ONE_HOT_GRAD_CHUNK tokens
+    (the one-hot block is transient: a whole [B*T, V] one would cost B*T*V*2 bytes, +3.9 GiB
+    measured at V 32,000), accumulated in float32 and deterministic, where the scatter added
+    in `dtype`.
+  Measured on an H200 (experiments/benchmarks/embed_grad.py, 32,768 bf16 tokens): the
+  scatter 44-380 ms, the matmul 0.07 ms at V 5 and 9.7 ms at V 32,000; the 125M model's step
+  at V 32,000 gained 14% (experiments/benchmarks/RESULTS_train.md). The matmul's cost, 2 B T V C
+  multiply-adds, is why larger vocabularies keep the scatter. So does the CPU at every size:
+  there the scatter is cheap and the matmul is not (V 256, C 768: 7 against 173 ms).
   """
   V = table_VC.shape[0]
   if one_hot is None:
     one_hot = V <= ONE_HOT_EMBED_MAX_VOCAB and jax.default_backend() != "cpu"
   table = table_VC.astype(dtype)
-  if not one_hot:
-    return jnp.take(table, tokens, axis=0)
-  onehot = jax.nn.one_hot(tokens, V, dtype=dtype)
-  return jnp.dot(onehot, table, preferred_element_type=jnp.float32).astype(dtype)
+  return _gather_one_hot_grad(V, table, tokens) if one_hot else jnp.take(table, tokens, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather_one_hot_grad(V, table_VC, tokens):
+  del V
+  return jnp.take(table_VC, tokens, axis=0)
+
+
+def _gather_fwd(V, table_VC, tokens):
+  del V
+  return jnp.take(table_VC, tokens, axis=0), tokens
+
+
+def _gather_bwd(V, tokens, ct):
+  ids_N, ct_NC = tokens.reshape(-1), ct.reshape(-1, ct.shape[-1])
+  n = -(-ids_N.shape[0] // ONE_HOT_GRAD_CHUNK)
+  pad = n * ONE_HOT_GRAD_CHUNK - ids_N.shape[0]
+  # Padding rows get id -1: one_hot gives them a zero row, so they add nothing.
+  ids_nK = jnp.pad(ids_N, (0, pad), constant_values=-1).reshape(n, -1)
+  ct_nKC = jnp.pad(ct_NC, ((0, pad), (0, 0))).reshape(n, ONE_HOT_GRAD_CHUNK, -1)
+
+  def add_chunk(acc_VC, chunk):
+    ids_K, ct_KC = chunk
+    oh_KV = jax.nn.one_hot(ids_K, V, dtype=ct_KC.dtype)
+    return acc_VC + jnp.dot(oh_KV.T, ct_KC, preferred_element_type=jnp.float32), None
+
+  acc, _ = jax.lax.scan(add_chunk, jnp.zeros((V, ct.shape[-1]), jnp.float32), (ids_nK, ct_nKC))
+  return acc.astype(ct.dtype), None   # the cotangent has the table's dtype
+
+
+_gather_one_hot_grad.defvjp(_gather_fwd, _gather_bwd)
 
 
 class Transformer(nnx.Module):

@@ -158,10 +158,14 @@ def test_scanned_layers_draw_per_layer_keys_from_rngs(key):
   assert not np.allclose(a, c)
 
 
+@pytest.mark.parametrize("chunk", [64, None])   # 64: three chunks of the 150 tokens, padded
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_one_hot_embedding_matches_the_gather(dtype, key):
-  """embed_tokens' one-hot matmul (small vocabularies) against the gather it replaces: the same
-  rows, and the table gradient of a random cotangent against the float32 scatter-add's."""
+def test_one_hot_embedding_matches_the_gather(dtype, chunk, key, monkeypatch):
+  """embed_tokens' one-hot gradient (small vocabularies) against the gather's scatter-add it
+  replaces: the same rows, and the table gradient of a random cotangent against the float32
+  scatter-add's."""
+  if chunk:
+    monkeypatch.setattr(model_lib, "ONE_HOT_GRAD_CHUNK", chunk)
   k1, k2, k3 = jax.random.split(key, 3)
   V, C = 7, 24
   table = jax.random.normal(k1, (V, C), jnp.float32)
