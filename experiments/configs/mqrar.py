@@ -7,7 +7,8 @@ model per N, as in the paper); accuracy is over the answer tokens of held-out st
   python -m experiments.sweeps --config=experiments/configs/mqrar.py \
       --workdir=workdirs/mqrar --results=experiments/results/mqrar
 
-`arg`: runlocal, gpu, encodings=A+B, seeds=N (default 1), steps=N, num_pairs=P, seq_len=T.
+`arg`: runlocal, gpu, encodings=A+B, seeds=N (default 1), steps=N, num_pairs=P, seq_len=T,
+n_backs=1+2+..., lr=X (peak learning rate, default 1e-3).
 
 `gpu`: the paper's sizes (hidden 256, 2 heads of 128, 2 layers, 32 pairs, length 768), 4000
 steps of batch 64 in bfloat16, the attention implementation left to the GPU auto rule.
@@ -22,14 +23,14 @@ from experiments.configs import base
 
 def get_config(arg: str | None = None):
   a = base.parse_arg(arg, runlocal=False, gpu=False, encodings="rope+fox+path", seeds=1,
-                     steps=0, num_pairs=0, seq_len=0, n_backs="1+2+3+4")
+                     steps=0, num_pairs=0, seq_len=0, n_backs="1+2+3+4", lr=0.0)
   base.check_local_or_gpu(a)
   c = base.get_config()
   c.data.task = "mqrar"
   c.data.seq_len = a.seq_len or (768 if a.gpu else 128)
   c.data.update(num_pairs=a.num_pairs or (32 if a.gpu else 6), num_values=32, query_prob=0.3)
   c.model.update(num_layers=2, d_model=128, num_heads=2, head_dim=64, block="llama")
-  c.train.update(steps=a.steps or 1000, batch_size=16, learning_rate=1e-3, warmup_steps=100,
+  c.train.update(steps=a.steps or 1000, batch_size=16, learning_rate=a.lr or 1e-3, warmup_steps=100,
                  weight_decay=0.1, checkpoint_every=100000, log_every=50)
   c.eval.update(num_batches=4, batch_size=64)
   # The blockwise implementations: on CPU PaTH's UT-chunked form is ~10x faster than the dense
