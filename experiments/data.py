@@ -14,7 +14,8 @@ Fields of the `data` ConfigDict (`default_data_config()` has them all):
   seq_len             training row length T (512)
   flipflop:           ignore_prob 0.8 (train and "id"), sparse_ignore_prob 0.98,
                       dense_ignore_prob 0.1
-  word_problem:       group "A5" | "S5"
+  word_problem:       group "A5" | "S5"; alphabet "group" | "generators" (optional: absent
+                      means "group")
   mqrar:              n_back 1, num_pairs 32 (distinct keys), num_values 32,
                       query_prob 0.3
   text:               text_dir None (= the interpreter's stdlib), max_files None (all),

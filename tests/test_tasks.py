@@ -109,6 +109,25 @@ def test_word_problem_tokens_cover_the_group(rng):
   assert set(ex["tokens"].tolist()) == set(range(60))
 
 
+def test_word_problem_generator_words(rng):
+  """alphabet="generators": PaTH's words over 3-cycles and their inverses (A5), every letter
+  used, the targets still the running products, which reach the whole group."""
+  elems = word_problem.elements("A5")
+  letters = {elems[i] for i in word_problem.generators("A5")}
+  assert letters == {(1, 2, 0, 3, 4), (2, 0, 1, 3, 4), (1, 3, 2, 0, 4), (3, 0, 2, 1, 4),
+                     (1, 4, 2, 3, 0), (4, 0, 2, 3, 1)}   # (0 1 2), (0 1 3), (0 1 4), inverses
+  ex = word_problem.generate(rng, seq_len=3000, group="A5", alphabet="generators")
+  assert {elems[g] for g in ex["tokens"]} == letters
+  state = tuple(range(5))
+  for g, target in zip(ex["tokens"], ex["targets"]):
+    state = tuple(elems[g][state[i]] for i in range(5))
+    assert elems[target] == state
+  assert len(set(ex["targets"].tolist())) == 60
+  config = _config(task="word_problem", alphabet="generators")
+  batch = data.make_eval_sets(config, seq_len=16, batch_size=4, num_batches=1, seed=0)["test"][0]
+  assert set(batch["tokens"].ravel().tolist()) <= set(word_problem.generators("A5").tolist())
+
+
 # --- MQRAR-N -----------------------------------------------------------------------
 
 
@@ -157,7 +176,7 @@ def test_mqrar_paper_setting_has_answers_for_every_n():
 @pytest.mark.parametrize("field, value, task", [
     ("ignore_prob", 1.0, "flipflop"), ("dense_ignore_prob", -0.1, "flipflop"),
     ("group", "A4", "word_problem"), ("n_back", 0, "mqrar"), ("num_pairs", 0, "mqrar"),
-    ("query_prob", 1.0, "mqrar"),
+    ("query_prob", 1.0, "mqrar"), ("alphabet", "letters", "word_problem"),
 ])
 def test_bad_task_fields_raise_naming_the_field(field, value, task):
   config = _config(task=task, **{field: value})

@@ -9,7 +9,9 @@ at 1, 2, 3 and 4 layers on the same data stream and seeds.
       --workdir=workdirs/word_problem --results=experiments/results/word_problem
 
 `arg`: runlocal, gpu, group=A5|S5, encodings=A+B, seeds=N (default 1), steps=N, seq_len=T,
-layers=1+2+..., lr=X (peak learning rate, default 1e-3).
+layers=1+2+..., lr=X (peak learning rate, default 1e-3), alphabet=group|generators (the words'
+letters: every group element, Merrill et al.'s setup and the default, or PaTH §4.1's fixed
+generators and their inverses; experiments/tasks/word_problem.py).
 
 `gpu`: words of 64 elements, d_model 256 (4 heads x 64), 5000 steps of batch 128 in bfloat16
 at 1-4 layers; steps=N raises the budget until PaTH reaches 90% (or shows where it stops).
@@ -23,11 +25,14 @@ from experiments.configs import base
 
 def get_config(arg: str | None = None):
   a = base.parse_arg(arg, runlocal=False, gpu=False, group="A5", encodings="rope+fox+path",
-                     seeds=1, steps=0, seq_len=0, layers="1+2+3+4", lr=0.0)
+                     seeds=1, steps=0, seq_len=0, layers="1+2+3+4", lr=0.0,
+                     alphabet="group")
   base.check_local_or_gpu(a)
   c = base.get_config()
   c.data.task = "word_problem"
   c.data.group = a.group
+  if a.alphabet != "group":  # set only when chosen: the default leaves the results' fingerprint
+    c.data.alphabet = a.alphabet
   c.data.seq_len = a.seq_len or (64 if a.gpu else 16)
   c.model.update(num_layers=1, d_model=128, num_heads=4, head_dim=32, block="llama")
   c.train.update(steps=a.steps or 1500, batch_size=32, learning_rate=a.lr or 1e-3, warmup_steps=100,

@@ -22,6 +22,12 @@ Conventions:
     whose setup PaTH follows, draw every element of the group uniformly, which is
     what we do (any element is a product of generators, so the task is the same
     up to word length).
+  * config.alphabet (optional, "group" when absent) picks what the word is drawn from:
+    "group", every element uniformly (Merrill et al.); "generators", PaTH's words over fixed
+    generators and their inverses, uniformly: for A5 the 3-cycles (0 1 2), (0 1 3), (0 1 4)
+    and their inverses (PaTH §4.1's example, 0-indexed); for S5 the transposition (0 1) and
+    the 5-cycle (0 1 2 3 4) with its inverse. Tokens stay indices into the group's
+    enumeration, so the vocabulary is the same either way.
   * There is no separate train/test distribution: "test" is fresh words of the
     requested length from a stream disjoint from training.
 """
@@ -33,6 +39,7 @@ import itertools
 import numpy as np
 
 GROUPS = ("A5", "S5")
+ALPHABETS = ("group", "generators")
 TEST_SETS = ("test",)
 MIN_SEQ_LEN = 1
 
@@ -70,14 +77,38 @@ def vocab_size(config) -> int:
 
 def validate(config) -> None:
   elements(config.group)
+  if config.get("alphabet", "group") not in ALPHABETS:
+    raise ValueError(f"data.alphabet={config.alphabet!r} must be one of {ALPHABETS}")
 
 
-def generate(rng: np.random.Generator, *, seq_len: int, group: str) -> dict[str, np.ndarray]:
+def _cycle(*points: int) -> tuple[int, ...]:
+  """The permutation tuple of the cycle (points[0] points[1] ...) on {0..4}."""
+  p = list(range(5))
+  for a, b in zip(points, points[1:] + points[:1]):
+    p[a] = b
+  return tuple(p)
+
+
+@functools.cache
+def generators(group: str) -> np.ndarray:
+  """Indices (into elements(group)) of the "generators" alphabet: generators and inverses."""
+  cycles = ([(0, 1, 2), (0, 1, 3), (0, 1, 4)] if group == "A5"
+            else [(0, 1), (0, 1, 2, 3, 4)])
+  perms = [_cycle(*c) for c in cycles] + [_cycle(*reversed(c)) for c in cycles]
+  index = {p: n for n, p in enumerate(elements(group))}
+  return np.array(sorted({index[p] for p in perms}), np.int32)
+
+
+def generate(rng: np.random.Generator, *, seq_len: int, group: str,
+             alphabet: str = "group") -> dict[str, np.ndarray]:
   """One word of length T: tokens, running products as targets, loss_mask all ones."""
   if seq_len < MIN_SEQ_LEN:
     raise ValueError(f"word problem seq_len={seq_len} must be >= {MIN_SEQ_LEN}")
   table = cayley_table(group)
-  tokens = rng.integers(0, table.shape[0], size=seq_len).astype(np.int32)
+  if alphabet == "generators":
+    tokens = rng.choice(generators(group), size=seq_len).astype(np.int32)
+  else:
+    tokens = rng.integers(0, table.shape[0], size=seq_len).astype(np.int32)
   targets = np.empty(seq_len, np.int32)
   state = 0  # identity
   for t, g in enumerate(tokens):
@@ -89,4 +120,5 @@ def generate(rng: np.random.Generator, *, seq_len: int, group: str) -> dict[str,
 def make_example(config, rng: np.random.Generator, *, seq_len: int, split: str) -> dict[str, np.ndarray]:
   if split not in ("train",) + TEST_SETS:
     raise ValueError(f"word problem split={split!r} is not one of {('train',) + TEST_SETS}")
-  return generate(rng, seq_len=seq_len, group=config.group)
+  return generate(rng, seq_len=seq_len, group=config.group,
+                  alphabet=config.get("alphabet", "group"))
