@@ -90,6 +90,6 @@ def test_step_profile_times_each_part_of_a_real_run(capsys):
   table = capsys.readouterr().out.splitlines()
   assert "tokens/step 128" in table[0]                 # runlocal: batch 4 x length 32
   values = [float(x.replace(",", "")) for x in table[-1].strip("| ").split(" | ")]
-  assert len(values) == 6 and all(v > 0 for v in values)   # data, put x2, step, loop, tok/s
+  assert len(values) == 5 and all(v > 0 for v in values)
   with pytest.raises(SystemExit, match="--encoding='xpos' is not in the config's"):
     step_profile.main(["--config=experiments/configs/flipflop.py:runlocal", "--encoding", "xpos"])

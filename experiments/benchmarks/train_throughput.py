@@ -422,8 +422,8 @@ def parse_args(argv=None):
   p.add_argument("--implementation", default="auto",
                  help="auto (ModelConfig.implementation=None) or a forced one for every layer")
   p.add_argument("--embed", choices=tuple(EMBED), default="auto",
-                 help="the token embedding: ModelConfig.embed_one_hot None (auto: one-hot on a "
-                      "GPU), False (gather) or True (one-hot)")
+                 help="the token embedding's gradient: ModelConfig.embed_one_hot None (auto: "
+                      "one-hot matmuls on a GPU), False (the gather's scatter-add) or True")
   p.add_argument("--scan-layers", action="store_true",
                  help="ModelConfig.scan_layers: the blocks as one lax.scan (compiles one layer; "
                       "rows labelled [scan], their ratio taken to rope [cudnn, scan])")
