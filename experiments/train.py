@@ -37,6 +37,7 @@ from posenc_jax import model as model_lib
 
 SUMMARY = "summary.json"
 CONFIG = "config.json"   # the run's whole config, for readers such as experiments.generate
+WALL = "wall_time.json"  # training seconds of a run's interrupted segments, summed on resume
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 
 
@@ -222,6 +223,8 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
           ckpt.save(step, state, train_iter, stored)
       bar.close()
       if step < t.steps:  # interrupted (SIGTERM or stop_after), checkpoint saved
+        if primary:
+          _write_prior_wall(workdir, _prior_wall(workdir) + time.time() - started)
         return {"encoding": mcfg.encoding, "step": step, "interrupted": True}
       final_eval = evaluate_now(state["params"]) if eval_sets else []
       log.eval(step, final_eval)
@@ -230,7 +233,9 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
     log.close()
   summary = {"encoding": mcfg.encoding, "kv_shift": mcfg.kv_shift, "step": step,
              "final_loss": log.last_loss(), "eval": final_eval,
-             "wall_time_s": time.time() - started, "task": config.data.task,
+             # Over every segment, where the run resumed after interruptions.
+             "wall_time_s": _prior_wall(workdir) + time.time() - started,
+             "task": config.data.task,
              "seq_len": config.data.seq_len, "interrupted": False,
              # Where and when it trained, for results gathered over several machines/calls.
              "tokens_seen": int(step) * int(config.train.batch_size) * int(config.data.seq_len),
@@ -241,6 +246,20 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
       json.dump(summary, f, indent=1)
     report.write_run_report(workdir, summary)
   return summary
+
+
+def _prior_wall(workdir: str) -> float:
+  """Seconds the run's earlier, interrupted segments took (0 for a fresh run)."""
+  path = os.path.join(workdir, WALL)
+  if not os.path.exists(path):
+    return 0.0
+  with open(path) as f:
+    return float(json.load(f)["seconds"])
+
+
+def _write_prior_wall(workdir: str, seconds: float) -> None:
+  with open(os.path.join(workdir, WALL), "w") as f:
+    json.dump({"seconds": seconds}, f)
 
 
 def _finished_summary(workdir: str, steps: int) -> dict | None:

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import jax
 import numpy as np
@@ -115,7 +116,12 @@ def test_resume_reproduces_losses(tmp_path):
   straight = train.run(_config(), str(tmp_path / "a"))
   first = train.run(_config(), str(tmp_path / "b"), stop_after=3)  # not on a save step
   assert first["interrupted"] and first["step"] == 3
+  first_wall = train._prior_wall(str(tmp_path / "b"))
+  assert first_wall > 0
+  resume_start = time.time()
   resumed = train.run(_config(), str(tmp_path / "b"))
+  # The summary's wall time spans both segments, not only the resumed one.
+  assert first_wall < resumed["wall_time_s"] <= first_wall + time.time() - resume_start
   a, b = _train_losses(tmp_path / "a"), _train_losses(tmp_path / "b")
   assert len(a) == len(b) == 8
   np.testing.assert_array_equal(b, a)
