@@ -9,7 +9,10 @@ mixing_window), which read them from WORKDIR/<encoding>/seed0/.
       --workdir=workdirs/length_extrapolation --results=experiments/results/length_extrapolation
 
 `arg`: runlocal, gpu, encodings=A+B, seeds=N (default 1), steps=N, train_len=L (default 64;
-512 with gpu).
+512 with gpu), lr=X (peak learning rate; default 3e-3, 1e-3 with gpu). TAPA's paper trains
+TAPA at a fifth of RoPE's rate (2e-5 against 1e-4); at gpu's shared 1e-3 its gradient norm
+grows from step 75 and the run does not learn (length_extrapolation_gpu/NOTES.md), so the GPU
+table's TAPA row is `encodings=tapa,lr=2e-4`, which gets its own results directory.
 
 `gpu` (one GPU; issue 15's scale): a 6-layer llama-style model (d_model 768, 12 heads x 64,
 ~43M parameters) in bfloat16, trained at L = 512 on batches of 64 rows (32,768 tokens a step)
@@ -40,7 +43,7 @@ ENCODINGS = ("rope", "rope_v", "acc_rot_random", "acc_rot_random_v", "acc_rot_le
 
 def get_config(arg: str | None = None):
   a = base.parse_arg(arg, runlocal=False, gpu=False, encodings="", seeds=1, steps=0,
-                     train_len=0, factors=6)
+                     train_len=0, factors=6, lr=0.0)
   base.check_local_or_gpu(a)
   c = base.get_config()
   c.data.task = "text"
@@ -66,6 +69,8 @@ def get_config(arg: str | None = None):
     c.eval.update(num_batches=2, batch_size=32)
     c.sweep.eval_tokens = 131072   # 8 rows at 16,384
     c.sweep.eval_batch_tokens = 65536
+  if a.lr:
+    c.train.learning_rate = a.lr
   if a.runlocal:
     c.data.seq_len = 16
     c.data.max_files = 20
