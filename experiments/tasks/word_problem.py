@@ -1,7 +1,7 @@
 """Word problems on A5 / S5 (PaTH §4.1, Fig. 2 bottom; Merrill et al. 2024).
 
-The input is a word g_1 g_2 ... g_T of group elements drawn uniformly from the whole
-group; the target at every position t is the running product P_t = g_1 g_2 ... g_t
+The input is a word g_1 g_2 ... g_T of group elements (drawn uniformly from the whole
+group, or from fixed generators: config.alphabet below); the target at every position t is the running product P_t = g_1 g_2 ... g_t
 (a state-tracking "tagging" formulation, as in Merrill et al.'s word-problem code: the
 model must output the prefix product after each element, not only whether the whole
 word is the identity).
@@ -18,10 +18,9 @@ Conventions:
     sequence accuracy; PaTH's ">90% accuracy" criterion is applied to it. The
     final-position accuracy (whether the whole word's product is predicted) is the
     last column of the same predictions.
-  * PaTH describes words over fixed generators and their inverses; Merrill et al.,
-    whose setup PaTH follows, draw every element of the group uniformly, which is
-    what we do (any element is a product of generators, so the task is the same
-    up to word length).
+  * By default every element of the group is drawn uniformly (Merrill et al.).
+    config.alphabet="generators" gives PaTH's form (next bullet), which is the one the
+    GPU reproduction learned (experiments/results/word_problem_gpu/NOTES.md).
   * config.alphabet (optional, "group" when absent) picks what the word is drawn from:
     "group", every element uniformly (Merrill et al.); "generators", PaTH's words over fixed
     generators and their inverses, uniformly: for A5 the 3-cycles (0 1 2), (0 1 3), (0 1 4)
