@@ -15,6 +15,7 @@ def test_tokens_change_the_defaults():
   assert bs == kp.BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=1, bwd_lanes=4,
                              bwd_num_warps=8, dkv_in_dq=True, fwd_kernel="mosaic")
   assert _block_sizes_of("pw8") == (kp.BlockSizes(prepass_num_warps=8), False)
+  assert _block_sizes_of("l2sp16") == (kp.BlockSizes(bwd_lanes=2, dkv_span=16), False)
   assert _block_sizes_of("pre=split_bf16") == (kp.BlockSizes(prepass="split_bf16"), False)
   assert _block_sizes_of("pre!=split_bf16x3") == (kp.BlockSizes(prepass="split_bf16x3"), True)
 

@@ -180,9 +180,9 @@ def part_check(prepass=None):
 def _block_sizes_of(spec):
   """A variant's spec -> (BlockSizes, force the pre-pass). Tokens change BlockSizes' defaults:
   b128 block 128, w8 forward warps, s1 stages, l2 backward lanes (l1: one lane, l0: auto),
-  bw8 backward warps, pw8 the pre-pass kernels' warps, kv dkv_in_dq, rc the backward runs the
-  pre-pass again (keep_operands off), ko keep_operands on, mg the Mosaic GPU forward (PaTH
-  without the gate), pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
+  bw8 backward warps, pw8 the pre-pass kernels' warps, sp8 dkv_span, kv dkv_in_dq, rc the
+  backward runs the pre-pass again (keep_operands off), ko keep_operands on, mg the Mosaic GPU
+  forward (PaTH without the gate), pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
   whether it builds and what it gains. E.g. path@l1rc is the seventh session's defaults."""
   import dataclasses
@@ -192,10 +192,10 @@ def _block_sizes_of(spec):
   spec = re.sub(r"pre!?=[a-z_0-9]+", "", spec)
   bs = kp.BlockSizes()
   num = lambda pattern: (lambda m: int(m[1]) if m else None)(re.search(pattern, spec))
-  b, w, s, l, bw, pw = (num(p) for p in (r"b(\d+)", r"(?<![bp])w(\d+)", r"s(\d+)",
-                                           r"l(\d+)", r"bw(\d+)", r"pw(\d+)"))
+  b, w, s, l, bw, pw, sp = (num(p) for p in (r"b(\d+)", r"(?<![bp])w(\d+)", r"s(\d+)",
+                                               r"l(\d+)", r"bw(\d+)", r"pw(\d+)", r"sp(\d+)"))
   changes = {k: v for k, v in dict(block_q=b, block_k=b, num_warps=w, num_stages=s,
-                                   bwd_num_warps=bw, prepass_num_warps=pw).items()
+                                   bwd_num_warps=bw, prepass_num_warps=pw, dkv_span=sp).items()
              if v is not None}
   if l is not None:
     changes["bwd_lanes"] = l if l != 1 else None

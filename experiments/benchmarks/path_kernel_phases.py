@@ -55,8 +55,9 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
   C, n = bs.block_q, ops.q.shape[2]
   do_b = prepass.blocked(prepass.pad_time(do, n * C), C)
   delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
-  dkv = jax.jit(lambda *a: calls.backward_dkv(*a, **kw))
   dq = jax.jit(lambda *a: calls.backward_dq(*a, **kw))
+  qb = dq(ops, do_b, lse, delta).get("qb")   # the boundary states dk/dv reads (dkv_span)
+  dkv = jax.jit(lambda *a: calls.backward_dkv(*a, qb=qb, **kw))
   ct = ops  # any cotangent of the right structure times the pullback
 
   def vjp(a, ct):

@@ -145,12 +145,19 @@ def dkv_diagonal(query, kc, diag, dk, dv, dfk, *, scale, transport, precision):
   return dk, dv, tuple(dfk)
 
 
-def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, bounds=False):
+def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, bounds=False,
+               span=0):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
-  (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]). Out: dk, dv [C, D] of
-  key chunk m, (dfk [G, 1, C]). With `bounds` the walk stops at hi_m, the last query chunk that
-  shares a segment with chunk m (prepass.chunk_bounds)."""
-  r = _unpack(refs, _in_spec(transport, gate, segments, bounds)
+  (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]); (qb [G, nb, n, C, D]
+  with span). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C]). With `bounds` the walk stops
+  at hi_m, the last query chunk that shares a segment with chunk m (prepass.chunk_bounds).
+
+  With `span` (BlockSizes.dkv_span, transport only) the operator walk stops at the end of key
+  chunk m's span, s = (m // span + 1) span, where it is M_sm; the query chunks c >= s are then
+  plain attention steps of the stored states qb[s / span - 1, c] = q^_c M_cs' (s' = s - 1, the
+  dq/dP kernel's) against k~ = k^ M_sm^T, since q^_c M_cm = (q^_c P_{c-1} ... P_s) M_sm, and
+  their dk^ share is (scale sum_c dS^T qb_c) M_sm, one operator product in all."""
+  r = _unpack(refs, _in_spec(transport, gate, segments, bounds) + [("qb", transport and span > 0)]
               + [("dk", True), ("dv", True), ("dfk", gate)])
   G, n, C, D = r["q"].shape
   f32 = jnp.float32
@@ -158,8 +165,8 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   kc = dict(k=r["k"][m], v=r["v"][m], fk=[None if not gate else r["fk"][g, m] for g in range(G)],
             sk=None if not segments else r["sk"][m])
 
-  def query(g, c):  # (load order as the products use them: fewer spills at head_dim 128)
-    return dict(q=r["q"][g, c], fq=None if not gate else r["fq"][g, c],
+  def query(g, c, q=None):  # (load order as the products use them: fewer spills at D 128)
+    return dict(q=r["q"][g, c] if q is None else q, fq=None if not gate else r["fq"][g, c],
                 sq=None if not segments else r["sq"][c], lse=r["lse"][g, c], do=r["do"][g, c],
                 delta=r["delta"][g, c])
 
@@ -179,7 +186,22 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
 
   mop = _eye(D) if transport else jnp.zeros((1, 1), f32)
   end = chunk_bound(r["hi"], m) + 1 if bounds else n
-  _, dk, dv, dfk = lax.fori_loop(m + 1, end, body, (mop, dk, dv, tuple(dfk)))
+  if not (transport and span):
+    _, dk, dv, dfk = lax.fori_loop(m + 1, end, body, (mop, dk, dv, tuple(dfk)))
+  else:
+    j = lax.div(m, span)   # m's span; qb's boundary index for the next span's first chunk s
+    s = (j + 1) * span
+    mop, dk, dv, dfk = lax.fori_loop(m + 1, jnp.minimum(s, end), body, (mop, dk, dv, tuple(dfk)))
+    mop = mop.astype(r["q"].dtype)   # M_sm (the product below takes it in the kernel dtype)
+    far = dict(kc, k=dot(kc["k"], mop, tb=True, precision=precision).astype(r["q"].dtype))
+
+    def far_body(c, carry):
+      a, dv, dfk = carry
+      return dkv_step(lambda g: query(g, c, q=r["qb"][g, j, c]), far, None, a, dv, dfk,
+                      scale=scale, transport=False, precision=precision)
+
+    a, dv, dfk = lax.fori_loop(s, end, far_body, (jnp.zeros((C, D), f32), dv, dfk))
+    dk += dot(a.astype(r["q"].dtype), mop, precision=precision)   # a is already scaled
   r["dk"][...] = dk.astype(r["dk"].dtype)
   r["dv"][...] = dv.astype(r["dv"].dtype)
   if gate:
@@ -188,7 +210,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
 
 
 def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, bounds=False,
-              kv=False):
+              kv=False, span=0):
   """In: as dkv_kernel, except that the query-side operands have their chunks merged into time
   (q, do [G, n*C, D]; lse, delta, (fq) [G, n*C, 1]; (sq [n*C, 1]); (diag [G, n*C, C])), so that
   one load reads the rows of one chunk or of two adjacent ones. Out: dq [G, n*C, D],
@@ -199,10 +221,15 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
   masked, so the adjoint starts at zero there and no dP_m gets a contribution.
   With `kv` (BlockSizes.dkv_in_dq) the kernel also accumulates this lane's dk^, dv [n, C, D]
   and (dfk [G, n, 1, C]) in float32 (dq_step's key-side parts), and calls.backward launches no
-  dk/dv kernel."""
+  dk/dv kernel.
+  With `span` (BlockSizes.dkv_span, transport only) it also writes qb [G, nb, n*C, D]: row
+  block (j, chunk c) holds q^_c P_{c-1} ... P_s, the state against key chunk s - 1 for the
+  boundary s = (j + 1) span <= c, which the right-to-left state pass computes anyway (the dk/dv
+  kernel's far walk reads it)."""
   r = _unpack(refs, _in_spec(transport, gate, segments, bounds)
               + [("dq", True), ("ddiag", transport), ("dp", transport), ("st", transport),
-                 ("dfq", gate), ("dka", kv), ("dva", kv), ("dfka", kv and gate)])
+                 ("qb", transport and span > 0), ("dfq", gate), ("dka", kv), ("dva", kv),
+                 ("dfka", kv and gate)])
   G = r["q"].shape[0]
   n, C, D = r["k"].shape
   dt = r["q"].dtype
@@ -267,6 +294,13 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
   def move(qt, e):  # q~ <- q~ P_m = q~ - q~ E_m (float32 state)
     return qt - dot(qt.astype(dt), e, precision=precision)
 
+  def keep_boundary(g, c, size, m, st):
+    """With span: st, the state against key chunk m, is the boundary state of s = m + 1."""
+    if span:
+      @pl.when(lax.rem(m + 1, span) == 0)   # (lax: jnp's floored % and // lower as selects)
+      def _():
+        r["qb"][g, lax.div(m + 1, span) - 1, rows(c, size)] = st
+
   # dP_m read-modify-write. At head_dim <= 64 the read is issued before the step, so that its
   # latency hides behind the step's products; at 128 the early [D, D] float32 tile costs more
   # in register spills than it hides (H200: dq/dP 18.2 -> 23.8 ms at 8,4096,16,128; 12.3 ->
@@ -301,7 +335,9 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
     if transport:
       def store_state(i, qt):  # the state used against key chunk m, for m = c-1 .. lo
         m = c - 1 - i
-        r["st"][m, pl.ds(0, C)] = qt.astype(dt)
+        st = qt.astype(dt)
+        r["st"][m, pl.ds(0, C)] = st
+        keep_boundary(g, c, C, m, st)
         return move(qt, r["e"][m])
 
       lax.fori_loop(0, c - lo, store_state, qc["q"].astype(f32))
@@ -338,7 +374,9 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
 
     def store_states(i, qt):  # stacked states against key chunk m = c-1 .. lo
       m = c - 1 - i
-      r["st"][m] = qt.astype(dt)
+      st = qt.astype(dt)
+      r["st"][m] = st
+      keep_boundary(g, c, 2 * C, m, st)   # (span even: no boundary falls between c and c + 1)
       return move(qt, r["e"][m])
 
     lax.fori_loop(0, c - lo, store_states, qt)

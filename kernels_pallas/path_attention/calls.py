@@ -71,6 +71,20 @@ class BlockSizes:
                                  # 10.25 ms at 16,2048,12,64. PaTH at D 128 or with float32
                                  # inputs runs the two kernels instead (fused_dkv_builds:
                                  # shared memory)
+  dkv_span: int | None = None    # GPU: > 0 splits the dk/dv kernel's walk over query chunks at
+                                 # span boundaries (every dkv_span chunks). The dq/dP sweep
+                                 # stores each query chunk's transport state at every boundary
+                                 # below it (q^_c P_{c-1} ... P_s: its state against key chunk
+                                 # s - 1, which it computes anyway); key chunk m then carries
+                                 # the D x D operator only to the end of its span, and walks the
+                                 # later spans as plain attention against those stored states
+                                 # with k~ = k^ M_sm^T (no operator product per step). Costs
+                                 # (n - 1) // dkv_span q-sized arrays of HBM. Even (the dq
+                                 # sweep's pairs start at even chunks). 0: off; None: the
+                                 # shortest span with at most 3 boundaries (auto_span). H200,
+                                 # fwd+bwd: 44.58 -> 39.01 ms (+0.25 GiB) at 8,4096,16,128
+                                 # (span 16; 8: 38.03, +0.75 GiB), 7.09 -> 6.75 at
+                                 # 16,2048,12,64 (span 8, +0.14 GiB)
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -87,6 +101,9 @@ class BlockSizes:
       raise ValueError(f"prepass_num_warps={self.prepass_num_warps} must be 1, 2, 4, 8 or 16")
     if self.bwd_lanes is not None and self.bwd_lanes < 0:
       raise ValueError(f"bwd_lanes={self.bwd_lanes} must be None (1 lane), 0 (auto) or >= 1")
+    if self.dkv_span is not None and (self.dkv_span < 0 or self.dkv_span % 2):
+      raise ValueError(f"dkv_span={self.dkv_span} must be None (auto), 0 (off) or a positive "
+                       "even number of chunks")
     if head_dim < 16 or head_dim & (head_dim - 1):
       raise ValueError(f"head_dim={head_dim} must be a power of two >= 16")
 
@@ -288,7 +305,30 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
     return bwd_tpu.backward(ops, do, lse, delta, **kw)
   if _fused_dkv(ops, bs, backend):
     return backward_dq(ops, do, lse, delta, **kw)
-  return {**backward_dkv(ops, do, lse, delta, **kw), **backward_dq(ops, do, lse, delta, **kw)}
+  grads = backward_dq(ops, do, lse, delta, **kw)   # first: with dkv_span it gives qb to dk/dv
+  return {**backward_dkv(ops, do, lse, delta, qb=grads.pop("qb", None), **kw), **grads}
+
+
+DKV_SPAN_BOUNDARIES = 3   # auto_span's memory bound: at most 3 q-sized arrays of states
+
+
+def auto_span(n: int) -> int:
+  """The shortest even span (in chunks) with at most DKV_SPAN_BOUNDARIES boundaries inside n
+  chunks: more boundaries take more of the walk off the operator (8,4096,16,128 on the H200:
+  spans 32 / 16 / 8 gave fwd+bwd 40.79 / 39.01 / 38.03 ms against 44.58), for one more
+  q-sized array per boundary (peak +0.25 GiB at span 16 there, +0.75 at 8)."""
+  span = (n - 1) // (DKV_SPAN_BOUNDARIES + 1) + 1
+  return span + span % 2
+
+
+def dkv_span(ops: Operands, bs: BlockSizes, backend: str) -> int:
+  """The span the backward uses: BlockSizes.dkv_span (None: auto_span) where it applies (PaTH on
+  the GPU or the interpreter, at least one span boundary inside the sequence), else 0."""
+  n = ops.q.shape[2]
+  span = auto_span(n) if bs.dkv_span is None else bs.dkv_span
+  use = span and ops.e is not None and backend in ("gpu", "interpret") and n > span and \
+      not _fused_dkv(ops, bs, backend)
+  return span if use else 0
 
 
 def _fused_dkv(ops: Operands, bs: BlockSizes, backend: str) -> bool:
@@ -344,8 +384,9 @@ def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv, *, bounds: bool):
 
 
 def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
-                 bs: BlockSizes):
-  """dk, dv (and dfk): grid (B, K, key chunk), every program independent."""
+                 bs: BlockSizes, qb=None):
+  """dk, dv (and dfk): grid (B, K, key chunk), every program independent. qb: the dq/dP
+  kernel's boundary states [B, H, nb, n, C, D] when dkv_span(ops, bs, backend) > 0."""
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   G = H // K
@@ -353,7 +394,13 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   f32 = jnp.float32
   grid, ids, axis = chunk_grid(B, K, n, backend)
   bounds = _bounds(ops, backend)
-  args, specs, _ = _bwd_inputs(ops, do, lse, delta, lambda *p: ids(*p)[:2], bounds=bounds)
+  args, specs, grp = _bwd_inputs(ops, do, lse, delta, lambda *p: ids(*p)[:2], bounds=bounds)
+  span = dkv_span(ops, bs, backend)
+  if span:
+    if qb is None:
+      raise ValueError("dkv_span: backward_dkv needs the boundary states qb of backward_dq")
+    args.append(qb)
+    specs.append(grp(qb))
   chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda *p: ids(*p) + (0, 0))
   gdt = ops.q.dtype  # gradients leave in the kernel dtype (accumulated in float32 on chip)
   out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt)] * 2
@@ -362,7 +409,7 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
     out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
     out_specs.append(pl.BlockSpec((None, G, None, 1, C), lambda *p: ids(*p) + (0, 0)))
   kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
-                             chunk_axis=axis, bounds=bounds, **f)
+                             chunk_axis=axis, bounds=bounds, span=span, **f)
   # Without grouped heads two stages fit in shared memory at head_dim 128 too, and pay (H200
   # dk/dv 14.1 -> 13.6 ms at 8,4096,16,128, 112.9 -> 100.0 ms at 4,16384,16,128); with G = 2
   # they ask for 273 of 227 KiB. Grouped float32 heads take one stage at every head_dim (G = 2,
@@ -435,11 +482,16 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   lane = lambda s: pl.BlockSpec((None, None) + s.shape[2:],
                                 lambda b, kh, l: (b, kh * L + l) + (0,) * (len(s.shape) - 2))
   names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n * C, D), gdt)]
+  span = dkv_span(ops, bs, backend)
+  nb = (n - 1) // span if span else 0   # boundaries s = span, 2 span, ... <= n - 1
   if f["transport"]:
     names += ["diag", "dp", "states"]
     out_shape += [jax.ShapeDtypeStruct((B, H, n * C, C), gdt),
                   jax.ShapeDtypeStruct((B, K * L, n, D, D), f32),
                   jax.ShapeDtypeStruct((B, K * L, n, C * (1 + pairs), D), ops.q.dtype)]
+  if span:
+    names.append("qb")
+    out_shape.append(jax.ShapeDtypeStruct((B, H, nb, n * C, D), ops.q.dtype))
   if f["gate"]:
     names.append("fq")
     out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), f32))
@@ -452,11 +504,13 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   per_lane = ("dp", "states", "k", "v", "fk")
   out_specs = [lane(s) if n_ in per_lane else grp(s) for n_, s in zip(names, out_shape)]
   kernel = functools.partial(bwd_kernels.dq_kernel, scale=scale, precision=precision, lanes=L,
-                             pairs=pairs, bounds=bounds, kv=kv, **f)
+                             pairs=pairs, bounds=bounds, kv=kv, span=span, **f)
   outs = _call(kernel, (B, K, L), specs, out_specs, out_shape, backend, bs, bwd=True,
                warps=bs.dq_num_warps or (8 if pairs else None))(*args)
   more = dict(zip(names, outs))
   more.pop("states", None)
+  if span:
+    more["qb"] = more["qb"].reshape(B, H, nb, n, C, D)
   for name in ("q", "diag", "fq"):  # back to [B, H, n, C, ...]
     if name in more:
       more[name] = more[name].reshape(B, H, n, C, *more[name].shape[3:])

@@ -111,11 +111,12 @@ class PathKernelBase:
 
   @pytest.mark.parametrize("fox", [False, True])
   def test_recomputed_operands_one_lane_bf16(self, key, fox):
-    """BlockSizes(keep_operands=False, bwd_lanes=None): the backward runs the pre-pass again
-    instead of reading the forward's outputs (the default keeps them), and the dq/dP sweep
-    takes one lane (gate, segments, grouped heads)."""
+    """BlockSizes(keep_operands=False, bwd_lanes=None, dkv_span=0): the backward runs the
+    pre-pass again instead of reading the forward's outputs (the default keeps them), the dq/dP
+    sweep takes one lane and the dk/dv walk carries the operator to the end (gate, segments,
+    grouped heads)."""
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, keep_operands=False,
-                       bwd_lanes=None)
+                       bwd_lanes=None, dkv_span=0)
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=True, fox=fox,
                 block_sizes=bs)
 
@@ -126,6 +127,15 @@ class PathKernelBase:
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_in_dq=True, bwd_lanes=0)
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True, fox=fox,
                 block_sizes=bs, determinism=True)
+
+  @pytest.mark.parametrize("dtype,lanes", [(jnp.float32, 2), (jnp.bfloat16, None)])
+  def test_dkv_span(self, key, dtype, lanes):
+    """BlockSizes(dkv_span=2): the dk/dv walk leaves the operator at each span's end and reads
+    the dq/dP sweep's boundary states (n = 7: three boundaries, pairs and the odd tail; gate,
+    segments, grouped heads; float32 over two lanes, deterministic)."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_lanes=lanes)
+    self._check(key, H=4, K=2, dtype=dtype, gate=True, segments=True, T=7 * self.block - 12,
+                block_sizes=bs, determinism=dtype == jnp.float32)
 
   def test_path_plain_f32_deterministic(self, key):
     self._check(key, H=2, K=2, dtype=jnp.float32, gate=False, segments=False, determinism=True)
@@ -491,7 +501,8 @@ def test_lowers_for_tpu(gate, fox, D):
     ("split2_hilo", True, 64, jnp.bfloat16, 2), ("split2_hilo", True, 128, jnp.bfloat16, 4),
     ("fold_bf16", True, 128, jnp.bfloat16, 2),
     ("split", True, 64, jnp.float32, 4),   # three-pass TF32 products everywhere
-    ("split_hilo+dkv_in_dq", True, 128, jnp.bfloat16, 2)])
+    ("split_hilo+dkv_in_dq", True, 128, jnp.bfloat16, 2),
+    ("split2_hilo+dkv_span", True, 128, jnp.bfloat16, 2)])
 def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
   """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
   built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""
@@ -501,8 +512,10 @@ def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
           sd((B, T, K, D), dtype), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32),
           sd((B, T, H), jnp.float32)]
   seg = sd((B, T), jnp.int32)
-  prepass, _, fused = prepass.partition("+")
-  bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs, dkv_in_dq=bool(fused),
+  prepass, _, option = prepass.partition("+")
+  fused = option == "dkv_in_dq"
+  bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs, dkv_in_dq=fused,
+                     dkv_span=2 if option == "dkv_span" else 0,   # n = 5: boundaries 2 and 4
                      bwd_lanes=0 if fused else None)   # (fused: with lanes, the harder layout)
   f = lambda *a: kp.path_attention(*a[:-1], segment_ids=a[-1], backend="gpu", block_sizes=bs)
   g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
