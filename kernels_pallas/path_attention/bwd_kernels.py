@@ -196,9 +196,17 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
     far = dict(kc, k=dot(kc["k"], mop, tb=True, precision=precision).astype(r["q"].dtype))
 
     def far_body(c, carry):
-      a, dv, dfk = carry
-      return dkv_step(lambda g: query(g, c, q=r["qb"][g, j, c]), far, None, a, dv, dfk,
-                      scale=scale, transport=False, precision=precision)
+      def step(carry):
+        a, dv, dfk = carry
+        return dkv_step(lambda g: query(g, c, q=r["qb"][g, j, c]), far, None, a, dv, dfk,
+                        scale=scale, transport=False, precision=precision)
+
+      if not bounds:
+        return step(carry)
+      # The dq/dP sweep of chunk c (its pair's) starts at key chunk lo_c, so it stored no state
+      # at s when lo_c >= s: that row of qb is unwritten memory, and tile (c, m) is fully
+      # masked (m < s <= lo_c), so skipping it is exact and keeps garbage out of dk.
+      return lax.cond(chunk_bound(r["lo"], c) < s, step, lambda carry: carry, carry)
 
     a, dv, dfk = lax.fori_loop(s, end, far_body, (jnp.zeros((C, D), f32), dv, dfk))
     dk += dot(a.astype(r["q"].dtype), mop, precision=precision)   # a is already scaled

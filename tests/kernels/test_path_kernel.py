@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import kernels_pallas as kp
+from kernels_pallas.path_attention import calls
 from posenc_jax import householder
 from posenc_jax import unipotent
 from tests.util import assert_rel_rms
@@ -42,9 +43,13 @@ def _segments(key, B, T, mode):
   """[B, T] int32 ids. "few": 2-4 packed documents per row; "short": packed documents of ~8
   tokens (most chunk pairs of a causal walk lie before the query's document: the kernels skip
   them); "interleaved": ids 0-2 at random, a document's tokens not contiguous (the skipping
-  must stay exact for any layout)."""
+  must stay exact for any layout); "alternating:N": two documents in alternating runs of N
+  tokens (a document's chunks come back after the other's)."""
   if mode == "interleaved":
     return jax.random.randint(key, (B, T), 0, 3).astype(jnp.int32)
+  if mode.startswith("alternating:"):
+    run = int(mode.partition(":")[2])
+    return jnp.broadcast_to((jnp.arange(T) // run) % 2, (B, T)).astype(jnp.int32)
   rate = {"few": 3.0 / T, "short": 1.0 / 8}[mode]
   return jnp.cumsum(jax.random.uniform(key, (B, T)) < rate, axis=1).astype(jnp.int32)
 
@@ -128,14 +133,18 @@ class PathKernelBase:
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True, fox=fox,
                 block_sizes=bs, determinism=True)
 
-  @pytest.mark.parametrize("dtype,lanes", [(jnp.float32, 2), (jnp.bfloat16, None)])
-  def test_dkv_span(self, key, dtype, lanes):
+  @pytest.mark.parametrize("dtype,lanes,alternating", [(jnp.float32, 2, False),
+                                                        (jnp.bfloat16, None, True)])
+  def test_dkv_span(self, key, dtype, lanes, alternating):
     """BlockSizes(dkv_span=2): the dk/dv walk leaves the operator at each span's end and reads
     the dq/dP sweep's boundary states (n = 7: three boundaries, pairs and the odd tail; gate,
-    segments, grouped heads; float32 over two lanes, deterministic)."""
+    grouped heads; float32 over two lanes, deterministic). Documents alternating every two
+    chunks put query chunks of the other document inside a key chunk's walk; their sweeps
+    start past the boundary, so no state was stored for them and the walk must skip them."""
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_lanes=lanes)
-    self._check(key, H=4, K=2, dtype=dtype, gate=True, segments=True, T=7 * self.block - 12,
-                block_sizes=bs, determinism=dtype == jnp.float32)
+    self._check(key, H=4, K=2, dtype=dtype, gate=True, T=7 * self.block - 12, block_sizes=bs,
+                segments=f"alternating:{2 * self.block}" if alternating else True,
+                determinism=dtype == jnp.float32)
 
   def test_path_plain_f32_deterministic(self, key):
     self._check(key, H=2, K=2, dtype=jnp.float32, gate=False, segments=False, determinism=True)
@@ -232,6 +241,23 @@ class TestInterpret(PathKernelBase):
     self._check(key, H=2, K=1, dtype=jnp.float32, gate=True, segments=False, T=64,
                 block_sizes=kp.BlockSizes(block_q=16, block_k=16, bwd_lanes=lanes,
                                           dq_pairs=pairs))
+
+  def test_dkv_span_reads_only_stored_states(self, key, monkeypatch):
+    """The dk/dv walk must not read a boundary state that the dq/dP sweep did not store (on the
+    GPU that row is uninitialised memory). The interpreter's outputs start at zero, so the
+    unstored rows are the all-zero ones before the padding: they are set to NaN on the way to
+    dk/dv, and the gradients must stay exact (documents alternating every two chunks)."""
+    real, T = calls.backward_dkv, 7 * self.block - 12
+
+    def poisoned(*args, qb=None, **kw):
+      t = jnp.arange(qb.shape[3] * qb.shape[4]).reshape(qb.shape[3], qb.shape[4], 1)
+      unstored = jnp.all(qb == 0, axis=-1, keepdims=True) & (t < T)
+      return real(*args, qb=jnp.where(unstored, jnp.nan, qb), **kw)
+
+    monkeypatch.setattr(calls, "backward_dkv", poisoned)
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2)
+    self._check(key, H=2, K=1, dtype=jnp.float32, gate=False, T=T, block_sizes=bs,
+                segments=f"alternating:{2 * self.block}")
 
   @pytest.mark.slow   # the call of test_path_gate_segments_gqa_f32 (n = 3) with 16-blocks
   def test_path_pairs_odd_tail_f32(self, key):
