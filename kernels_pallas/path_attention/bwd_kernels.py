@@ -203,9 +203,9 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
 
       if not bounds:
         return step(carry)
-      # The dq/dP sweep of chunk c (its pair's) starts at key chunk lo_c, so it stored no state
-      # at s when lo_c >= s: that row of qb is unwritten memory, and tile (c, m) is fully
-      # masked (m < s <= lo_c), so skipping it is exact and keeps garbage out of dk.
+      # The dq/dP sweep of chunk c starts at key chunk lo_c (its pair's: the smaller lo), so
+      # when lo_c >= s it may have stored no state at s: the row can be unwritten memory. Tile
+      # (c, m) is then fully masked (m < s <= lo_c), so skipping it is exact.
       return lax.cond(chunk_bound(r["lo"], c) < s, step, lambda carry: carry, carry)
 
     a, dv, dfk = lax.fori_loop(s, end, far_body, (jnp.zeros((C, D), f32), dv, dfk))
