@@ -1,0 +1,98 @@
+"""The PaTH / FoX kernels lower for the hardware on a CPU host: Mosaic TPU through jax.export,
+Pallas's Triton path and Mosaic GPU through lowering for "cuda". Interpret mode accepts more
+than the hardware lowerings do, so an op they lack fails here, not on a device."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kernels_pallas as kp
+
+
+def _tpu_mesh():
+  from jax._src import mesh as mesh_lib  # abstract TPU device: lower for TPU on a CPU host
+  device = mesh_lib.AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
+@pytest.mark.parametrize("gate,fox,D", [(False, False, 64), (True, False, 64), (True, True, 64),
+                                        (True, False, 128)])
+def test_lowers_for_tpu(gate, fox, D):
+  """Forward and backward go through Mosaic lowering (interpret mode would accept more)."""
+  B, T, H, K = 1, 200, 2, 1
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
+          sd((B, T, K, D), jnp.bfloat16)]
+  if not fox:
+    args += [sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
+  if gate:
+    args.append(sd((B, T, H), jnp.float32))
+  seg = sd((B, T), jnp.int32)
+  attend = kp.forgetting_attention if fox else kp.path_attention
+  f = lambda *a: attend(*a[:-1], segment_ids=a[-1], backend="tpu")
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
+  with _tpu_mesh():
+    for fn, kernels in ((f, ["fwd_kv_kernel"]), (g, ["dkv_tpu_kernel", "dq_tpu_kernel"])):
+      module = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args, seg).mlir_module()
+      assert "tpu_custom_call" in module
+      for name in kernels:  # the TPU forms, not the GPU bodies with whole-sequence blocks
+        assert f'kernel_name = "{name}"' in module, name
+
+
+@pytest.mark.parametrize("prepass,pairs,D,dtype,K", [
+    ("split", False, 64, jnp.bfloat16, 4),   # K = H: the Pallas pre-pass (G > 1 takes jnp)
+    ("split", True, 64, jnp.bfloat16, 2), ("split_bf16", True, 64, jnp.bfloat16, 2),
+    ("split_bf16x3", True, 64, jnp.bfloat16, 4), ("split_hilo", True, 64, jnp.bfloat16, 2),
+    ("split2_hilo", True, 64, jnp.bfloat16, 2), ("split2_hilo", True, 128, jnp.bfloat16, 4),
+    ("fold_bf16", True, 128, jnp.bfloat16, 2),
+    ("split", True, 64, jnp.float32, 4),   # three-pass TF32 products everywhere
+    ("split_hilo+dkv_in_dq", True, 128, jnp.bfloat16, 2),
+    ("split2_hilo+dkv_span", True, 128, jnp.bfloat16, 2)])
+def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
+  """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
+  built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""
+  B, T, H = 1, 300, 4   # n = 5: query-chunk pairs and the odd tail
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, T, H, D), dtype), sd((B, T, K, D), dtype),
+          sd((B, T, K, D), dtype), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32),
+          sd((B, T, H), jnp.float32)]
+  seg = sd((B, T), jnp.int32)
+  prepass, _, option = prepass.partition("+")
+  fused = option == "dkv_in_dq"
+  bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs, dkv_in_dq=fused,
+                     dkv_span=2 if option == "dkv_span" else 0,   # n = 5: boundaries 2 and 4
+                     bwd_lanes=0 if fused else None)   # (fused: with lanes, the harder layout)
+  f = lambda *a: kp.path_attention(*a[:-1], segment_ids=a[-1], backend="gpu", block_sizes=bs)
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
+  for fn in (f, g):
+    text = jax.jit(fn).trace(*args, seg).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("D,gate_segments", [(64, False), (128, False), (64, True)])
+def test_mosaic_forward_lowers_for_gpu(D, gate_segments):
+  """BlockSizes(fwd_kernel="mosaic"): the forward lowers through Mosaic GPU (TMA, wgmma) on a
+  CPU host, inside jax.grad too (the backward stays on the Triton kernels); plgpu's wgmma does
+  not run in interpret mode, so TestGPU.test_mosaic_forward_bf16 checks its values on the
+  device."""
+  B, T, H, K = 1, 300, 4, 2
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
+          sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
+  if gate_segments:
+    args += [sd((B, T, H), jnp.float32), sd((B, T), jnp.int32)]   # log_forget, segment ids
+  bs = kp.BlockSizes(fwd_kernel="mosaic")
+  split = lambda a: (a[:-1], a[-1]) if gate_segments else (a, None)
+  f = lambda *a: kp.path_attention(*split(a)[0], backend="gpu", block_sizes=bs,
+                                   segment_ids=split(a)[1])
+  n_diff = len(args) - gate_segments
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(n_diff)))
+  for fn in (f, g):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match="fwd_kernel"):  # float32 stays on the Triton kernel
+    f32 = [sd(a.shape, jnp.float32) for a in args[:5]]
+    jax.jit(lambda *a: kp.path_attention(*a, backend="gpu", block_sizes=bs)).trace(
+        *f32).lower(lowering_platforms=("cuda",))
