@@ -3,8 +3,8 @@
   python -m experiments.benchmarks.embed_grad
 
 Decides posenc_jax.model.ONE_HOT_EMBED_MAX_VOCAB; results in embed_grad.md. Both columns run
-embed_tokens (a gather forward); "one-hot" is its one_hot=True gradient. Each row: a vocabulary V, width C and the
-number of distinct token ids that occur (`used`: a byte-level corpus uses ~100 of a 32,000-row
+embed_tokens (a gather forward); "one-hot" is its one_hot=True gradient. Each row: a
+vocabulary V, width C and the number of distinct token ids that occur (`used`: a byte-level corpus uses ~100 of a 32,000-row
 table, so its gather gradient collides as much as a small vocabulary's), 32,768 tokens, bf16,
 ids drawn Zipf-like as text's are. Median ms of the jitted table gradient over 20 runs.
 """

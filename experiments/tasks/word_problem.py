@@ -1,7 +1,8 @@
 """Word problems on A5 / S5 (PaTH §4.1, Fig. 2 bottom; Merrill et al. 2024).
 
 The input is a word g_1 g_2 ... g_T of group elements (drawn uniformly from the whole
-group, or from fixed generators: config.alphabet below); the target at every position t is the running product P_t = g_1 g_2 ... g_t
+group, or from fixed generators: config.alphabet below); the target at every position t
+is the running product P_t = g_1 g_2 ... g_t
 (a state-tracking "tagging" formulation, as in Merrill et al.'s word-problem code: the
 model must output the prefix product after each element, not only whether the whole
 word is the identity).

@@ -189,11 +189,12 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   if not (transport and span):
     _, dk, dv, dfk = lax.fori_loop(m + 1, end, body, (mop, dk, dv, tuple(dfk)))
   else:
+    dt = r["q"].dtype
     j = lax.div(m, span)   # m's span; qb's boundary index for the next span's first chunk s
     s = (j + 1) * span
     mop, dk, dv, dfk = lax.fori_loop(m + 1, jnp.minimum(s, end), body, (mop, dk, dv, tuple(dfk)))
-    mop = mop.astype(r["q"].dtype)   # M_sm (the product below takes it in the kernel dtype)
-    far = dict(kc, k=dot(kc["k"], mop, tb=True, precision=precision).astype(r["q"].dtype))
+    mop = mop.astype(dt)   # M_sm (the product below takes it in the kernel dtype)
+    far = dict(kc, k=dot(kc["k"], mop, tb=True, precision=precision).astype(dt))
 
     def far_body(c, carry):
       def step(carry):
@@ -209,7 +210,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
       return lax.cond(chunk_bound(r["lo"], c) < s, step, lambda carry: carry, carry)
 
     a, dv, dfk = lax.fori_loop(s, end, far_body, (jnp.zeros((C, D), f32), dv, dfk))
-    dk += dot(a.astype(r["q"].dtype), mop, precision=precision)   # a is already scaled
+    dk += dot(a.astype(dt), mop, precision=precision)   # a is already scaled
   r["dk"][...] = dk.astype(r["dk"].dtype)
   r["dv"][...] = dv.astype(r["dv"].dtype)
   if gate:
