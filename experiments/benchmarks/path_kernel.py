@@ -180,7 +180,8 @@ def part_check(prepass=None):
 def _block_sizes_of(spec):
   """A variant's spec -> (BlockSizes, force the pre-pass). Tokens change BlockSizes' defaults:
   b128 block 128, w8 forward warps, s1 stages, l2 backward lanes (l1: one lane, l0: auto),
-  bw8 backward warps, pw8 the pre-pass kernels' warps, sp8 dkv_span, kv dkv_in_dq, rc the
+  bw8 backward warps, pw8 the pre-pass kernels' warps, sp8 dkv_span, kv dkv_in_dq, par (par2) the
+  span-parallel backward (bwd_spans 1 (2); seq: 0), np one query chunk per dq/dP tile, rc the
   backward runs the pre-pass again (keep_operands off), ko keep_operands on, mg the Mosaic GPU
   forward (PaTH without the gate), pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
@@ -200,6 +201,10 @@ def _block_sizes_of(spec):
   if l is not None:
     changes["bwd_lanes"] = l if l != 1 else None
   changes.update({"dkv_in_dq": True} if "kv" in spec else {})
+  par = re.search(r"par(\d?)", spec)
+  changes.update({"bwd_spans": int(par[1] or 1)} if par else {})
+  changes.update({"bwd_spans": 0} if "seq" in spec else {})
+  changes.update({"dq_pairs": False} if "np" in spec else {})
   changes.update({"keep_operands": False} if "rc" in spec else {})
   changes.update({"keep_operands": True} if "ko" in spec else {})
   changes.update({"fwd_kernel": "mosaic"} if "mg" in spec else {})

@@ -22,6 +22,9 @@ from experiments.benchmarks.path_kernel import (CASES, OUT, _inputs, _median_ms,
 
 
 PHASES = ("prepass", "fwd_kernel", "dkv_kernel", "dq_kernel", "prepass_vjp", "fwd_bwd")
+# BlockSizes(bwd_spans=True): the span-parallel backward's launches take the place of dkv_kernel
+# and dq_kernel (calls_span.py, in launch order)
+SPAN_PHASES = ("span_boundary", "span_far_dq", "span_far_dkv", "span_y", "span_bwd")
 
 
 def _block_sizes(spec):
@@ -55,9 +58,14 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
   C, n = bs.block_q, ops.q.shape[2]
   do_b = prepass.blocked(prepass.pad_time(do, n * C), C)
   delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
-  dq = jax.jit(lambda *a: calls.backward_dq(*a, **kw))
-  qb = dq(ops, do_b, lse, delta).get("qb")   # the boundary states dk/dv reads (dkv_span)
-  dkv = jax.jit(lambda *a: calls.backward_dkv(*a, qb=qb, **kw))
+  span = calls.dkv_span(ops, bs, backend) if bs.bwd_spans else 0
+  if span:
+    timed_span = _span_phases(ops, do_b, lse, delta, span=span, **kw)
+    phases = [p for p in phases if p not in ("dkv_kernel", "dq_kernel")] + list(SPAN_PHASES)
+  else:
+    dq = jax.jit(lambda *a: calls.backward_dq(*a, **kw))
+    qb = dq(ops, do_b, lse, delta).get("qb")   # the boundary states dk/dv reads (dkv_span)
+    dkv = jax.jit(lambda *a: calls.backward_dkv(*a, qb=qb, **kw))
   ct = ops  # any cotangent of the right structure times the pullback
 
   def vjp(a, ct):
@@ -76,15 +84,40 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
     return _median_ms(f, *a, n=n)
 
   timed = dict(prepass=lambda: med(prep, *args), fwd_kernel=lambda: med(fwd, ops),
-               dkv_kernel=lambda: med(dkv, ops, do_b, lse, delta),
-               dq_kernel=lambda: med(dq, ops, do_b, lse, delta),
                prepass_vjp=lambda: med(pull, args, ct),
                fwd_bwd=lambda: med(whole, *args[:5], n=min(reps, 5)))
+  if span:
+    timed.update({name: (lambda f=f, a=a: med(f, *a)) for name, (f, a) in timed_span.items()})
+  else:
+    timed.update(dkv_kernel=lambda: med(dkv, ops, do_b, lse, delta),
+                 dq_kernel=lambda: med(dq, ops, do_b, lse, delta))
   for name in phases:
     row[name] = timed[name]()
   row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
   print(json.dumps(row), flush=True)
   return row
+
+
+def _span_phases(ops, do_b, lse, delta, *, span, scale, precision, backend, bs):
+  """{phase: (jitted launch, its arguments)} of calls_span.backward, each fed the outputs of
+  the launches before it."""
+  import jax
+  from kernels_pallas.path_attention import calls_span
+  nb = (ops.q.shape[2] - 1) // span
+  kw = dict(precision=precision, backend=backend, bs=bs)
+  boundary = jax.jit(lambda ops: calls_span._boundary(ops, span=span, nb=nb, **kw))
+  kb, pi = boundary(ops)
+  far_dq = jax.jit(lambda *a: calls_span._far_dq(*a, scale=scale, span=span, nb=nb, **kw))
+  qb, a, *_ = far_dq(ops, do_b, lse, delta, kb, pi)
+  far_dkv = jax.jit(lambda *a: calls_span._far_dkv(*a, scale=scale, span=span, **kw))
+  y = jax.jit(lambda qb, a: calls_span.far_queries_y(qb, a, K=ops.k.shape[1], span=span,
+                                                      precision=precision))
+  whole = jax.jit(lambda *a: calls_span.backward(*a, scale=scale, span=span, **kw))
+  return dict(span_boundary=(boundary, (ops,)),
+              span_far_dq=(far_dq, (ops, do_b, lse, delta, kb, pi)),
+              span_far_dkv=(far_dkv, (ops, do_b, lse, delta, kb, qb)),
+              span_y=(y, (qb, a)),
+              span_bwd=(whole, (ops, do_b, lse, delta)))   # all five (the span kernel: the rest)
 
 
 def main():

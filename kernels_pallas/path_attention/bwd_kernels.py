@@ -146,7 +146,7 @@ def dkv_diagonal(query, kc, diag, dk, dv, dfk, *, scale, transport, precision):
 
 
 def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, bounds=False,
-               span=0):
+               span=0, far_out=False):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
   (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]); (qb [G, nb, n, C, D]
   with span). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C]). With `bounds` the walk stops
@@ -156,9 +156,11 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   chunk m's span, s = (m // span + 1) span, where it is M_sm; the query chunks c >= s are then
   plain attention steps of the stored states qb[s / span - 1, c] = q^_c M_cs' (s' = s - 1, the
   dq/dP kernel's) against k~ = k^ M_sm^T, since q^_c M_cm = (q^_c P_{c-1} ... P_s) M_sm, and
-  their dk^ share is (scale sum_c dS^T qb_c) M_sm, one operator product in all."""
+  their dk^ share is (scale sum_c dS^T qb_c) M_sm, one operator product in all. With
+  `far_out` (the span-parallel backward, bwd_span.py) that sum, a [C, D] float32, is an output
+  too (zero for the last span's chunks)."""
   r = _unpack(refs, _in_spec(transport, gate, segments, bounds) + [("qb", transport and span > 0)]
-              + [("dk", True), ("dv", True), ("dfk", gate)])
+              + [("dk", True), ("dv", True), ("dfk", gate), ("a", far_out)])
   G, n, C, D = r["q"].shape
   f32 = jnp.float32
   m = chunk_id(n, axis=chunk_axis, reverse=False)  # chunk 0 (the longest walk) first
@@ -211,6 +213,8 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
 
     a, dv, dfk = lax.fori_loop(s, end, far_body, (jnp.zeros((C, D), f32), dv, dfk))
     dk += dot(a.astype(dt), mop, precision=precision)   # a is already scaled
+    if far_out:
+      r["a"][...] = a
   r["dk"][...] = dk.astype(r["dk"].dtype)
   r["dv"][...] = dv.astype(r["dv"].dtype)
   if gate:

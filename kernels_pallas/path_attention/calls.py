@@ -85,6 +85,16 @@ class BlockSizes:
                                  # fwd+bwd: 44.58 -> 39.01 ms (+0.25 GiB) at 8,4096,16,128
                                  # (span 16; 8: 38.03, +0.75 GiB), 7.09 -> 6.75 at
                                  # 16,2048,12,64 (span 8, +0.14 GiB)
+  bwd_spans: int = 2             # GPU: > 0, the span-parallel backward (bwd_span.py) at the
+                                 # spans above: the sequential dq/dP sweep walks only the pairs
+                                 # inside a span, one program per (batch, kv head, span); far
+                                 # pairs go to parallel flash-style kernels on the boundary
+                                 # states, the far queries' share of dL/dP to two D x D chains
+                                 # per span. 2: the dk/dv kernel gives dk, dv (its operator walk
+                                 # inside the span); 1: the span sweep gives the near dk, dv from
+                                 # its states; 0: the sequential sweep. H200, fwd+bwd, 2 / 1 / 0:
+                                 # 33.18 / 39.51 / 39.82 ms at 8,4096,16,128; 6.63 / 6.40 / 6.98
+                                 # at 16,2048,12,64; 29.52 / 31.60 / ~33.4 at 32,2048,32,64
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -101,6 +111,8 @@ class BlockSizes:
       raise ValueError(f"prepass_num_warps={self.prepass_num_warps} must be 1, 2, 4, 8 or 16")
     if self.bwd_lanes is not None and self.bwd_lanes < 0:
       raise ValueError(f"bwd_lanes={self.bwd_lanes} must be None (1 lane), 0 (auto) or >= 1")
+    if self.bwd_spans not in (0, 1, 2):
+      raise ValueError(f"bwd_spans={self.bwd_spans} must be 0 (off), 1 or 2")
     if self.dkv_span is not None and (self.dkv_span < 0 or self.dkv_span % 2):
       raise ValueError(f"dkv_span={self.dkv_span} must be None (auto), 0 (off) or a positive "
                        "even number of chunks")
@@ -169,8 +181,8 @@ def _interpret(backend: str):
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, backend, bs, *, bwd, scratch=(),
-          warps=None, stages=None, sequential_axes=1):
-  kwargs = {}
+          warps=None, stages=None, sequential_axes=1, aliases=None):
+  kwargs = {"input_output_aliases": aliases} if aliases else {}
   params = _compiler_params(backend, bs, len(grid), bwd=bwd, head_dim=in_specs[0].block_shape[-1],
                             kv_axis=bool(scratch), warps=warps, stages=stages,
                             sequential_axes=sequential_axes)
@@ -306,6 +318,10 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
     return bwd_tpu.backward(ops, do, lse, delta, **kw)
   if _fused_dkv(ops, bs, backend):
     return backward_dq(ops, do, lse, delta, **kw)
+  span = dkv_span(ops, bs, backend)
+  if bs.bwd_spans and span:
+    from kernels_pallas.path_attention import calls_span
+    return calls_span.backward(ops, do, lse, delta, span=span, **kw)
   grads = backward_dq(ops, do, lse, delta, **kw)   # first: with dkv_span it gives qb to dk/dv
   return {**backward_dkv(ops, do, lse, delta, qb=grads.pop("qb", None), **kw), **grads}
 
@@ -385,9 +401,11 @@ def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv, *, bounds: bool):
 
 
 def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
-                 bs: BlockSizes, qb=None):
+                 bs: BlockSizes, qb=None, far_out=False):
   """dk, dv (and dfk): grid (B, K, key chunk), every program independent. qb: the dq/dP
-  kernel's boundary states [B, H, nb, n, C, D] when dkv_span(ops, bs, backend) > 0."""
+  kernel's boundary states [B, H, nb, n, C, D] when dkv_span(ops, bs, backend) > 0. far_out
+  (with qb): also "a" [B, K, n, C, D] float32, the far walk's scale sum dS^T qb per key chunk
+  (calls_span.py)."""
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   G = H // K
@@ -409,8 +427,12 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   if f["gate"]:
     out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
     out_specs.append(pl.BlockSpec((None, G, None, 1, C), lambda *p: ids(*p) + (0, 0)))
+  far_out = far_out and bool(span)
+  if far_out:
+    out_shape.append(jax.ShapeDtypeStruct((B, K, n, C, D), f32))
+    out_specs.append(chunk(out_shape[-1]))
   kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
-                             chunk_axis=axis, bounds=bounds, span=span, **f)
+                             chunk_axis=axis, bounds=bounds, span=span, far_out=far_out, **f)
   # Without grouped heads two stages fit in shared memory at head_dim 128 too, and pay (H200
   # dk/dv 14.1 -> 13.6 ms at 8,4096,16,128, 112.9 -> 100.0 ms at 4,16384,16,128); with G = 2
   # they ask for 273 of 227 KiB. Grouped float32 heads take one stage at every head_dim (G = 2,
@@ -421,6 +443,8 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   grads = dict(k=outs[0], v=outs[1])
   if f["gate"]:
     grads["fk"] = outs[2]
+  if far_out:
+    grads["a"] = outs[-1]
   return grads
 
 

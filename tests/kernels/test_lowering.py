@@ -49,11 +49,16 @@ def test_lowers_for_tpu(gate, fox, D):
     ("fold_bf16", True, 128, jnp.bfloat16, 2),
     ("split", True, 64, jnp.float32, 4),   # three-pass TF32 products everywhere
     ("split_hilo+dkv_in_dq", True, 128, jnp.bfloat16, 2),
-    ("split2_hilo+dkv_span", True, 128, jnp.bfloat16, 2)])
+    ("split2_hilo+dkv_span", True, 128, jnp.bfloat16, 2),
+    ("split2_hilo+bwd_spans", True, 64, jnp.bfloat16, 2),
+    ("split2_hilo+bwd_spans", False, 128, jnp.bfloat16, 4),
+    ("split2_hilo+bwd_spans2", True, 64, jnp.bfloat16, 2),
+    ("split2_hilo+bwd_spans2", False, 128, jnp.bfloat16, 4),
+    ("split+bwd_spans", True, 64, jnp.float32, 2)])
 def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
   """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
   built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""
-  B, T, H = 1, 300, 4   # n = 5: query-chunk pairs and the odd tail
+  B, T, H = 1, 300, 4   # n = 5: query-chunk pairs and the odd tail (dkv_span 2: boundaries 2, 4)
   sd = jax.ShapeDtypeStruct
   args = [sd((B, T, H, D), dtype), sd((B, T, K, D), dtype),
           sd((B, T, K, D), dtype), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32),
@@ -62,7 +67,8 @@ def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
   prepass, _, option = prepass.partition("+")
   fused = option == "dkv_in_dq"
   bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs, dkv_in_dq=fused,
-                     dkv_span=2 if option == "dkv_span" else 0,   # n = 5: boundaries 2 and 4
+                     dkv_span=2 if option.startswith(("dkv_span", "bwd_spans")) else 0,
+                     bwd_spans=int(option[9:] or 1) if option.startswith("bwd_spans") else 0,
                      bwd_lanes=0 if fused else None)   # (fused: with lanes, the harder layout)
   f = lambda *a: kp.path_attention(*a[:-1], segment_ids=a[-1], backend="gpu", block_sizes=bs)
   g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))

@@ -134,14 +134,34 @@ class PathKernelBase:
                 block_sizes=bs, determinism=True)
 
   @pytest.mark.parametrize("dtype,lanes,alternating", [(jnp.float32, 2, False),
-                                                        (jnp.bfloat16, None, True)])
+                                                        (jnp.float32, None, True)])
   def test_dkv_span(self, key, dtype, lanes, alternating):
-    """BlockSizes(dkv_span=2): the dk/dv walk leaves the operator at each span's end and reads
-    the dq/dP sweep's boundary states (n = 7: three boundaries, pairs and the odd tail; gate,
+    """BlockSizes(dkv_span=2, bwd_spans=0): the sequential sweep's dk/dv walk leaves the operator
+    at each span's end and reads the dq/dP sweep's boundary states (n = 7: three boundaries, pairs and the odd tail; gate,
     grouped heads; float32 over two lanes, deterministic). Documents alternating every two
     chunks put query chunks of the other document inside a key chunk's walk; their sweeps
     start past the boundary, so no state was stored for them and the walk must skip them."""
-    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_lanes=lanes)
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_lanes=lanes,
+                       bwd_spans=0)
+    self._check(key, H=4, K=2, dtype=dtype, gate=True, T=7 * self.block - 12, block_sizes=bs,
+                segments=f"alternating:{2 * self.block}" if alternating else True,
+                determinism=dtype == jnp.float32)
+
+  @pytest.mark.parametrize("mode", [1, 2])
+  @pytest.mark.parametrize("dtype,pairs,alternating", [(jnp.float32, True, False),
+                                                        (jnp.float32, False, True),
+                                                        (jnp.bfloat16, True, False)])
+  def test_bwd_spans(self, key, mode, dtype, pairs, alternating):
+    """BlockSizes(bwd_spans=mode, dkv_span=2): the span-parallel backward (calls_span.py), with
+    the near dk, dv from the dk/dv kernel (2, the default) or the span sweep (1); n = 7: three
+    boundaries, the last span a single chunk; gate, grouped heads; query chunks in pairs (with
+    the odd tail) or one at a time (on the GPU float32 takes single chunks:
+    calls_span.span_pairs); float32 deterministic. Documents alternating every two chunks make
+    far tiles that are wholly masked and adjoints that start past a boundary. (They run in
+    float32: in bf16 the GPU's dlog_forget error there is 0.7-1.3e-2 for every backward form,
+    the sequential sweep's included, NOTES_kernel round 17.)"""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_spans=mode,
+                       dq_pairs=pairs)
     self._check(key, H=4, K=2, dtype=dtype, gate=True, T=7 * self.block - 12, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}" if alternating else True,
                 determinism=dtype == jnp.float32)
@@ -236,11 +256,11 @@ class TestInterpret(PathKernelBase):
 
   @pytest.mark.parametrize("pairs,lanes", [(True, 2), (False, 0)])
   def test_path_even_chunks_lanes_f32(self, key, pairs, lanes):
-    """n = 4 (with pairs: query-chunk pairs only, no odd tail) split over backward lanes: 2, or
-    0 = auto_lanes, which at 2 programs takes 4 (one query chunk per lane without pairs)."""
+    """The sequential sweep (bwd_spans=0) at n = 4 (with pairs: query-chunk pairs only, no odd
+    tail) split over backward lanes: 2, or 0 = auto_lanes, which at 2 programs takes 4 (one query chunk per lane without pairs)."""
     self._check(key, H=2, K=1, dtype=jnp.float32, gate=True, segments=False, T=64,
                 block_sizes=kp.BlockSizes(block_q=16, block_k=16, bwd_lanes=lanes,
-                                          dq_pairs=pairs))
+                                          dq_pairs=pairs, bwd_spans=0))
 
   def test_dkv_span_reads_only_stored_states(self, key, monkeypatch):
     """The dk/dv walk must not read a boundary state that the dq/dP sweep did not store (on the
@@ -255,8 +275,36 @@ class TestInterpret(PathKernelBase):
       return real(*args, qb=jnp.where(unstored, jnp.nan, qb), **kw)
 
     monkeypatch.setattr(calls, "backward_dkv", poisoned)
-    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2)
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_spans=0)
     self._check(key, H=2, K=1, dtype=jnp.float32, gate=False, T=T, block_sizes=bs,
+                segments=f"alternating:{2 * self.block}")
+
+  @pytest.mark.parametrize("mode", [1, 2])
+  def test_bwd_spans_read_only_written_rows(self, key, monkeypatch, mode):
+    """The span-parallel backward must not use a row its launches did not write (on the GPU
+    that is uninitialised memory): far_dq writes qb, A of chunk c only for the boundaries at
+    or below it, the boundary kernel no kb for the last span. Those rows are set to NaN on the
+    way out, and the gradients must stay exact (documents alternating every two chunks)."""
+    from kernels_pallas.path_attention import calls_span
+    T, span = 7 * self.block - 12, 2
+    real_dq, real_boundary = calls_span._far_dq, calls_span._boundary
+
+    def far_dq(*args, **kw):
+      qb, a, *rest = real_dq(*args, **kw)
+      j = jnp.arange(qb.shape[2])[:, None, None, None]
+      c = jnp.arange(qb.shape[3])[None, :, None, None]
+      unwritten = c < (j + 1) * span
+      return (jnp.where(unwritten, jnp.nan, qb), jnp.where(unwritten, jnp.nan, a), *rest)
+
+    def boundary(*args, **kw):
+      kb, pi = real_boundary(*args, **kw)
+      m = jnp.arange(kb.shape[2])[:, None, None]
+      return jnp.where(m >= (kb.shape[2] - 1) // span * span, jnp.nan, kb), pi
+
+    monkeypatch.setattr(calls_span, "_far_dq", far_dq)
+    monkeypatch.setattr(calls_span, "_boundary", boundary)
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=span, bwd_spans=mode)
+    self._check(key, H=2, K=1, dtype=jnp.float32, gate=True, T=T, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}")
 
   @pytest.mark.slow   # the call of test_path_gate_segments_gqa_f32 (n = 3) with 16-blocks
@@ -303,9 +351,9 @@ def test_tf32_products_correlated_w(key, monkeypatch, w_mode, prepass):
   whose transport is ill-conditioned (neighbouring w nearly parallel or antiparallel, beta = 2).
   Single-pass TF32 pre-pass products failed this (dw 1.6e-2 / 2.3e-2 here; 4.7e-2 on the H100
   at the GPU's chunk 64) while the exact-float32 interpret tests passed."""
-  from kernels_pallas.path_attention import bwd_kernels, kernels, prepass_kernel
+  from kernels_pallas.path_attention import bwd_kernels, bwd_span, kernels, prepass_kernel
   emulated = _gpu_rounding_dot(kernels.dot)
-  for module in (kernels, bwd_kernels, prepass_kernel):
+  for module in (kernels, bwd_kernels, bwd_span, prepass_kernel):
     monkeypatch.setattr(module, "dot", emulated)
   case = PathKernelBase()
   case.T = 64
@@ -334,6 +382,14 @@ class TestGPU(PathKernelBase):
     self.D = 128
     self._check(key, H=2, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520)
 
+  @pytest.mark.parametrize("mode", [1, 2])
+  def test_bwd_spans_head_dim_128_bf16(self, key, mode):
+    """The span-parallel backward at head_dim 128 with the default tiles (calls_span.span_pairs:
+    one query chunk per tile with the near dk, dv in the span kernel, which asks for 240 KiB
+    of shared memory with pairs), auto span (n = 13: three boundaries)."""
+    self.D = 128
+    self._check(key, H=2, K=1, dtype=jnp.bfloat16, gate=True, segments=True, T=800,
+                block_sizes=kp.BlockSizes(bwd_spans=mode))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")

@@ -1,0 +1,339 @@
+"""The span-parallel PaTH backward (BlockSizes.bwd_spans): kernel bodies for the GPU (Triton
+lowering) and the interpreter. calls_span.py launches them.
+
+The sequential dq/dP sweep of bwd_kernels.py walks all n^2 / 2 chunk pairs of a (batch, kv head)
+in one program, because dL/dP_t sums state-adjoint pairs over every query chunk c > t. Here the
+chunks are cut into spans of S (a = J S .. b = (J + 1) S) and a pair (query chunk c, key chunk m)
+is either near (both in one span) or far. NOTES_kernel.md round 17 has the derivation; in short,
+with boundary states qb_c^(s) = q^_c P_{c-1} ... P_s, keys moved to their span's end
+kb_m = k^_m M_bm^T (M_bm = P_{b-1} ... P_{m+1}) and span operators Pi_J = P_{b-1} ... P_a:
+
+- a far tile is plain attention: l_cm = scale qb_c^(b_m) kb_m^T;
+- the adjoint a query chunk's sweep carries into span J is A_c^(a) (keys left of a), and
+  A_c^(b) = A_c^(a) Pi_J^T + scale sum_{m in J} dS_cm kb_m, one chain per query chunk;
+- the far queries' share of dL/dP_t (t in J) factors through two per-span quantities,
+  Y_J = sum_{c >= b} qb_c^(b)T A_c^(a) (D x D) and X_m = scale sum_{c >= b} qb_c^(b)T dS_cm
+  (the far dk/dv walk's a_m^T): dL/dP_t += N_t^T V_t with N_t = P_{b-1} ... P_{t+1},
+  V_a = Y_J, V_{t+1} = V_t P_t^T + a_t^T k^_t; and the far share of dk^_t is a_t N_t.
+
+Four launches, every one parallel and every sum in a fixed order (deterministic, no atomics):
+boundary_kernel (kb, Pi; one program per key chunk), far_dq_kernel (qb, A, far dfq; one per
+query chunk and query head), far_dkv_kernel (a, far dv and dfk; one per key chunk), then Y in
+XLA and span_kernel (one program per (batch, kv head, span)): the near sweeps of
+bwd_kernels.dq_kernel inside the span, starting from A instead of zero, with dk, dv, dfk of the
+span's keys from the sweep's states (dq_step's kv parts) and the two D x D chains above.
+The sequential work per program falls from n^2 / 4 pair steps to S^2 / 4.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, dkv_step, dq_step,
+                                                       tile_grads)
+from kernels_pallas.path_attention.kernels import chunk_bound, chunk_id, dot
+
+
+def boundary_kernel(k_ref, e_ref, kb_ref, pi_ref, *, span, nb, precision, fine, chunk_axis):
+  """Program (key chunk m, kv head, batch). In: k^ [n, C, D], E [n, D, D]. Out: kb [C, D] of
+  chunk m (k^_m M_bm^T, b its span's end) and, from a span's first chunk, pi [D, D] float32 of
+  the span (Pi_J = M_ba P_a). Chunks of the last span (no boundary at its end) write nothing.
+
+  `fine` is the precision of the D x D products, which take float32 operands: an operator that
+  is rounded to the kernel dtype once carries that rounding into every state or adjoint it
+  moves (calls_span.fine_precision)."""
+  n = k_ref.shape[0]
+  D = e_ref.shape[-1]
+  f32 = jnp.float32
+  m = chunk_id(n, axis=chunk_axis, reverse=False)
+  j = lax.div(m, span)
+
+  @pl.when(j < nb)
+  def _():
+    dt = k_ref.dtype   # (the walk itself in the kernel dtype, as the dk/dv kernel's)
+    mop = lax.fori_loop(m + 1, (j + 1) * span,
+                        lambda t, mop: mop - dot(e_ref[t], mop.astype(dt), precision=precision),
+                        _eye(D))
+    kb_ref[...] = dot(k_ref[m], mop.astype(dt), tb=True, precision=precision).astype(dt)
+
+    @pl.when(lax.rem(m, span) == 0)
+    def _():
+      pi_ref[...] = mop - dot(mop, e_ref[m].astype(f32), precision=fine)
+
+
+def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine, chunk_axis):
+  """Program (query chunk c, query head, batch). In: q^ [n, C, D] of the head; kb, v [n, C, D],
+  E [n, D, D], pi [nb, D, D] of its kv head; dO [n, C, D], lse, delta, (fq) [n, C, 1], (fk)
+  [n, 1, C]; (sq [n, C, 1], sk [n, 1, C]); (lo [n, 1, 1]). Out (chunk c): qb [nb, C, D], the
+  states at the boundaries s_j = (j + 1) S <= c; A [nb, C, D], the adjoint at s_j from the keys
+  left of it; (dfq [C, 1] of the far tiles). Rows for boundaries above c are not written.
+  Products with Pi take `fine` (boundary_kernel)."""
+  r = _unpack(refs, [("q", True), ("kb", True), ("v", True), ("e", True), ("pi", True),
+                     ("do", True), ("lse", True), ("delta", True), ("fq", gate), ("fk", gate),
+                     ("sq", segments), ("sk", segments), ("lo", bounds), ("qb", True),
+                     ("a", True), ("dfq", gate)])
+  n, C, D = r["q"].shape
+  dt = r["q"].dtype
+  f32 = jnp.float32
+  c = chunk_id(n, axis=chunk_axis, reverse=True)
+  jc = lax.div(c, span)   # boundaries at or below c: s_0 .. s_{jc-1}
+
+  @pl.when(jc > 0)
+  def _():
+    move = lambda i, s: s - dot(s.astype(dt), r["e"][c - 1 - i], precision=precision)
+    s = lax.fori_loop(0, c - jc * span, move, r["q"][c].astype(f32))   # to c's span start
+    r["qb"][jc - 1] = s.astype(dt)
+
+    def down(i, s):   # qb^(s_j) = qb^(s_{j+1}) Pi_{j+1}, j = jc-2 .. 0
+      j = jc - 2 - i
+      s = dot(s, r["pi"][j + 1], precision=fine)
+      r["qb"][j] = s.astype(dt)
+      return s
+
+    lax.fori_loop(0, jc - 1, down, s)
+    qc = dict(do=r["do"][c], lse=r["lse"][c], delta=r["delta"][c],
+              fq=r["fq"][c] if gate else None, sq=r["sq"][c] if segments else None)
+    lo = chunk_bound(r["lo"], c) if bounds else 0
+    zero = jnp.zeros((C, D), f32)
+
+    def masked_span(j, carry):   # wholly left of c's document: A stays 0
+      r["a"][j] = zero.astype(r["a"].dtype)
+      return carry
+
+    def far_span(j, carry):
+      adj, dfq = carry
+      qt = r["qb"][j]
+
+      def key(m, carry):
+        part, dfq = carry
+        kc = dict(k=r["kb"][m], v=r["v"][m], fk=r["fk"][m] if gate else None,
+                  sk=r["sk"][m] if segments else None)
+        _, ds = tile_grads(qc, kc, scale * dot(qt, kc["k"], tb=True, precision=precision), False,
+                           precision=precision)
+        return (part + scale * dot(ds.astype(dt), kc["k"], precision=precision),
+                dfq + jnp.sum(ds, axis=1, keepdims=True))
+
+      part, dfq = lax.fori_loop(jnp.maximum(lo, j * span), (j + 1) * span, key, (zero, dfq))
+      adj = dot(adj, r["pi"][j], tb=True, precision=fine) + part
+      r["a"][j] = adj.astype(r["a"].dtype)
+      return adj, dfq
+
+    j0 = jnp.minimum(lax.div(lo, span), jc)
+    lax.fori_loop(0, j0, masked_span, 0)
+    _, dfq = lax.fori_loop(j0, jc, far_span, (zero, jnp.zeros((C, 1), f32)))
+    if gate:
+      r["dfq"][...] = dfq
+
+  if gate:
+    @pl.when(jc == 0)
+    def _():
+      r["dfq"][...] = jnp.zeros((C, 1), f32)
+
+
+def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_axis):
+  """Program (key chunk m, kv head, batch). In: qb [G, nb, n, C, D] of the group's heads; kb, v
+  [n, C, D]; dO [G, n, C, D], lse, delta, (fq) [G, n, C, 1], (fk [G, n, 1, C]); (sq, sk);
+  (lo, hi [n, 1, 1]). Out (chunk m), float32: a [C, D] = scale sum_c dS_cm^T qb_c^(b) over the
+  query chunks c >= b (b: m's span end) of every head, dv [C, D] = sum p^T dO over them,
+  (dfk [G, 1, C]). Zero for the last span's chunks."""
+  r = _unpack(refs, [("qb", True), ("kb", True), ("v", True), ("do", True), ("lse", True),
+                     ("delta", True), ("fq", gate), ("fk", gate), ("sq", segments),
+                     ("sk", segments), ("lo", bounds), ("hi", bounds), ("a", True), ("dv", True),
+                     ("dfk", gate)])
+  G, _, n, C, D = r["qb"].shape
+  f32 = jnp.float32
+  m = chunk_id(n, axis=chunk_axis, reverse=False)
+  j = lax.div(m, span)
+  kc = dict(k=r["kb"][m], v=r["v"][m], fk=[r["fk"][g, m] if gate else None for g in range(G)],
+            sk=r["sk"][m] if segments else None)
+
+  def query(g, c):
+    return dict(q=r["qb"][g, j, c], fq=r["fq"][g, c] if gate else None,
+                sq=r["sq"][c] if segments else None, lse=r["lse"][g, c], do=r["do"][g, c],
+                delta=r["delta"][g, c])
+
+  def body(c, carry):
+    step = lambda carry: dkv_step(lambda g: query(g, c), kc, None, *carry, scale=scale,
+                                  transport=False, precision=precision)
+    if not bounds:
+      return step(carry)
+    # every query of chunk c starts its document right of key chunk m: the tile is masked
+    return lax.cond(chunk_bound(r["lo"], c) <= m, step, lambda carry: carry, carry)
+
+  end = chunk_bound(r["hi"], m) + 1 if bounds else n
+  init = (jnp.zeros((C, D), f32), jnp.zeros((C, D), f32), tuple(jnp.zeros((1, C), f32)
+                                                                 for _ in range(G)))
+  a, dv, dfk = lax.fori_loop((j + 1) * span, end, body, init)   # empty for the last span
+  r["a"][...] = a
+  r["dv"][...] = dv
+  if gate:
+    for g in range(G):
+      r["dfk"][g] = dfk[g]
+
+
+def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine, span_axis,
+                pairs, kv=True):
+  """Program (span J, kv head, batch). In: as bwd_kernels.dq_kernel with transport (query-side
+  operands merged into time: q, do [G, n*C, D], ...), then A [G, nb, n*C, D] (far_dq_kernel's),
+  y [nb, D, D] (Y_J), afar, dvfar [n, C, D], (dfkfar [G, n, 1, C]) (far_dkv_kernel's). Out, for
+  this span's chunks only: dq^ [G, n*C, D], ddiag [G, n*C, C] (kernel dtype); dP [n, D, D], dk^,
+  dv [n, C, D], (dfq [G, n*C, 1] of the near tiles, dfk [G, n, 1, C]) float32; st [S, R, D]
+  is this program's scratch for the sweep's states (R = 2C with `pairs`: query chunks two at a
+  time as one tile, else C). Without `kv` (BlockSizes.bwd_spans = 2: the dk/dv kernel gives dk,
+  dv, dfk whole) there is no dvfar, dfkfar, dk, dv or dfk, and the sweep takes no key-side
+  parts. The D x D chains take `fine` (boundary_kernel)."""
+  r = _unpack(refs, _in_spec(True, gate, segments, bounds)
+              + [("a", True), ("y", True), ("afar", True), ("dvfar", kv), ("dfkfar", gate and kv),
+                 ("dq", True), ("ddiag", True), ("dp", True), ("dk", kv), ("dv", kv),
+                 ("st", True), ("dfq", gate), ("dfk", gate and kv)])
+  G = r["q"].shape[0]
+  n, C, D = r["k"].shape
+  dt = r["q"].dtype
+  f32 = jnp.float32
+  jspan = pl.program_id(span_axis)
+  lo_s = jspan * span                          # this span's chunks lo_s .. hi_s - 1
+  hi_s = jnp.minimum(lo_s + span, n)
+  kw = dict(precision=precision)
+
+  # Key side first: the far queries' shares of dP_t and dk^_t (the V and N chains), dv and dfk
+  # from far_dkv_kernel; the near sweeps below add to them.
+  @pl.when(jspan < nb)
+  def _():
+    def forward(t, v):   # dp[t] <- V_t for now; V_{t+1} = V_t P_t^T + a_t^T k^_t
+      r["dp"][t] = v
+      return (v - dot(v, r["e"][t].astype(f32), tb=True, precision=fine)
+              + dot(r["afar"][t], r["k"][t].astype(f32), ta=True, precision=fine))
+
+    lax.fori_loop(lo_s, hi_s, forward, r["y"][jspan])
+
+    def backward(i, nop):   # N_t = P_{b-1} ... P_{t+1}, t = b-1 .. a
+      t = hi_s - 1 - i
+      r["dp"][t] = dot(nop, r["dp"][t], ta=True, precision=fine)
+      if kv:
+        r["dk"][t] = dot(r["afar"][t], nop, precision=fine)
+      return nop - dot(nop, r["e"][t].astype(f32), precision=fine)
+
+    lax.fori_loop(0, hi_s - lo_s, backward, _eye(D))
+
+  @pl.when(jspan >= nb)
+  def _():
+    def zero(t, carry):
+      r["dp"][t] = jnp.zeros((D, D), f32)
+      if kv:
+        r["dk"][t] = jnp.zeros((C, D), f32)
+      return carry
+
+    lax.fori_loop(lo_s, hi_s, zero, 0)
+
+  def far_kv(t, carry):
+    r["dv"][t] = r["dvfar"][t]
+    for g in range(G) if gate else ():
+      r["dfk"][g, t] = r["dfkfar"][g, t]
+    return carry
+
+  if kv:
+    lax.fori_loop(lo_s, hi_s, far_kv, 0)
+
+  def rows(c, size):
+    return pl.ds(pl.multiple_of(c * C, C), size)
+
+  def load_query(g, c, size=C):
+    t = rows(c, size)
+    return dict(q=r["q"][g, t], do=r["do"][g, t], lse=r["lse"][g, t], delta=r["delta"][g, t],
+                fq=None if not gate else r["fq"][g, t], sq=None if not segments else r["sq"][t])
+
+  def load_key(g, m, with_e=True):
+    return dict(k=r["k"][m], v=r["v"][m], e=r["e"][m] if with_e else None,
+                fk=None if not gate else r["fk"][g, m], sk=None if not segments else r["sk"][m])
+
+  def add(g, m, dp, parts):   # key chunk m's shares, read-modify-write (this span's chunks)
+    if dp is not None:
+      r["dp"][m] += dp
+    if not kv:
+      return
+    dk, dv, dfk = parts
+    if dk is not None:
+      r["dk"][m] += dk
+    r["dv"][m] += dv
+    if gate:
+      r["dfk"][g, m] += dfk
+
+  def diagonal(g, c):   # dS to ddiag (the pre-pass takes it to q, k); dfq straight to the output
+    qc = load_query(g, c)
+    p, ds = tile_grads(qc, load_key(g, c, with_e=False), r["diag"][g, rows(c, C)].astype(f32),
+                       True, **kw)
+    r["ddiag"][g, rows(c, C)] = ds.astype(r["ddiag"].dtype)
+    if kv:
+      add(g, c, None, (None, dot(p.astype(dt), qc["do"], ta=True, **kw),
+                       -jnp.sum(ds, axis=0, keepdims=True)))
+    if gate:
+      r["dfq"][g, rows(c, C)] = jnp.sum(ds, axis=1, keepdims=True)
+
+  def first_key(c, last):
+    lo = chunk_bound(r["lo"], c) if bounds else 0
+    if bounds and last is not None:
+      lo = jnp.minimum(lo, chunk_bound(r["lo"], last))
+    return jnp.maximum(lo, lo_s)
+
+  def initial_adjoint(g, c, size):   # A_c at the span's start (keys left of it); none for J = 0
+    a = r["a"][g, jnp.maximum(jspan - 1, 0), rows(c, size)].astype(f32)
+    return jnp.where(jspan > 0, a, 0.0)
+
+  def sweep(g, c, qp, qt, size, last):
+    """States of the query tile qp (rows of chunk c, or of c and c + 1 stacked) against key
+    chunks m = c-1 .. lo, right to left into st, then the adjoint left to right from A."""
+    lo = first_key(c, last)
+
+    def store(i, qt):
+      m = c - 1 - i
+      r["st"][m - lo_s, pl.ds(0, size)] = qt.astype(dt)
+      return qt - dot(qt.astype(dt), r["e"][m], **kw)
+
+    lax.fori_loop(0, c - lo, store, qt)
+
+    def key_chunk(m, carry):
+      adj, dfq = carry
+      adj, dfq, dp, parts = dq_step(qp, load_key(g, m), r["st"][m - lo_s, pl.ds(0, size)], adj,
+                                    dfq, scale=scale, transport=True, kv=kv, **kw)
+      add(g, m, dp, parts)
+      return adj, dfq
+
+    return lax.fori_loop(lo, c, key_chunk,
+                         (initial_adjoint(g, c, size), jnp.zeros((size, 1), f32)))
+
+  def finish(g, c, size, adj, dfq):
+    r["dq"][g, rows(c, size)] = adj.astype(r["dq"].dtype)
+    if gate:
+      r["dfq"][g, rows(c, size)] += dfq
+
+  def query_pair(g, c):   # chunks c, c + 1 as one 2C-row tile (bwd_kernels.dq_kernel's pairs)
+    diagonal(g, c)
+    diagonal(g, c + 1)
+    qp = load_query(g, c, 2 * C)
+    kc = load_key(g, c)
+    low = lax.broadcasted_iota(jnp.int32, (2 * C, 1), 0) >= C   # rows of chunk c + 1
+    qt = qp["q"].astype(f32) - jnp.where(low, dot(qp["q"], kc["e"], **kw), 0.0)
+    adj, dfq = sweep(g, c, qp, qt, 2 * C, c + 1)
+    adj, dfq, dp, parts = dq_step(qp, kc, qp["q"], adj, dfq, live=low, scale=scale,
+                                  transport=True, kv=kv, **kw)   # chunk c + 1 vs key c
+    add(g, c, dp, parts)
+    finish(g, c, 2 * C, adj, dfq)
+
+  def query_chunk(g, c):   # one chunk alone (with pairs: the odd last chunk of the last span)
+    diagonal(g, c)
+    qc = load_query(g, c)
+    finish(g, c, C, *sweep(g, c, qc, qc["q"].astype(f32), C, None))
+
+  count = hi_s - lo_s
+  for g in range(G):
+    def unit(i, carry, g=g):
+      if pairs:
+        query_pair(g, lo_s + 2 * i)
+      else:
+        query_chunk(g, lo_s + i)
+      return carry
+
+    lax.fori_loop(0, lax.div(count, 2) if pairs else count, unit, 0)
+    if pairs:
+      pl.when(lax.rem(count, 2) == 1)(lambda g=g: query_chunk(g, hi_s - 1))

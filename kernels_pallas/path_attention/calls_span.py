@@ -1,0 +1,218 @@
+"""pallas_call wrappers of the span-parallel PaTH backward (bwd_span.py; BlockSizes.bwd_spans).
+
+GPU and interpreter only (the TPU takes bwd_tpu.py). Launch order: boundary (kb, Pi), far dq
+(qb, A, far dfq), far dk/dv (a, far dv, far dfk), Y_J in XLA, then the span kernel. Every
+launch is parallel over chunks or spans; the outputs are those of calls.backward.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas.path_attention import bwd_span
+from kernels_pallas.path_attention import calls
+from kernels_pallas.path_attention.prepass import Operands
+
+
+def fine_precision(dtype, precision, backend: str):
+  """The precision of the span backward's products of aggregated D x D operators (Pi, the V and
+  N chains; float32 operands): three bf16 passes (~16 mantissa bits) for 16-bit inputs, the
+  inputs' own float32 precision otherwise. An aggregate rounded to bf16 once carries that
+  rounding into everything it moves. Measured effect, small: mean relative RMS of dw / dbeta
+  over 8 seeds (interpret with the GPU's rounding, bf16, correlated w, T 64, chunk 16) 4.8e-3 /
+  4.4e-3 with bf16 operands, 4.7e-3 / 4.5e-3 with these, 4.6e-3 / 4.3e-3 with the boundary
+  kernel's walk in them too (not taken: ~3x its products), 4.5e-3 / 4.0e-3 for the sweep."""
+  return calls.bf16x3_precision(backend) if jnp.dtype(dtype).itemsize <= 2 else precision
+
+
+def _boundary(ops: Operands, *, span, nb, precision, backend, bs):
+  """-> kb [B, K, n, C, D] (kernel dtype), pi [B, K, nb, D, D] float32."""
+  B, K, n, C, D = ops.k.shape
+  grid, ids, axis = calls.chunk_grid(B, K, n, backend)
+  full = lambda x: calls._full(x, ids, lambda h: h)
+  kb = jax.ShapeDtypeStruct(ops.k.shape, ops.k.dtype)
+  pi = jax.ShapeDtypeStruct((B, K, nb, D, D), jnp.float32)
+  out_specs = [pl.BlockSpec((None, None, None, C, D), lambda *p: ids(*p) + (0, 0)),
+               # the span's block; the last span's chunks (which write nothing) keep the last
+               pl.BlockSpec((None, None, None, D, D), lambda *p: (
+                   ids(*p)[0], ids(*p)[1], jnp.minimum(ids(*p)[2] // span, nb - 1), 0, 0))]
+  kernel = functools.partial(bwd_span.boundary_kernel, span=span, nb=nb, chunk_axis=axis,
+                             precision=precision,
+                             fine=fine_precision(ops.k.dtype, precision, backend))
+  return calls._call(kernel, grid, [full(ops.k), full(ops.e)], out_specs, [kb, pi], backend, bs,
+                     bwd=True)(ops.k, ops.e)
+
+
+def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision, backend, bs):
+  """-> qb, A [B, H, nb, n, C, D] (kernel dtype), (dfq [B, H, n, C, 1] float32 of far tiles)."""
+  B, H, n, C, D = ops.q.shape
+  G = H // ops.k.shape[1]
+  f = calls._flags(ops)
+  bounds = calls._bounds(ops, backend)
+  grid, ids, axis = calls.chunk_grid(B, H, n, backend, reverse=True)
+  own = lambda x: calls._full(x, ids, lambda h: h)
+  kv = lambda x: calls._full(x, ids, lambda h: h // G)
+  seg = lambda x: calls._full(x, ids, lambda h: 0)
+  args = [ops.q, kb, ops.v, ops.e, pi, do, lse, delta]
+  specs = [own(ops.q), kv(kb), kv(ops.v), kv(ops.e), kv(pi), own(do), own(lse), own(delta)]
+  if f["gate"]:
+    args += [ops.fq, ops.fk]
+    specs += [own(ops.fq), own(ops.fk)]
+  if f["segments"]:
+    args += [ops.sq, ops.sk]
+    specs += [seg(ops.sq), seg(ops.sk)]
+  if bounds:
+    args.append(ops.lo)
+    specs.append(seg(ops.lo))
+  states = jax.ShapeDtypeStruct((B, H, nb, n, C, D), ops.q.dtype)
+  state_spec = pl.BlockSpec((None, None, nb, None, C, D),
+                            lambda *p: (ids(*p)[0], ids(*p)[1], 0, ids(*p)[2], 0, 0))
+  out_shape, out_specs = [states, states], [state_spec, state_spec]
+  if f["gate"]:
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, None, C, 1), lambda *p: ids(*p) + (0, 0)))
+  kernel = functools.partial(bwd_span.far_dq_kernel, scale=scale, span=span, nb=nb,
+                             bounds=bounds, precision=precision, chunk_axis=axis,
+                             fine=fine_precision(ops.q.dtype, precision, backend),
+                             gate=f["gate"], segments=f["segments"])
+  return calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
+
+
+def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, backend, bs):
+  """-> a, dv [B, K, n, C, D] float32 (far tiles), (dfk [B, H, n, 1, C] float32)."""
+  B, H, n, C, D = ops.q.shape
+  K = ops.k.shape[1]
+  G = H // K
+  f = calls._flags(ops)
+  bounds = calls._bounds(ops, backend)
+  grid, ids, axis = calls.chunk_grid(B, K, n, backend)
+  grp = lambda x: pl.BlockSpec((None, G) + x.shape[2:],
+                               lambda *p: (ids(*p)[0], ids(*p)[1]) + (0,) * (x.ndim - 2))
+  kv = lambda x: calls._full(x, ids, lambda h: h)
+  seg = lambda x: calls._full(x, ids, lambda h: 0)
+  args = [qb, kb, ops.v, do, lse, delta]
+  specs = [grp(qb), kv(kb), kv(ops.v), grp(do), grp(lse), grp(delta)]
+  if f["gate"]:
+    args += [ops.fq, ops.fk]
+    specs += [grp(ops.fq), grp(ops.fk)]
+  if f["segments"]:
+    args += [ops.sq, ops.sk]
+    specs += [seg(ops.sq), seg(ops.sk)]
+  if bounds:
+    args += [ops.lo, ops.hi]
+    specs += [seg(ops.lo), seg(ops.hi)]
+  chunk = lambda *p: ids(*p) + (0, 0)
+  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), jnp.float32)] * 2
+  out_specs = [pl.BlockSpec((None, None, None, C, D), chunk)] * 2
+  if f["gate"]:
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, G, None, 1, C), chunk))
+  kernel = functools.partial(bwd_span.far_dkv_kernel, scale=scale, span=span, bounds=bounds,
+                             precision=precision, chunk_axis=axis, gate=f["gate"],
+                             segments=f["segments"])
+  return calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
+
+
+def far_queries_y(qb, a, *, K: int, span: int, precision):
+  """Y_J = sum over the group's heads and the query chunks c >= b_J of qb_c^(b_J)T A_c^(a_J)
+  -> [B, K, nb, D, D] float32 (zero for J = 0: no keys left of the first span)."""
+  B, H, nb, n, C, D = qb.shape
+  ys = [jnp.zeros((B, K, D, D), jnp.float32)]
+  for j in range(1, nb):
+    start = (j + 1) * span   # b_J: queries at and right of it are the far ones
+    q_ = qb[:, :, j, start:].reshape(B, H, -1, D)
+    a_ = a[:, :, j - 1, start:].reshape(B, H, -1, D).astype(qb.dtype)
+    y = jnp.einsum("bhtd,bhte->bhde", q_, a_, preferred_element_type=jnp.float32,
+                   precision=precision)
+    ys.append(y.reshape(B, K, H // K, D, D).sum(2))
+  return jnp.stack(ys, axis=2)
+
+
+def span_pairs(bs: calls.BlockSizes, *, dtype, head_dim: int, backend: str) -> bool:
+  """Whether the span kernel takes query chunks two at a time (BlockSizes.dq_pairs): on the GPU
+  where it fits in shared memory. H200, 2026-11-25: with the near dk, dv (bwd_spans 1) it asked
+  for 240 KiB at head_dim 128 (bf16) and 305 KiB at 64 with float32 inputs and grouped heads,
+  of 227; the leaner bwd_spans 2 kernel built at 128 in bf16 (the resource report: 224 KiB, as
+  the sweep's dq/dP kernel with the same tiles). The interpreter has no such limit."""
+  fits = jnp.dtype(dtype).itemsize <= 2 and (head_dim <= 64 or bs.bwd_spans == 2)
+  return bs.dq_pairs and (fits or backend != "gpu")
+
+
+def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
+             bs: calls.BlockSizes, span: int):
+  """calls.backward's gradients (q, k, v, diag, dp, fq?, fk?) by the span-parallel form."""
+  B, H, n, C, D = ops.q.shape
+  K = ops.k.shape[1]
+  G = H // K
+  f = calls._flags(ops)
+  nb = (n - 1) // span
+  nsp = nb + 1
+  kw = dict(precision=precision, backend=backend, bs=bs)
+  kb, pi = _boundary(ops, span=span, nb=nb, **kw)
+  qb, a, *dfq_far = _far_dq(ops, do, lse, delta, kb, pi, scale=scale, span=span, nb=nb, **kw)
+  kv = bs.bwd_spans == 1   # near dk, dv from the span kernel's states; 2: the dk/dv kernel's walk
+  if kv:
+    afar, dvfar, *dfk_far = _far_dkv(ops, do, lse, delta, kb, qb, scale=scale, span=span, **kw)
+  else:
+    key_side = calls.backward_dkv(ops, do, lse, delta, scale=scale, qb=qb, far_out=True, **kw)
+    afar = key_side.pop("a")
+  y = far_queries_y(qb, a, K=K, span=span, precision=precision)
+
+  merged = ops._replace(q=calls._merged(ops.q), diag=calls._merged(ops.diag),
+                        fq=calls._merged(ops.fq), sq=calls._merged(ops.sq))
+  bounds = calls._bounds(ops, backend)
+  grid_kv = lambda j, kh, b: (b, kh)
+  args, specs, grp = calls._bwd_inputs(merged, calls._merged(do), calls._merged(lse),
+                                       calls._merged(delta), grid_kv, bounds=bounds)
+  kvh = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
+                               lambda *i: grid_kv(*i) + (0,) * (x.ndim - 2))
+  a_m = a.reshape(B, H, nb, n * C, D)
+  first = len(args) + 2   # afar's position: it, dvfar and dfkfar become dk, dv and dfk in place
+  args += [a_m, y, afar] + ([dvfar] + dfk_far if kv else [])
+  specs += [grp(a_m), kvh(y), kvh(afar)] + ([kvh(dvfar)] + [grp(x) for x in dfk_far] if kv
+                                            else [])
+  f32 = jnp.float32
+  gdt = ops.q.dtype
+  pairs = span_pairs(bs, dtype=ops.q.dtype, head_dim=D, backend=backend)
+  rows = 2 * C if pairs else C
+  names = ["q", "diag", "dp"] + (["k", "v"] if kv else []) + ["st"]
+  out_shape = [jax.ShapeDtypeStruct((B, H, n * C, D), gdt),
+               jax.ShapeDtypeStruct((B, H, n * C, C), gdt),
+               jax.ShapeDtypeStruct((B, K, n, D, D), f32)]
+  out_shape += [jax.ShapeDtypeStruct((B, K, n, C, D), f32)] * (2 if kv else 0)
+  out_shape.append(jax.ShapeDtypeStruct((B, K, nsp, span, rows, D), gdt))
+  if f["gate"]:
+    names += ["fq"] + (["fk"] if kv else [])
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), f32))
+    if kv:
+      out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
+  st_spec = pl.BlockSpec((None, None, None, span, rows, D),
+                         lambda j, kh, b: (b, kh, j, 0, 0, 0))
+  out_specs = [st_spec if name == "st" else grp(s) if name in ("q", "diag", "fq", "fk")
+               else kvh(s) for name, s in zip(names, out_shape)]
+  kernel = functools.partial(bwd_span.span_kernel, scale=scale, span=span, nb=nb,
+                             gate=f["gate"], segments=f["segments"], bounds=bounds,
+                             precision=precision, span_axis=0, pairs=pairs, kv=kv,
+                             fine=fine_precision(ops.q.dtype, precision, backend))
+  aliases = {}
+  if kv:
+    aliases = {first: names.index("k"), first + 1: names.index("v")}
+    if f["gate"]:
+      aliases[first + 2] = names.index("fk")
+  outs = calls._call(kernel, (nsp, K, B), specs, out_specs, out_shape, backend, bs, bwd=True,
+                     warps=bs.dq_num_warps or (8 if pairs else None), aliases=aliases)(*args)
+  g = dict(zip(names, outs))
+  g.pop("st")
+  for name in ("q", "diag", "fq"):   # back to [B, H, n, C, ...]
+    if name in g:
+      g[name] = g[name].reshape(B, H, n, C, *g[name].shape[3:])
+  if kv:
+    g["k"], g["v"] = g["k"].astype(gdt), g["v"].astype(gdt)
+  else:
+    g.update(key_side)
+  if f["gate"]:
+    g["fq"] = g["fq"] + dfq_far[0]
+  return g
