@@ -16,6 +16,9 @@ def test_tokens_change_the_defaults():
                              bwd_num_warps=8, dkv_in_dq=True, fwd_kernel="mosaic")
   assert _block_sizes_of("pw8") == (kp.BlockSizes(prepass_num_warps=8), False)
   assert _block_sizes_of("l2sp16") == (kp.BlockSizes(bwd_lanes=2, dkv_span=16), False)
+  assert _block_sizes_of("par") == (kp.BlockSizes(bwd_spans=1), False)
+  assert _block_sizes_of("par2sp4") == (kp.BlockSizes(bwd_spans=2, dkv_span=4), False)
+  assert _block_sizes_of("seqnp") == (kp.BlockSizes(bwd_spans=0, dq_pairs=False), False)
   assert _block_sizes_of("pre=split_bf16") == (kp.BlockSizes(prepass="split_bf16"), False)
   assert _block_sizes_of("pre!=split_bf16x3") == (kp.BlockSizes(prepass="split_bf16x3"), True)
 

@@ -8,10 +8,10 @@ causal softmax; segments never attend across each other. Shapes: q [B, T, H, D];
 [B, T, K, D] (query head h reads kv head h // (H // K)); beta [B, T, K]; log_forget [B, T, H];
 segment_ids [B, T] int. Any T (padded inside to whole chunks with identity transport).
 
-The VJP is a jax.custom_vjp: the backward kernels (bwd_kernels.py; bwd_tpu.py on the TPU) give
-gradients of the kernel's operands, and the pre-pass's own VJP (the Pallas kernel of prepass_kernel.py for the transport
-operands, jax.vjp for padding, layout and gate prefix sums) carries them to q, k, v, w, beta,
-log_forget.
+The VJP is a jax.custom_vjp: the backward kernels (bwd_span.py and bwd_kernels.py on the GPU;
+bwd_tpu.py on the TPU) give gradients of the kernel's operands, and the pre-pass's own VJP (the
+Pallas kernel of prepass_kernel.py for the transport operands, jax.vjp for padding, layout and
+gate prefix sums) carries them to q, k, v, w, beta, log_forget.
 Residuals are the inputs, the output, the log-sum-exp and, with BlockSizes(keep_operands=True)
 (the default), the pre-pass's outputs (q^, k^, blocked v, E, in-chunk logits, gate sums) and its
 VJP's residuals, so the backward does not run the pre-pass again: O(T) memory either way.

@@ -309,9 +309,11 @@ def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: Blo
 def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
              bs: BlockSizes):
   """Gradients w.r.t. the operands: dict(q [B,H,..], k, v [B,K,..], diag? in the kernel dtype;
-  dp [B,K,n,D,D]? (dL/dP per chunk), fq?, fk? float32). Two kernels: dq/dP sequential per
-  (batch, kv head, lane), then dk/dv parallel over key chunks (it reads dq/dP's boundary states
-  with dkv_span). The TPU takes bwd_tpu.backward (one chunk per block)."""
+  dp [B,K,n,D,D]? (dL/dP per chunk), fq?, fk? float32). PaTH with a span boundary inside the
+  sequence takes the span-parallel form (bwd_spans, calls_span.backward); otherwise two
+  kernels: dq/dP sequential per (batch, kv head, lane), then dk/dv parallel over key chunks (it
+  reads dq/dP's boundary states with dkv_span). The TPU takes bwd_tpu.backward (one chunk per
+  block)."""
   kw = dict(scale=scale, precision=precision, backend=backend, bs=bs)
   if backend in ("tpu", "tpu_interpret"):
     from kernels_pallas.path_attention import bwd_tpu

@@ -254,6 +254,15 @@ class TestInterpret(PathKernelBase):
   def test_path_skips_chunks_before_the_document(self, key, segments):
     super().test_path_skips_chunks_before_the_document(key, segments)
 
+  # The bf16 case repeats the float32 pairs case's code path (the interpreter takes pairs in
+  # float32 too: calls_span.span_pairs); it matters on TestGPU, where float32 takes single chunks.
+  @pytest.mark.parametrize("mode", [1, 2])
+  @pytest.mark.parametrize("dtype,pairs,alternating", [
+      (jnp.float32, True, False), (jnp.float32, False, True),
+      pytest.param(jnp.bfloat16, True, False, marks=pytest.mark.slow)])
+  def test_bwd_spans(self, key, mode, dtype, pairs, alternating):
+    super().test_bwd_spans(key, mode, dtype, pairs, alternating)
+
   @pytest.mark.parametrize("pairs,lanes", [(True, 2), (False, 0)])
   def test_path_even_chunks_lanes_f32(self, key, pairs, lanes):
     """The sequential sweep (bwd_spans=0) at n = 4 (with pairs: query-chunk pairs only, no odd
