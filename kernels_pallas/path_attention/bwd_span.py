@@ -18,11 +18,14 @@ kb_m = k^_m M_bm^T (M_bm = P_{b-1} ... P_{m+1}) and span operators Pi_J = P_{b-1
 
 Four launches, every one parallel and every sum in a fixed order (deterministic, no atomics):
 boundary_kernel (kb, Pi; one program per key chunk), far_dq_kernel (qb, A, far dfq; one per
-query chunk and query head), far_dkv_kernel (a, far dv and dfk; one per key chunk), then Y in
-XLA and span_kernel (one program per (batch, kv head, span)): the near sweeps of
-bwd_kernels.dq_kernel inside the span, starting from A instead of zero, with dk, dv, dfk of the
-span's keys from the sweep's states (dq_step's kv parts) and the two D x D chains above.
-The sequential work per program falls from n^2 / 4 pair steps to S^2 / 4.
+query chunk and query head), a key-side kernel (one per key chunk), then Y in XLA and
+span_kernel (one program per (batch, kv head, span)): the near sweeps of bwd_kernels.dq_kernel
+inside the span, starting from A instead of zero, and the D x D chains above. The sequential
+work per program falls from n^2 / 4 pair steps to S^2 / 4. The key side takes one of two forms
+(BlockSizes.bwd_spans): 2 (the default), bwd_kernels.dkv_kernel gives dk, dv, dfk whole (its
+operator walk inside the span, its plain walk against qb after it) and its far accumulator a;
+1, far_dkv_kernel gives a and the far dv, dfk, and the span kernel adds the near dk, dv, dfk
+from its sweep's states (dq_step's kv parts).
 """
 from __future__ import annotations
 

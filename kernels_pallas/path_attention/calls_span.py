@@ -46,6 +46,20 @@ def _boundary(ops: Operands, *, span, nb, precision, backend, bs):
                      bwd=True)(ops.k, ops.e)
 
 
+def _optional_inputs(ops: Operands, bounds: bool, *, query, seg, hi: bool):
+  """The operands that only some calls have, in the kernels' order, with their BlockSpecs: the
+  gate sums (fq, fk; `query`'s spec), the segment ids (sq, sk) and chunk bounds (lo, and hi
+  with `hi`; `seg`'s spec)."""
+  args = []
+  if ops.fq is not None:
+    args += [(ops.fq, query), (ops.fk, query)]
+  if ops.sq is not None:
+    args += [(ops.sq, seg), (ops.sk, seg)]
+  if bounds:
+    args += [(ops.lo, seg)] + ([(ops.hi, seg)] if hi else [])
+  return [x for x, _ in args], [spec(x) for x, spec in args]
+
+
 def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision, backend, bs):
   """-> qb, A [B, H, nb, n, C, D] (kernel dtype), (dfq [B, H, n, C, 1] float32 of far tiles)."""
   B, H, n, C, D = ops.q.shape
@@ -58,15 +72,8 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   seg = lambda x: calls._full(x, ids, lambda h: 0)
   args = [ops.q, kb, ops.v, ops.e, pi, do, lse, delta]
   specs = [own(ops.q), kv(kb), kv(ops.v), kv(ops.e), kv(pi), own(do), own(lse), own(delta)]
-  if f["gate"]:
-    args += [ops.fq, ops.fk]
-    specs += [own(ops.fq), own(ops.fk)]
-  if f["segments"]:
-    args += [ops.sq, ops.sk]
-    specs += [seg(ops.sq), seg(ops.sk)]
-  if bounds:
-    args.append(ops.lo)
-    specs.append(seg(ops.lo))
+  more, more_specs = _optional_inputs(ops, bounds, query=own, seg=seg, hi=False)
+  args, specs = args + more, specs + more_specs
   states = jax.ShapeDtypeStruct((B, H, nb, n, C, D), ops.q.dtype)
   state_spec = pl.BlockSpec((None, None, nb, None, C, D),
                             lambda *p: (ids(*p)[0], ids(*p)[1], 0, ids(*p)[2], 0, 0))
@@ -95,15 +102,8 @@ def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, b
   seg = lambda x: calls._full(x, ids, lambda h: 0)
   args = [qb, kb, ops.v, do, lse, delta]
   specs = [grp(qb), kv(kb), kv(ops.v), grp(do), grp(lse), grp(delta)]
-  if f["gate"]:
-    args += [ops.fq, ops.fk]
-    specs += [grp(ops.fq), grp(ops.fk)]
-  if f["segments"]:
-    args += [ops.sq, ops.sk]
-    specs += [seg(ops.sq), seg(ops.sk)]
-  if bounds:
-    args += [ops.lo, ops.hi]
-    specs += [seg(ops.lo), seg(ops.hi)]
+  more, more_specs = _optional_inputs(ops, bounds, query=grp, seg=seg, hi=True)
+  args, specs = args + more, specs + more_specs
   chunk = lambda *p: ids(*p) + (0, 0)
   out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), jnp.float32)] * 2
   out_specs = [pl.BlockSpec((None, None, None, C, D), chunk)] * 2
@@ -146,7 +146,6 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   """calls.backward's gradients (q, k, v, diag, dp, fq?, fk?) by the span-parallel form."""
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
-  G = H // K
   f = calls._flags(ops)
   nb = (n - 1) // span
   nsp = nb + 1
