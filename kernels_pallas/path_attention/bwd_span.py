@@ -43,9 +43,9 @@ def boundary_kernel(k_ref, e_ref, kb_ref, pi_ref, *, span, nb, precision, fine, 
   chunk m (k^_m M_bm^T, b its span's end) and, from a span's first chunk, pi [D, D] float32 of
   the span (Pi_J = M_ba P_a). Chunks of the last span (no boundary at its end) write nothing.
 
-  `fine` is the precision of the D x D products, which take float32 operands: an operator that
-  is rounded to the kernel dtype once carries that rounding into every state or adjoint it
-  moves (calls_span.fine_precision)."""
+  The walk takes kernel-dtype operands, as the dk/dv kernel's; Pi's last product takes float32
+  ones at precision `fine` (calls_span.fine_precision: an aggregate operator rounded to the
+  kernel dtype carries that rounding into every state or adjoint it moves)."""
   n = k_ref.shape[0]
   D = e_ref.shape[-1]
   f32 = jnp.float32
@@ -54,7 +54,7 @@ def boundary_kernel(k_ref, e_ref, kb_ref, pi_ref, *, span, nb, precision, fine, 
 
   @pl.when(j < nb)
   def _():
-    dt = k_ref.dtype   # (the walk itself in the kernel dtype, as the dk/dv kernel's)
+    dt = k_ref.dtype
     mop = lax.fori_loop(m + 1, (j + 1) * span,
                         lambda t, mop: mop - dot(e_ref[t], mop.astype(dt), precision=precision),
                         _eye(D))
