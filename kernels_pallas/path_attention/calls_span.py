@@ -1,8 +1,13 @@
 """pallas_call wrappers of the span-parallel PaTH backward (bwd_span.py; BlockSizes.bwd_spans).
 
 GPU and interpreter only (the TPU takes bwd_tpu.py). Launch order: boundary (kb, Pi), far dq
-(qb, A, far dfq), far dk/dv (a, far dv, far dfk), Y_J in XLA, then the span kernel. Every
+(qb, A, far dfq), the key side (bwd_spans 2: calls.backward_dkv, dk, dv, dfk whole and the far
+accumulator a; 1: far dk/dv, a and the far dv, dfk), Y_J in XLA, then the span kernel. Every
 launch is parallel over chunks or spans; the outputs are those of calls.backward.
+
+Known repetition: the boundary kernel's operator walk (key chunk m to its span's end) is the
+one the dk/dv kernel repeats for its near queries in form 2. The dk/dv kernel needs qb, which
+the far dq kernel makes from the boundary kernel's Pi, so the walk cannot move into it.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ def _boundary(ops: Operands, *, span, nb, precision, backend, bs):
   kb = jax.ShapeDtypeStruct(ops.k.shape, ops.k.dtype)
   pi = jax.ShapeDtypeStruct((B, K, nb, D, D), jnp.float32)
   out_specs = [pl.BlockSpec((None, None, None, C, D), lambda *p: ids(*p) + (0, 0)),
-               # the span's block; the last span's chunks (which write nothing) keep the last
+               # the span's block; the last span's chunks write nothing and map to block nb-1
                pl.BlockSpec((None, None, None, D, D), lambda *p: (
                    ids(*p)[0], ids(*p)[1], jnp.minimum(ids(*p)[2] // span, nb - 1), 0, 0))]
   kernel = functools.partial(bwd_span.boundary_kernel, span=span, nb=nb, chunk_axis=axis,
@@ -124,7 +129,7 @@ def far_queries_y(qb, a, *, K: int, span: int, precision):
   for j in range(1, nb):
     start = (j + 1) * span   # b_J: queries at and right of it are the far ones
     q_ = qb[:, :, j, start:].reshape(B, H, -1, D)
-    a_ = a[:, :, j - 1, start:].reshape(B, H, -1, D).astype(qb.dtype)
+    a_ = a[:, :, j - 1, start:].reshape(B, H, -1, D)   # (qb's dtype: far_dq writes both)
     y = jnp.einsum("bhtd,bhte->bhde", q_, a_, preferred_element_type=jnp.float32,
                    precision=precision)
     ys.append(y.reshape(B, K, H // K, D, D).sum(2))
