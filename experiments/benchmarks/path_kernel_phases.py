@@ -6,7 +6,9 @@
 Phases: the pre-pass (forward), the forward kernel, the dk/dv kernel, the dq/dP kernel, the
 pre-pass VJP (recompute + pullback), and the whole fwd+bwd for comparison. bf16, no gate,
 median ms; one JSON line per (case, pre-pass variant) and a table last. --kv-heads K < H runs
-grouped-query heads.
+grouped-query heads. --trace DIR also profiles three whole fwd+bwd calls (jax.profiler) and lists
+every device kernel's ms per call: the split the phases cannot give (inverse vs operands kernels,
+XLA's fusions).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def _block_sizes(spec):
 
 
 def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
-                phases=PHASES, reps=10):
+                phases=PHASES, reps=10, trace_dir=None):
   import jax
   import jax.numpy as jnp
   from kernels_pallas.path_attention import api, calls, prepass
@@ -93,6 +95,15 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
                  dq_kernel=lambda: med(dq, ops, do_b, lse, delta))
   for name in phases:
     row[name] = timed[name]()
+  if trace_dir:  # every kernel of the whole fwd+bwd, by name (the phases above cannot split one)
+    from experiments.benchmarks.step_profile import top_ops
+    jax.block_until_ready(whole(*args[:5]))
+    run_dir = os.path.join(trace_dir, f"case{ci}_" + (bs_spec or "default").replace(",", "_").replace("=", "-"))
+    with jax.profiler.trace(run_dir, create_perfetto_trace=True):
+      for _ in range(3):
+        jax.block_until_ready(whole(*args[:5]))
+    row["kernels"] = [(name[:60], round(ms, 3), calls)
+                      for name, ms, calls in top_ops(run_dir, steps=3, k=40)]
   row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
   print(json.dumps(row), flush=True)
   return row
@@ -135,6 +146,8 @@ def main():
   p.add_argument("--phases", default=",".join(PHASES), help="which phases to time")
   p.add_argument("--reps", type=int, default=10,
                  help="timed calls per phase; 0: one untimed call each (under ncu)")
+  p.add_argument("--trace", default=None,
+                 help="also trace 3 whole fwd+bwd calls here and list every kernel's ms per call")
   a = p.parse_args()
   rows = []
   for c in a.cases.split(","):
@@ -143,12 +156,15 @@ def main():
         try:  # a configuration that does not build (e.g. shared memory) is reported, not fatal
           with _prepass_as_requested(a.force_prepass):
             rows.append(case_phases(int(c), a.backend, variant, a.kv_heads, spec,
-                                    a.phases.split(","), a.reps))
+                                    a.phases.split(","), a.reps, a.trace))
         except Exception as e:
           print(json.dumps(dict(case=int(c), prepass=variant, bs=spec, error=type(e).__name__
                                 + ": " + str(e).splitlines()[0][:300])), flush=True)
   with open(os.path.join(OUT, "path_kernel_phases.json"), "w") as f:
     json.dump(rows, f, indent=1)
+  for r in rows:
+    for name, ms, calls in r.pop("kernels", []):
+      print(f"case {r['case']} {r['bs'] or 'default'}: {ms:8.3f} ms  x{calls}  {name}")
   keys = [k for k in rows[0] if k not in ("B", "T", "H", "K", "D")] if rows else []
   print("| " + " | ".join(keys) + " |")
   for r in rows:
