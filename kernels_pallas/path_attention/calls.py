@@ -47,9 +47,8 @@ class BlockSizes:
                                  # head_dim 64, +6% time; "jnp": batched jnp.
                                  # prepass_kernel.usable_variant routes a shape that does not
                                  # build on the GPU to "jnp"
-  prepass_num_warps: int = 4     # the pre-pass kernels' warps (8 measured slower at head_dim
-                                 # 64, H200 round 5; at 128 the operands VJP spills 12 KB per
-                                 # thread with 4 in the resource report, 8 KB with 8)
+  prepass_num_warps: int | None = None  # the pre-pass kernels' warps; None: each kernel's
+                                 # own by head_dim (prepass_kernel.auto_warps, measured)
   keep_operands: bool = True     # keep the pre-pass's outputs from the forward for the backward
                                  # instead of running the pre-pass again there: fwd+bwd 8.81 ->
                                  # 8.24 ms at 16,2048,12,64 on the H100 (8.11 with auto lanes),
@@ -107,8 +106,9 @@ class BlockSizes:
       raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
     if self.fwd_kernel not in ("triton", "mosaic"):
       raise ValueError(f"fwd_kernel={self.fwd_kernel!r} must be 'triton' or 'mosaic'")
-    if self.prepass_num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"prepass_num_warps={self.prepass_num_warps} must be 1, 2, 4, 8 or 16")
+    if self.prepass_num_warps not in (None, 1, 2, 4, 8, 16):
+      raise ValueError(f"prepass_num_warps={self.prepass_num_warps} must be None (each "
+                       "kernel's own), 1, 2, 4, 8 or 16")
     if self.bwd_lanes is not None and self.bwd_lanes < 0:
       raise ValueError(f"bwd_lanes={self.bwd_lanes} must be None (1 lane), 0 (auto) or >= 1")
     if self.bwd_spans not in (0, 1, 2):

@@ -159,28 +159,31 @@ def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
 
 
 def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision=None, odt=None,
-                   hilo: bool = False):
+                   hilo: bool = False, put=None):
   """One chunk given Y. qs: tuple of G [C, D] queries (the heads sharing this kv head); k, w
   [C, D]; y [C, C]; beta_r [1, C]; float32. -> (tuple of q^ [C, D], k^ [C, D], E [D, D], tuple
   of scaled diag logits [C, C]). Products as _Products(precision, odt, hilo) forms them; acc /
-  hi mark each operand's sensitivity (_Products)."""
+  hi mark each operand's sensitivity (_Products). put(i, g, x) (a kernel's store) takes output
+  i (0 q^, 1 k^, 2 E, 3 diag; g the head) as soon as it is formed, so that it is not held to
+  the end (E alone is 512 B a thread at D = 128 with 4 warps); None in its place."""
   C = w.shape[0]
   p = _Products(precision, odt, hilo)
   mm, acc, hi = p.mm, p.acc, p.hi
   strict, lower, _ = _masks(C)
   x = y * beta_r                                                # X = (I + A)^{-1} diag(beta)
   X, W, K = acc(x), acc(w), hi(k)
-  e = mm(W, acc(mm(X, W)), ta=True)                             # E = W^T U, U = X W
+  out = lambda i, x, g=0: x if put is None else put(i, g, x)
+  e = out(2, mm(W, acc(mm(X, W)), ta=True))                     # E = W^T U, U = X W
   wk = jnp.where(strict, mm(W, K, tb=True), 0.0)                # w_r . k_j, r > j
   WK = acc(wk)
-  khat = k - mm(acc(mm(X, WK)), W, ta=True)                      # K - Z^T W, Z = X WK
+  khat = out(1, k - mm(acc(mm(X, WK)), W, ta=True))              # K - Z^T W, Z = X WK
   qhats, diags = [], []
-  for q in qs:
+  for g, q in enumerate(qs):
     Q = hi(q)
     gm = mm(acc(jnp.where(lower, mm(Q, W, tb=True), 0.0)), X)     # GM = lower(Q W^T) X
     GM = acc(gm)
-    qhats.append(q - mm(GM, W))
-    diags.append(scale * (mm(Q, K, tb=True) - mm(GM, WK)))
+    qhats.append(out(0, q - mm(GM, W), g))
+    diags.append(out(3, scale * (mm(Q, K, tb=True) - mm(GM, WK)), g))
   return tuple(qhats), khat, e, tuple(diags)
 
 
@@ -214,49 +217,60 @@ def chunk_operands_vjp_kv(common, dkh, de, p):
   (dw [C, D], dx [C, C], dwk [C, C], unmasked) float32."""
   _, _, X, W, _, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
-  DE, DKH = hi(de), hi(dkh)
-  u = mm(X, W)
-  z = mm(X, WK)
-  du = mm(W, DE)                                                # E = W^T U
-  dz = -mm(W, DKH, tb=True)                                     # k^ = K - Z^T W
-  DU, DZ = acc(du), acc(dz)
-  # U's lo half is the one operand the outputs are insensitive to (dw 1.6e-4 without it).
-  dw = mm(hi(u), DE, tb=True) + mm(X, DU, ta=True) - mm(acc(z), DKH)
-  dx = mm(DU, W, tb=True) + mm(DZ, WK, tb=True)
+  val = lambda x: x() if callable(x) else x   # a kernel passes loads: read where first used
+  # k^'s terms first, then E's (few live tiles: DE alone is 256 B a thread at D = 128)
+  DKH = hi(val(dkh))
+  DZ = acc(-mm(W, DKH, tb=True))                                # k^ = K - Z^T W
   dwk = mm(X, DZ, ta=True)
+  dx = mm(DZ, WK, tb=True)
+  dw = -mm(acc(mm(X, WK)), DKH)                                 # Z = X WK
+  DE = hi(val(de))
+  DU = acc(mm(W, DE))                                           # E = W^T U
+  # U's lo half is the one operand the outputs are insensitive to (dw 1.6e-4 without it).
+  dw = dw + mm(hi(mm(X, W)), DE, tb=True) + mm(X, DU, ta=True)
+  dx = dx + mm(DU, W, tb=True)
   return dw, dx, dwk
 
 
-def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p):
+def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p,
+                         put_dq=None):
   """The rest of the VJP: each query head's terms (q^ = Q - GM W, diag = Q K^T - GM WK) added
   to chunk_operands_vjp_kv's partial (dw, dx, dwk), then WK's and X's pullbacks:
-  -> (tuple of dq, dk, dw, dy, dbeta_r)."""
+  -> (tuple of dq, dk, dw, dy, dbeta_r).
+
+  Written for few live tiles (the kernel spilled ~2 KB a thread): each head's terms end their
+  operands' lives in the order they are formed; dkh, common's Y and each of `partial`'s three
+  may be functions that read them (a kernel: from its refs) only where they are added;
+  put_dq(g, dq) stores head g's dq as soon as it is formed (None in the returned tuple)."""
   y, beta_r, X, W, K, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
-  strict, lower, _ = _masks(y.shape[0])
-  dw, dx, dwk = partial
-  dk = dkh
+  strict, lower, _ = _masks(X[0].shape[0] if isinstance(X, tuple) else X.shape[0])
+  add = lambda a, b: b if a is None else a + b
+  val = lambda x: x() if callable(x) else x
+  dw = dx = dwk = dk = None
   dqs = []
-  for q, dqh, dd in zip(qs, dqhs, dds):
+  for g, (q, dqh, dd) in enumerate(zip(qs, dqhs, dds)):
     Q, DQH = hi(q), hi(dqh)
-    lq = jnp.where(lower, mm(Q, W, tb=True), 0.0)
-    LQ = acc(lq)
-    gm = mm(LQ, X)
-    ds = scale * dd
-    DS = hi(ds)
-    dgm = -(mm(DQH, W, tb=True) + mm(DS, WK, tb=True))         # q^ = Q - GM W, diag = .. - GM WK
-    DGM = acc(dgm)
-    dl = jnp.where(lower, mm(DGM, X, tb=True), 0.0)            # GM = L X
-    DL, GM = acc(dl), acc(gm)
-    dx = dx + mm(LQ, DGM, ta=True)
-    dw = dw + mm(DL, Q, ta=True) - mm(GM, DQH, ta=True)
-    dwk = dwk - mm(GM, DS, ta=True)
-    dk = dk + mm(DS, Q, ta=True)
-    dqs.append(dqh + mm(DS, K) + mm(DL, W))
-  dwk = jnp.where(strict, dwk, 0.0)                             # WK = strictLower(W K^T)
-  DWK = acc(dwk)
-  dw = dw + mm(DWK, K)
-  dk = dk + mm(DWK, W, ta=True)
+    LQ = acc(jnp.where(lower, mm(Q, W, tb=True), 0.0))
+    GM = acc(mm(LQ, X))                                          # GM = L X
+    DS = hi(scale * dd)
+    DGM = acc(-(mm(DQH, W, tb=True) + mm(DS, WK, tb=True)))     # q^ = Q - GM W, diag = .. - GM WK
+    dx = add(dx, mm(LQ, DGM, ta=True))
+    DL = acc(jnp.where(lower, mm(DGM, X, tb=True), 0.0))
+    dq = dqh + mm(DS, K) + mm(DL, W)
+    if put_dq is not None:
+      put_dq(g, dq)
+      dq = None
+    dqs.append(dq)
+    dw = add(dw, mm(DL, Q, ta=True) - mm(GM, DQH, ta=True))
+    dwk = add(dwk, -mm(GM, DS, ta=True))
+    dk = add(dk, mm(DS, Q, ta=True))
+  dw_kv, dx_kv, dwk_kv = partial
+  DWK = acc(jnp.where(strict, val(dwk_kv) + dwk, 0.0))         # WK = strictLower(W K^T)
+  dw = val(dw_kv) + dw + mm(DWK, K)
+  dk = val(dkh) + dk + mm(DWK, W, ta=True)
+  dx = val(dx_kv) + dx
+  y = val(y)
   # X = Y diag(beta): dY = dX diag(beta), dbeta = the column sums of dX * Y
   return tuple(dqs), dk, dw, dx * beta_r, jnp.sum(dx * y, axis=0, keepdims=True)
 
@@ -274,7 +288,7 @@ class _Cfg:
                         # inverse VJP inside the operands-VJP kernel (no dY or second dW in
                         # HBM; Y is still recomputed by its own kernel)
   time_major: bool = False  # q, k, w (and dq, dk, dw) as [B, Tp, heads, D], read in place
-  num_warps: int = 4
+  num_warps: object = 4  # every pre-pass kernel's warps, or a tuple of (kernel name, warps)
   vjp2: bool = False    # the operands VJP as two kernels (chunk_operands_vjp_kv, then _q), its
                         # partial dw, dx, dwk through HBM: fewer live tiles per program
 
@@ -321,13 +335,16 @@ def _ops_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, qh_ref, kh_ref, e_ref, d_ref
   k, w, y, br = _f32(k_ref, w_ref, y_ref, br_ref)
   if cfg.fold:
     y = chunk_inverse(w, y, precision=cfg.inv_precision)
-  qh, kh, e, d = chunk_operands(_q_heads(q_ref, cfg), k, w, y, br, scale=cfg.scale,
-                                precision=cfg.precision, odt=cfg.odt, hilo=cfg.hilo)
-  for g in range(len(qh)):
-    qh_ref[g] = qh[g].astype(qh_ref.dtype)
-    d_ref[g] = d[g].astype(d_ref.dtype)
-  kh_ref[...] = kh.astype(kh_ref.dtype)
-  e_ref[...] = e.astype(e_ref.dtype)
+  refs = (qh_ref, kh_ref, e_ref, d_ref)
+
+  def put(i, g, x):
+    if i in (0, 3):
+      refs[i][g] = x.astype(refs[i].dtype)
+    else:
+      refs[i][...] = x.astype(refs[i].dtype)
+
+  chunk_operands(_q_heads(q_ref, cfg), k, w, y, br, scale=cfg.scale, precision=cfg.precision,
+                 odt=cfg.odt, hilo=cfg.hilo, put=put)
 
 
 def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
@@ -347,7 +364,8 @@ def _put_vjp(grads, refs, cfg):
   """The operands VJP's outputs: dq (G heads), dk, dw in their refs' dtypes, dy, dbeta_r."""
   (dqs, dk, dw, dy, dbr), (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref) = grads, refs
   for g in range(len(dqs)):
-    _put_q(dq_ref, g, dqs[g], cfg)
+    if dqs[g] is not None:   # None: stored already (chunk_operands_vjp_q's put_dq)
+      _put_q(dq_ref, g, dqs[g], cfg)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dw_ref[...] = dw.astype(dw_ref.dtype)
   dy_ref[...] = dy
@@ -359,7 +377,8 @@ def _ops_bwd_kv_kernel(k_ref, w_ref, y_ref, br_ref, dkh_ref, de_ref, dw_ref, dx_
   """The first of the two operands-VJP kernels ("split2_*"): the E and k^ terms."""
   p = _Products(cfg.precision, cfg.odt, cfg.hilo)
   common = _vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
-  dw, dx, dwk = chunk_operands_vjp_kv(common, *_f32(dkh_ref, de_ref), p)
+  dw, dx, dwk = chunk_operands_vjp_kv(common, lambda: _f32(dkh_ref)[0],
+                                      lambda: _f32(de_ref)[0], p)
   dw_ref[...] = dw
   dx_ref[...] = dx
   dwk_ref[...] = dwk
@@ -370,9 +389,12 @@ def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_r
   """The second: the query heads' terms on top of the first kernel's partials."""
   p = _Products(cfg.precision, cfg.odt, cfg.hilo)
   common = _vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
+  common = (lambda: y_ref[...].astype(jnp.float32),) + common[1:]   # Y again at the end
   grads = chunk_operands_vjp_q(
-      common, _q_heads(q_ref, cfg), _heads(dqh_ref), dkh_ref[...].astype(jnp.float32),
-      _heads(dd_ref), _f32(dwa_ref, dxa_ref, dwka_ref), scale=cfg.scale, p=p)
+      common, _q_heads(q_ref, cfg), _heads(dqh_ref), lambda: _f32(dkh_ref)[0], _heads(dd_ref),
+      tuple(functools.partial(lambda r: _f32(r)[0], r) for r in (dwa_ref, dxa_ref, dwka_ref)),
+      scale=cfg.scale, p=p,
+      put_dq=lambda g, dq: _put_q(dq_ref, g, dq, cfg))
   _put_vjp(grads, (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref), cfg)
 
 
@@ -396,7 +418,10 @@ def _input_specs(cfg, G, C, D):
 
 def _call(cfg, kernel, grid, in_specs, out_specs, out_shape, aliases=None):
   kwargs = {"input_output_aliases": aliases} if aliases else {}
-  params = calls.prepass_compiler_params(cfg.backend, len(grid), cfg.num_warps)
+  warps = cfg.num_warps
+  if not isinstance(warps, int):
+    warps = dict(warps)[kernel.func.__name__]
+  params = calls.prepass_compiler_params(cfg.backend, len(grid), warps)
   if params is not None:
     kwargs["compiler_params"] = params
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
@@ -496,6 +521,20 @@ def _transport_bwd(cfg, res, cts):
 _transport.defvjp(_transport_fwd, _transport_bwd)
 
 
+def auto_warps(head_dim: int):
+  """Each pre-pass kernel's warps at head_dim: ((kernel name, warps), ...).
+
+  Measured per kernel on the H200 (2026-11-25, jax.profiler, fwd+bwd, 4 against 8 warps for
+  every pre-pass kernel; ms): at 32,2048,32,64 4 warps won everywhere (operands VJP q part 4.30
+  / 6.68, its kv part 2.08 / 3.58, operands 1.61 / 3.56, inverse 1.60 / 3.83); at 8,4096,16,128
+  the operands kernel (1.50 / 1.32) and the VJP's q part (2.79 / 2.53) take 8 (they spill at 4:
+  2.2 and 2.3 KB a thread in the resource report), the inverse (0.47 / 1.08), its VJP
+  (0.39 / 0.79) and the VJP's kv part (1.09 / 1.74) keep 4."""
+  wide = 8 if head_dim >= 128 else 4
+  return (("_inv_kernel", 4), ("_inv_bwd_kernel", 4), ("_ops_kernel", wide),
+          ("_ops_bwd_kernel", 4), ("_ops_bwd_kv_kernel", 4), ("_ops_bwd_q_kernel", wide))
+
+
 VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3", "split_hilo",
             "split2", "split2_bf16x3", "split2_hilo")
 
@@ -542,7 +581,7 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
 
 
 def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precision=None,
-                     variant: str = "split", num_warps: int = 4):
+                     variant: str = "split", num_warps: int | None = 4):
   """Drop-in for prepass.transport_jnp (same arguments, shapes and dtypes) as Pallas kernels on
   `backend`: q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C].
 
@@ -573,7 +612,8 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   Resource report (bf16, G 1, D 128, 4 warps; shared KiB / spill loads per thread): one kernel
   208 / 12,456 (split_hilo) and 160 / 11,296 (split_bf16x3); two kernels 160 + 122 / 2,940 +
   4,148 (split2_hilo) and 80 + 96 / 3,596 + 5,460 (split2_bf16x3). At D = 64: 120 / 2,748
-  against 80 + 82 / 276 + 2,180 (hilo). num_warps sets the pre-pass kernels' warps.
+  against 80 + 82 / 276 + 2,180 (hilo). num_warps sets the pre-pass kernels' warps; None: each
+  kernel's own, by head_dim (auto_warps).
 
   Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
   bf16 q, k, v, relative RMS against the float32 oracle): float32-accurate products 3-4e-3 in
@@ -593,7 +633,8 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   time_major = backend in ("gpu", "interpret")
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
              inv_precision=accurate, odt=odt, hilo=hilo, fold=variant.startswith("fold"),
-             time_major=time_major, num_warps=num_warps, vjp2=variant.startswith("split2"))
+             time_major=time_major, vjp2=variant.startswith("split2"),
+             num_warps=auto_warps(q.shape[-1]) if num_warps is None else num_warps)
   if not time_major:
     C = bb.shape[-1]
     q, k, w = (prepass.blocked(x, C) for x in (q, k, w))
