@@ -256,10 +256,12 @@ class TestInterpret(PathKernelBase):
 
   # The bf16 case repeats the float32 pairs case's code path (the interpreter takes pairs in
   # float32 too: calls_span.span_pairs); it matters on TestGPU, where float32 takes single chunks.
-  @pytest.mark.parametrize("mode", [1, 2])
-  @pytest.mark.parametrize("dtype,pairs,alternating", [
-      (jnp.float32, True, False), (jnp.float32, False, True),
-      pytest.param(jnp.bfloat16, True, False, marks=pytest.mark.slow)])
+  # Form 1 (not the default) keeps its alternating-documents case in the default set (CI time).
+  @pytest.mark.parametrize("mode,dtype,pairs,alternating", [
+      (2, jnp.float32, True, False), (2, jnp.float32, False, True),
+      (1, jnp.float32, False, True),
+      pytest.param(1, jnp.float32, True, False, marks=pytest.mark.slow)] + [
+      pytest.param(mode, jnp.bfloat16, True, False, marks=pytest.mark.slow) for mode in (1, 2)])
   def test_bwd_spans(self, key, mode, dtype, pairs, alternating):
     super().test_bwd_spans(key, mode, dtype, pairs, alternating)
 
@@ -288,7 +290,7 @@ class TestInterpret(PathKernelBase):
     self._check(key, H=2, K=1, dtype=jnp.float32, gate=False, T=T, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}")
 
-  @pytest.mark.parametrize("mode", [1, 2])
+  @pytest.mark.parametrize("mode", [pytest.param(1, marks=pytest.mark.slow), 2])  # 1: CI time
   def test_bwd_spans_read_only_written_rows(self, key, monkeypatch, mode):
     """The span-parallel backward must not use a row its launches did not write (on the GPU
     that is uninitialised memory): far_dq writes qb, A of chunk c only for the boundaries at
@@ -352,9 +354,10 @@ def _gpu_rounding_dot(dot):
 
 
 @pytest.mark.parametrize("w_mode,prepass", [
-    ("shared:0.01", "split"), ("antiparallel", "split"), ("shared:0.01", "split_bf16x3"),
-    ("shared:0.01", "split_hilo"), ("antiparallel", "split_hilo"),
-    ("antiparallel", "split2_hilo")])
+    ("shared:0.01", "split"), ("antiparallel", "split"), ("antiparallel", "split2_hilo")] + [
+    pytest.param(*case, marks=pytest.mark.slow)   # variants that are not a default (CI time)
+    for case in (("shared:0.01", "split_bf16x3"), ("shared:0.01", "split_hilo"),
+                 ("antiparallel", "split_hilo"))])
 def test_tf32_products_correlated_w(key, monkeypatch, w_mode, prepass):
   """The interpreter with every float32 product rounded as the GPU rounds it, on the bf16 inputs
   whose transport is ill-conditioned (neighbouring w nearly parallel or antiparallel, beta = 2).
