@@ -323,10 +323,12 @@ def _inv_kernel(w_ref, bc_ref, y_ref, *, cfg):
   y_ref[...] = chunk_inverse(*_f32(w_ref, bc_ref), precision=cfg.inv_precision)
 
 
-def _inv_bwd_kernel(w_ref, bc_ref, y_ref, dy_ref, dw_ref, dbc_ref, *, cfg):
+def _inv_bwd_kernel(w_ref, bc_ref, y_ref, dy_ref, dwo_ref, dw_ref, dbc_ref, *, cfg):
+  """dwo_ref: the operands VJP's dw (float32); dw_ref receives the whole dw in w's dtype (the
+  sum here, not in XLA: one elementwise pass over a float32 [B, T, K, D] fewer)."""
   dw, dbc = chunk_inverse_vjp(*_f32(w_ref, bc_ref, y_ref, dy_ref),
                                precision=cfg.inv_precision)
-  dw_ref[...] = dw
+  dw_ref[...] = (dwo_ref[...].astype(jnp.float32) + dw).astype(dw_ref.dtype)
   dbc_ref[...] = dbc
 
 
@@ -510,10 +512,9 @@ def _transport_bwd(cfg, res, cts):
     dbc = dy
   else:
     kernel = functools.partial(_inv_bwd_kernel, cfg=cfg)
-    dw2, dbc = _call(cfg, kernel, (B, K, n), [spec_1, one(C, 1), one(C, C), one(C, C)],
-                     [spec_1, one(C, 1)], [sd(w.shape, f32), sd((B, K, n, C, 1), f32)])(
-                         w, bc, y, dy)
-    dw = (dw + dw2).astype(w.dtype)
+    dw, dbc = _call(cfg, kernel, (B, K, n), [spec_1, one(C, 1), one(C, C), one(C, C), spec_1],
+                    [spec_1, one(C, 1)], [sd(w.shape, w.dtype), sd((B, K, n, C, 1), f32)])(
+                        w, bc, y, dy, dw)
   dbeta = (dbc[..., 0] + dbr[..., 0, :]).astype(bb.dtype)
   return dq, dk, dw, dbeta
 
@@ -612,7 +613,10 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   Resource report (bf16, G 1, D 128, 4 warps; shared KiB / spill loads per thread): one kernel
   208 / 12,456 (split_hilo) and 160 / 11,296 (split_bf16x3); two kernels 160 + 122 / 2,940 +
   4,148 (split2_hilo) and 80 + 96 / 3,596 + 5,460 (split2_bf16x3). At D = 64: 120 / 2,748
-  against 80 + 82 / 276 + 2,180 (hilo). num_warps sets the pre-pass kernels' warps; None: each
+  against 80 + 82 / 276 + 2,180 (hilo). Those were before the chunk functions were ordered for
+  few live tiles (2026-11-25): split2_hilo's two VJP kernels now report 96 + 136 / 2,928 + 708
+  at D = 128 (4 + 8 warps, auto_warps) and 56 + 88 / 728 + 792 at D = 64; the operands kernel
+  812 (D 128, 8 warps) and 36 (D 64). num_warps sets the pre-pass kernels' warps; None: each
   kernel's own, by head_dim (auto_warps).
 
   Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
