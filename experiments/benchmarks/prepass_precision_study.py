@@ -2,7 +2,7 @@
 
   JAX_ENABLE_X64=1 python experiments/benchmarks/prepass_precision_study.py [--chunk 64]
 
-One chunk of the operands math (prepass_kernel.chunk_operands and its hand-written VJP), on the
+One chunk of the operands math (prepass_chunk.chunk_operands and its hand-written VJP), on the
 inputs that make the transport ill-conditioned: w shared to eps 1 / 0.01, antiparallel
 neighbours, random w; beta 2 and uniform in (0, 2); q, k and the cotangents bf16 values, as
 in bf16 training. Each product's operands are formed as the GPU forms bf16 hi / lo halves: a
@@ -26,14 +26,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels_pallas.path_attention import prepass_kernel as pk  # noqa: E402
+from kernels_pallas.path_attention import prepass_chunk as pk  # noqa: E402
 
 BF = jnp.bfloat16
 PASSES = {"both": 3, "a": 2, "b": 2, "none": 1}   # lo terms kept -> bf16 passes
 
 
 class Products:
-  """A stand-in for prepass_kernel.dot that numbers the products of one call and forms each
+  """A stand-in for prepass_chunk.dot that numbers the products of one call and forms each
   from bf16 halves as `modes[i]` says ("both", "a": a's lo only, "b", "none")."""
 
   def __init__(self):

@@ -8,15 +8,6 @@ and 41.6 ms for its VJP, against 4.4 ms for the attention kernel itself, and its
 intermediates set the peak memory. Per chunk it is a handful of C x C and C x D products that stay
 on chip: the kernel reads q, k, w, beta once and writes q^, k^, E, diag once.
 
-The operands' chunk math (chunk_operands) is a pure function of 2-D values built from
-dot_general, iota masks and elementwise ops only; its VJP (chunk_operands_vjp) is written out by
-hand (recompute U, WK, Z from the inputs, then pull back; nothing but the inputs is saved). It
-replaced jax.vjp traced inside the kernel, whose transposed TF32 products and many live float32
-tiles made the pre-pass VJP the largest phase (21.3 -> 8.4 ms at 32,2048,32,64 on the H200).
-The UT inverse (I + A)^{-1}, A = strictLower(diag(beta) W W^T), is a recursive block inversion
-(chunk_inverse): matmuls only (no triangular solve inside a kernel), every intermediate O(1);
-its VJP is written in closed form (chunk_inverse_vjp).
-
 Kernel split, measured on the H200 (B,T,H,D = 32,2048,32,64 / 8,4096,16,128): "split" variants:
 forward = inverse kernel + operands kernel, backward = inverse (recomputed) + operands-VJP
 kernel + inverse-VJP kernel. "fold" variants run the inverse inside the operands kernel and the
@@ -25,18 +16,8 @@ memory of the whole step 4.53 -> 4.28 GiB at the first shape (2.38 -> 2.63 at th
 +6% / +3% time (VJP 8.5 -> 10.3 ms: register pressure). Recomputing Y inside the backward
 kernel as well was slower still (VJP 13.2 ms).
 
-Precision: every product takes float32 accuracy (exact float32 in the interpreter and on the
-TPU; on the GPU bf16 hi / lo halves for bf16 inputs, "split_hilo" and the default "split2_hilo"
-(_Products), three TF32 passes for float32 ones) at every input dtype, except in the "*_bf16"
-variants. With near-parallel w the products cancel: Y's entries alternate in sign, so U = X W,
-E = W^T U, Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the transport
-depends on the differences between neighbouring w (~eps), which a rounding of w or X perturbs
-relatively by (rounding / eps). Single-pass TF32 (the GPU's default for float32 operands: the
-tensor cores read the top 10 mantissa bits, i.e. truncate), the default until 2026-11-23, failed
-the GPU tests at w_t = normalize(a + 0.01 n_t), beta = 2 (dw 4.7e-2 relative RMS, H100);
-test_path_kernel.py::test_tf32_products_correlated_w emulates that truncation in the interpreter
-and shows where: the operands' products (dw 8.7e-2 at C = D = 64, T = 256), not the inverse
-(already float32-accurate) nor the attention kernels (4.4e-3 with TF32 everywhere else).
+The chunk math the kernels run (the UT inverse, the operands, their VJPs, and how each
+product keeps float32 accuracy) is prepass_chunk.py.
 """
 from __future__ import annotations
 
@@ -45,234 +26,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import calls
 from kernels_pallas.path_attention import prepass
-from kernels_pallas.path_attention.kernels import dot
-
-
-@dataclasses.dataclass(frozen=True)
-class _Products:
-  """How the operands chunk math forms its products.
-
-  The chunk functions name, per product, which operands must keep float32 accuracy: acc(x)
-  marks an operand whose rounding the result is sensitive to, hi(x) one whose bf16 rounding is
-  harmless there (or exact: q, k and the cotangents of bf16 inputs are bf16 values). Then
-  - hilo=False: acc and hi are the value itself (odt=bf16: cast once; the Triton lowering
-    wants one operand dtype), mm is one dot at `precision` with float32 accumulation: every
-    product at one precision, as the inverse and its VJP always take (float32 operands);
-  - hilo=True ("split_hilo"): acc(x) is a bf16 pair (hi, lo = x - hi), hi(x) the pair without
-    lo, and mm sums hi*hi + lo*hi + hi*lo over the halves present: an operand is split once
-    however many products read it, a bf16-exact operand costs one pass instead of two, and an
-    insensitive one drops its lo.
-  Which operands may drop lo was measured, not guessed: one chunk (C = D = 64) at w shared to
-  eps 0.01 / 1, antiparallel and random, beta 2 and uniform, each product's lo halves dropped
-  alone and then together (greedy) against float64, keeping every output's worst relative RMS
-  error <= 2.5e-4 (bf16 storage of q^, k^ adds ~1e-3). Only the bf16-exact operands (q, k, the
-  cotangents) and U in dw's U dE^T term qualify: 26 of 30 bf16 passes in the forward and 58 of
-  75 in the VJP instead of three per product. Dropping W's lo anywhere costs ~2e-3 (Z^T W in
-  k^: the rounding of W times an O(1) Z).
-  """
-  precision: object = None
-  odt: object = None
-  hilo: bool = False
-
-  def acc(self, x):
-    if not self.hilo:
-      return x if self.odt is None else x.astype(self.odt)
-    if isinstance(x, tuple):
-      return x
-    hi = x.astype(jnp.bfloat16)
-    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-
-  def hi(self, x):
-    if not self.hilo:
-      return self.acc(x)
-    return (x[0] if isinstance(x, tuple) else x.astype(jnp.bfloat16)), None
-
-  def mm(self, a, b, ta=False, tb=False):
-    if not self.hilo:
-      return dot(a, b, ta=ta, tb=tb, precision=self.precision)
-    (ah, al), (bh, bl) = a, b
-    out = dot(ah, bh, ta=ta, tb=tb)
-    if al is not None:
-      out = out + dot(al, bh, ta=ta, tb=tb)
-    if bl is not None:
-      out = out + dot(ah, bl, ta=ta, tb=tb)
-    return out
-
-
-def _masks(C):
-  row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-  col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-  return row > col, row >= col, jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
-
-
-def chunk_inverse(w, beta_c, *, precision):
-  """Y = (I + A)^{-1}, A = strictLower(diag(beta) W W^T): w [C, D], beta_c [C, 1] float32.
-
-  Recursive block inversion: with Y_s the block-diagonal inverse at block size s (exact inverses
-  of the principal [s, s] blocks), merging pairs of blocks is one block forward-substitution
-  step, [[Y1, 0], [A21, I]] -> Y21 = -Y2 A21 Y1, i.e. Y_2s = Y_s - Y_s (A21 Y_s) with A21 the
-  lower-left quadrant of every [2s, 2s] block. log2 C levels of two [C, C] products (the first
-  level is free); masks replace slicing, which the Triton lowering lacks.
-
-  Why not the Neumann product prod_i (I + (-A)^(2^i)) used before: its factors are powers of A,
-  whose entries grow like beta^m binom(C, m) when neighbouring w share a direction (the PaTH
-  layer's w do: a low-rank projection and a short convolution), ~1e27 at C = 64 and beta = 2,
-  and cancel to the O(1) entries of Y. Even exact float32 products then return garbage (TF32 on
-  the GPU: 1e24), which reached the attention logits as inf / NaN in bf16 training. Every
-  intermediate here is an inverse of a principal sub-block, i.e. the Y of a shorter chunk,
-  whose entries stay O(1) (|Y_ij| <= 2 for parallel w); the recursion is backward stable like a
-  blocked triangular solve.
-  """
-  C = w.shape[0]
-  mm = _Products(precision).mm
-  row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
-  col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-  a = jnp.where(row > col, beta_c * mm(w, w, tb=True), 0.0)
-  y = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
-  half = 1
-  while half < C:
-    # Lower-left quadrant of each [2 half, 2 half] diagonal block: same block of size 2 half,
-    # different halves (row > col puts the row in the lower half).
-    quad = (row > col) & (row // (2 * half) == col // (2 * half)) & (row // half != col // half)
-    a21 = jnp.where(quad, a, 0.0)
-    y = y - a21 if half == 1 else y - mm(y, mm(a21, y))   # Y_1 = I
-    half *= 2
-  return y
-
-
-def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
-  """Cotangents (dw, dbeta_c) of chunk_inverse from dY, in closed form:
-  dT = -Y^T dY Y^T, dA = strictLower(dT), A_ij = beta_i (w_i . w_j)."""
-  C = w.shape[0]
-  mm = _Products(precision).mm
-  strict, _, _ = _masks(C)
-  da = jnp.where(strict, -mm(mm(y, dy, ta=True), y, tb=True), 0.0)
-  s = mm(w, w, tb=True)
-  dbeta = jnp.sum(da * s, axis=1, keepdims=True)
-  ds = beta_c * da
-  return mm(ds, w) + mm(ds, w, ta=True), dbeta
-
-
-def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision=None, odt=None,
-                   hilo: bool = False, put=None):
-  """One chunk given Y. qs: tuple of G [C, D] queries (the heads sharing this kv head); k, w
-  [C, D]; y [C, C]; beta_r [1, C]; float32. -> (tuple of q^ [C, D], k^ [C, D], E [D, D], tuple
-  of scaled diag logits [C, C]). Products as _Products(precision, odt, hilo) forms them; acc /
-  hi mark each operand's sensitivity (_Products). put(i, g, x) (a kernel's store) takes output
-  i (0 q^, 1 k^, 2 E, 3 diag; g the head) as soon as it is formed, so that it is not held to
-  the end (E alone is 512 B a thread at D = 128 with 4 warps); None in its place."""
-  C = w.shape[0]
-  p = _Products(precision, odt, hilo)
-  mm, acc, hi = p.mm, p.acc, p.hi
-  strict, lower, _ = _masks(C)
-  x = y * beta_r                                                # X = (I + A)^{-1} diag(beta)
-  X, W, K = acc(x), acc(w), hi(k)
-  out = lambda i, x, g=0: x if put is None else put(i, g, x)
-  e = out(2, mm(W, acc(mm(X, W)), ta=True))                     # E = W^T U, U = X W
-  wk = jnp.where(strict, mm(W, K, tb=True), 0.0)                # w_r . k_j, r > j
-  WK = acc(wk)
-  khat = out(1, k - mm(acc(mm(X, WK)), W, ta=True))              # K - Z^T W, Z = X WK
-  qhats, diags = [], []
-  for g, q in enumerate(qs):
-    Q = hi(q)
-    gm = mm(acc(jnp.where(lower, mm(Q, W, tb=True), 0.0)), X)     # GM = lower(Q W^T) X
-    GM = acc(gm)
-    qhats.append(out(0, q - mm(GM, W), g))
-    diags.append(out(3, scale * (mm(Q, K, tb=True) - mm(GM, WK)), g))
-  return tuple(qhats), khat, e, tuple(diags)
-
-
-def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision=None, odt=None,
-                       hilo: bool = False):
-  """The VJP of chunk_operands, written out (recompute U, WK, Z, then pull back):
-  cts = (tuple of dq^, dk^, dE, tuple of d diag) -> (tuple of dq, dk, dw, dy, dbeta_r).
-
-  Written by hand rather than traced with jax.vjp: ~13 + 12 G products with few live tiles,
-  and every product can take bf16 operands (odt) or bf16 halves (hilo), which jax.vjp's
-  transposes of a bf16 product cannot (they meet float32 cotangents). It is the two halves
-  below in one program; the "split2_*" pre-pass runs them as two kernels."""
-  dqhs, dkh, de, dds = cts
-  p = _Products(precision, odt, hilo)
-  common = _vjp_common(k, w, y, beta_r, p)
-  partial = chunk_operands_vjp_kv(common, dkh, de, p)
-  return chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, scale=scale, p=p)
-
-
-def _vjp_common(k, w, y, beta_r, p):
-  """What both halves of the VJP recompute from the inputs: X = Y diag(beta), the marked
-  operands and WK = strictLower(W K^T)."""
-  strict, _, _ = _masks(w.shape[0])
-  X, W, K = p.acc(y * beta_r), p.acc(w), p.hi(k)
-  WK = p.acc(jnp.where(strict, p.mm(W, K, tb=True), 0.0))
-  return y, beta_r, X, W, K, WK
-
-
-def chunk_operands_vjp_kv(common, dkh, de, p):
-  """The VJP's terms of E = W^T U and k^ = K - Z^T W, which read no query head: -> partial
-  (dw [C, D], dx [C, C], dwk [C, C], unmasked) float32."""
-  _, _, X, W, _, WK = common
-  mm, acc, hi = p.mm, p.acc, p.hi
-  val = lambda x: x() if callable(x) else x   # a kernel passes loads: read where first used
-  # k^'s terms first, then E's (few live tiles: DE alone is 256 B a thread at D = 128)
-  DKH = hi(val(dkh))
-  DZ = acc(-mm(W, DKH, tb=True))                                # k^ = K - Z^T W
-  dwk = mm(X, DZ, ta=True)
-  dx = mm(DZ, WK, tb=True)
-  dw = -mm(acc(mm(X, WK)), DKH)                                 # Z = X WK
-  DE = hi(val(de))
-  DU = acc(mm(W, DE))                                           # E = W^T U
-  # U's lo half is the one operand the outputs are insensitive to (dw 1.6e-4 without it).
-  dw = dw + mm(hi(mm(X, W)), DE, tb=True) + mm(X, DU, ta=True)
-  dx = dx + mm(DU, W, tb=True)
-  return dw, dx, dwk
-
-
-def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p,
-                         put_dq=None):
-  """The rest of the VJP: each query head's terms (q^ = Q - GM W, diag = Q K^T - GM WK) added
-  to chunk_operands_vjp_kv's partial (dw, dx, dwk), then WK's and X's pullbacks:
-  -> (tuple of dq, dk, dw, dy, dbeta_r).
-
-  Written for few live tiles (the kernel spilled ~2 KB a thread): each head's terms end their
-  operands' lives in the order they are formed; dkh, common's Y and each of `partial`'s three
-  may be functions that read them (a kernel: from its refs) only where they are added;
-  put_dq(g, dq) stores head g's dq as soon as it is formed (None in the returned tuple)."""
-  y, beta_r, X, W, K, WK = common
-  mm, acc, hi = p.mm, p.acc, p.hi
-  strict, lower, _ = _masks(X[0].shape[0] if isinstance(X, tuple) else X.shape[0])
-  add = lambda a, b: b if a is None else a + b
-  val = lambda x: x() if callable(x) else x
-  dw = dx = dwk = dk = None
-  dqs = []
-  for g, (q, dqh, dd) in enumerate(zip(qs, dqhs, dds)):
-    Q, DQH = hi(q), hi(dqh)
-    LQ = acc(jnp.where(lower, mm(Q, W, tb=True), 0.0))
-    GM = acc(mm(LQ, X))                                          # GM = L X
-    DS = hi(scale * dd)
-    DGM = acc(-(mm(DQH, W, tb=True) + mm(DS, WK, tb=True)))     # q^ = Q - GM W, diag = .. - GM WK
-    dx = add(dx, mm(LQ, DGM, ta=True))
-    DL = acc(jnp.where(lower, mm(DGM, X, tb=True), 0.0))
-    dq = dqh + mm(DS, K) + mm(DL, W)
-    if put_dq is not None:
-      put_dq(g, dq)
-      dq = None
-    dqs.append(dq)
-    dw = add(dw, mm(DL, Q, ta=True) - mm(GM, DQH, ta=True))
-    dwk = add(dwk, -mm(GM, DS, ta=True))
-    dk = add(dk, mm(DS, Q, ta=True))
-  dw_kv, dx_kv, dwk_kv = partial
-  DWK = acc(jnp.where(strict, val(dwk_kv) + dwk, 0.0))         # WK = strictLower(W K^T)
-  dw = val(dw_kv) + dw + mm(DWK, K)
-  dk = val(dkh) + dk + mm(DWK, W, ta=True)
-  dx = val(dx_kv) + dx
-  y = val(y)
-  # X = Y diag(beta): dY = dX diag(beta), dbeta = the column sums of dX * Y
-  return tuple(dqs), dk, dw, dx * beta_r, jnp.sum(dx * y, axis=0, keepdims=True)
+from kernels_pallas.path_attention.prepass_chunk import (Products, chunk_inverse,
+                                                         chunk_inverse_vjp, chunk_operands,
+                                                         chunk_operands_vjp,
+                                                         chunk_operands_vjp_kv,
+                                                         chunk_operands_vjp_q, vjp_common)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +45,7 @@ class _Cfg:
   precision: object
   inv_precision: object  # the inverse and its VJP: float32 accuracy at every input dtype
   odt: object = None    # operand dtype of the non-inverse products (None: float32)
-  hilo: bool = False    # the non-inverse products from bf16 hi / lo halves (_Products)
+  hilo: bool = False    # the non-inverse products from bf16 hi / lo halves (Products)
   fold: bool = False    # forward: inverse inside the operands kernel (no Y in HBM); backward:
                         # inverse VJP inside the operands-VJP kernel (no dY or second dW in
                         # HBM; Y is still recomputed by its own kernel)
@@ -377,8 +139,8 @@ def _put_vjp(grads, refs, cfg):
 def _ops_bwd_kv_kernel(k_ref, w_ref, y_ref, br_ref, dkh_ref, de_ref, dw_ref, dx_ref, dwk_ref, *,
                        cfg):
   """The first of the two operands-VJP kernels ("split2_*"): the E and k^ terms."""
-  p = _Products(cfg.precision, cfg.odt, cfg.hilo)
-  common = _vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
+  p = Products(cfg.precision, cfg.odt, cfg.hilo)
+  common = vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
   dw, dx, dwk = chunk_operands_vjp_kv(common, lambda: _f32(dkh_ref)[0],
                                       lambda: _f32(de_ref)[0], p)
   dw_ref[...] = dw
@@ -389,8 +151,8 @@ def _ops_bwd_kv_kernel(k_ref, w_ref, y_ref, br_ref, dkh_ref, de_ref, dw_ref, dx_
 def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_ref, dwa_ref,
                       dxa_ref, dwka_ref, dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref, *, cfg):
   """The second: the query heads' terms on top of the first kernel's partials."""
-  p = _Products(cfg.precision, cfg.odt, cfg.hilo)
-  common = _vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
+  p = Products(cfg.precision, cfg.odt, cfg.hilo)
+  common = vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
   common = (lambda: y_ref[...].astype(jnp.float32),) + common[1:]   # Y again at the end
   grads = chunk_operands_vjp_q(
       common, _q_heads(q_ref, cfg), _heads(dqh_ref), lambda: _f32(dkh_ref)[0], _heads(dd_ref),
@@ -600,7 +362,7 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   (calls.bf16x3_precision) instead of three TF32 ones. As accurate on the correlated-w cases:
   in the interpreter's emulation dw 4.3e-3 against 4.4e-3 at eps = 0.01, and on the H100 the
   GPU correlated tests pass (G = 2, D = 64). "split_hilo" (BlockSizes' default): the same
-  halves formed once per operand, and one half for the bf16-exact operands (_Products); its
+  halves formed once per operand, and one half for the bf16-exact operands (Products); its
   correlated rows at T = 2048 on the H100 equal split_bf16x3's to two digits. Case 5 of
   path_kernel.py (16, 2048, 12, 64, bf16, H100, 2026-11-24), forward+backward: split_hilo 8.78
   ms, split_bf16x3 11.71-11.88, three-pass TF32 20.71, bf16 operands 7.73; the pre-pass VJP

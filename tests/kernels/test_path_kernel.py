@@ -363,9 +363,9 @@ def test_tf32_products_correlated_w(key, monkeypatch, w_mode, prepass):
   whose transport is ill-conditioned (neighbouring w nearly parallel or antiparallel, beta = 2).
   Single-pass TF32 pre-pass products failed this (dw 1.6e-2 / 2.3e-2 here; 4.7e-2 on the H100
   at the GPU's chunk 64) while the exact-float32 interpret tests passed."""
-  from kernels_pallas.path_attention import bwd_kernels, bwd_span, kernels, prepass_kernel
+  from kernels_pallas.path_attention import bwd_kernels, bwd_span, kernels, prepass_chunk
   emulated = _gpu_rounding_dot(kernels.dot)
-  for module in (kernels, bwd_kernels, bwd_span, prepass_kernel):
+  for module in (kernels, bwd_kernels, bwd_span, prepass_chunk):
     monkeypatch.setattr(module, "dot", emulated)
   case = PathKernelBase()
   case.T = 64
@@ -439,7 +439,7 @@ class TestGPUTraining:
 def test_chunk_operands_vjp_matches_autodiff(key):
   """The hand-written VJP of one chunk's operands against jax.vjp of the forward function."""
   import functools
-  from kernels_pallas.path_attention import prepass_kernel as pk
+  from kernels_pallas.path_attention import prepass_chunk as pk
   C, D, G = 16, 8, 2
   ks = jax.random.split(key, 6)
   qs = tuple(jax.random.normal(k_, (C, D)) for k_ in ks[:G])
@@ -468,7 +468,7 @@ def test_chunk_inverse_correlated_w(key, w_mode):
   The Neumann product it replaced was off by 1e10-1e21 (relative) on these inputs in exact
   float32; float32 rounding of the inputs alone gives up to ~1.3e-5 (worst of 20 seeds each)."""
   import numpy as np
-  from kernels_pallas.path_attention import prepass_kernel as pk
+  from kernels_pallas.path_attention import prepass_chunk as pk
   C = D = 64
   w, beta = _transport_vectors(key, 1, C, 1, D, mode=w_mode)
   w, beta = w[0, :, 0], beta[0, :, 0]
