@@ -223,7 +223,7 @@ def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p
   put_dq(g, dq) stores head g's dq as soon as it is formed (None in the returned tuple)."""
   y, beta_r, X, W, K, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
-  strict, lower, _ = _masks(X[0].shape[0] if isinstance(X, tuple) else X.shape[0])
+  strict, lower, _ = _masks(beta_r.shape[-1])   # beta_r [1, C] (y may be a loader)
   add = lambda a, b: b if a is None else a + b
   val = lambda x: x() if callable(x) else x
   dw = dx = dwk = dk = None
