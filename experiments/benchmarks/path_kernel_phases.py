@@ -98,7 +98,8 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
   if trace_dir:  # every kernel of the whole fwd+bwd, by name (the phases above cannot split one)
     from experiments.benchmarks.step_profile import top_ops
     jax.block_until_ready(whole(*args[:5]))
-    run_dir = os.path.join(trace_dir, f"case{ci}_" + (bs_spec or "default").replace(",", "_").replace("=", "-"))
+    tag = (bs_spec or "default").replace(",", "_").replace("=", "-")
+    run_dir = os.path.join(trace_dir, f"case{ci}_{tag}")
     with jax.profiler.trace(run_dir, create_perfetto_trace=True):
       for _ in range(3):
         jax.block_until_ready(whole(*args[:5]))

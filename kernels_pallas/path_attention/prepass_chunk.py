@@ -182,6 +182,11 @@ def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision=None
   return chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, scale=scale, p=p)
 
 
+def _read(x):
+  """x, or x() where a kernel passed a loader (a ref read where first used: fewer live tiles)."""
+  return x() if callable(x) else x
+
+
 def vjp_common(k, w, y, beta_r, p):
   """What both halves of the VJP recompute from the inputs: X = Y diag(beta), the marked
   operands and WK = strictLower(W K^T)."""
@@ -196,14 +201,13 @@ def chunk_operands_vjp_kv(common, dkh, de, p):
   (dw [C, D], dx [C, C], dwk [C, C], unmasked) float32."""
   _, _, X, W, _, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
-  val = lambda x: x() if callable(x) else x   # a kernel passes loads: read where first used
   # k^'s terms first, then E's (few live tiles: DE alone is 256 B a thread at D = 128)
-  DKH = hi(val(dkh))
+  DKH = hi(_read(dkh))
   DZ = acc(-mm(W, DKH, tb=True))                                # k^ = K - Z^T W
   dwk = mm(X, DZ, ta=True)
   dx = mm(DZ, WK, tb=True)
   dw = -mm(acc(mm(X, WK)), DKH)                                 # Z = X WK
-  DE = hi(val(de))
+  DE = hi(_read(de))
   DU = acc(mm(W, DE))                                           # E = W^T U
   # U's lo half is the one operand the outputs are insensitive to (dw 1.6e-4 without it).
   dw = dw + mm(hi(mm(X, W)), DE, tb=True) + mm(X, DU, ta=True)
@@ -225,7 +229,6 @@ def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p
   mm, acc, hi = p.mm, p.acc, p.hi
   strict, lower, _ = _masks(beta_r.shape[-1])   # beta_r [1, C] (y may be a loader)
   add = lambda a, b: b if a is None else a + b
-  val = lambda x: x() if callable(x) else x
   dw = dx = dwk = dk = None
   dqs = []
   for g, (q, dqh, dd) in enumerate(zip(qs, dqhs, dds)):
@@ -245,10 +248,10 @@ def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p
     dwk = add(dwk, -mm(GM, DS, ta=True))
     dk = add(dk, mm(DS, Q, ta=True))
   dw_kv, dx_kv, dwk_kv = partial
-  DWK = acc(jnp.where(strict, val(dwk_kv) + dwk, 0.0))         # WK = strictLower(W K^T)
-  dw = val(dw_kv) + dw + mm(DWK, K)
-  dk = val(dkh) + dk + mm(DWK, W, ta=True)
-  dx = val(dx_kv) + dx
-  y = val(y)
+  DWK = acc(jnp.where(strict, _read(dwk_kv) + dwk, 0.0))         # WK = strictLower(W K^T)
+  dw = _read(dw_kv) + dw + mm(DWK, K)
+  dk = _read(dkh) + dk + mm(DWK, W, ta=True)
+  dx = _read(dx_kv) + dx
+  y = _read(y)
   # X = Y diag(beta): dY = dX diag(beta), dbeta = the column sums of dX * Y
   return tuple(dqs), dk, dw, dx * beta_r, jnp.sum(dx * y, axis=0, keepdims=True)

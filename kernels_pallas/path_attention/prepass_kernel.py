@@ -59,6 +59,11 @@ def _f32(*refs):
   return tuple(r[...].astype(jnp.float32) for r in refs)
 
 
+def _loader(ref):
+  """A float32 read of ref for the chunk functions to make where they first use it."""
+  return lambda: ref[...].astype(jnp.float32)
+
+
 def _heads(ref):
   return tuple(ref[g].astype(jnp.float32) for g in range(ref.shape[0]))
 
@@ -141,8 +146,7 @@ def _ops_bwd_kv_kernel(k_ref, w_ref, y_ref, br_ref, dkh_ref, de_ref, dw_ref, dx_
   """The first of the two operands-VJP kernels ("split2_*"): the E and k^ terms."""
   p = Products(cfg.precision, cfg.odt, cfg.hilo)
   common = vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
-  dw, dx, dwk = chunk_operands_vjp_kv(common, lambda: _f32(dkh_ref)[0],
-                                      lambda: _f32(de_ref)[0], p)
+  dw, dx, dwk = chunk_operands_vjp_kv(common, _loader(dkh_ref), _loader(de_ref), p)
   dw_ref[...] = dw
   dx_ref[...] = dx
   dwk_ref[...] = dwk
@@ -153,11 +157,10 @@ def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_r
   """The second: the query heads' terms on top of the first kernel's partials."""
   p = Products(cfg.precision, cfg.odt, cfg.hilo)
   common = vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
-  common = (lambda: y_ref[...].astype(jnp.float32),) + common[1:]   # Y again at the end
+  common = (_loader(y_ref),) + common[1:]   # Y read again at the end
   grads = chunk_operands_vjp_q(
-      common, _q_heads(q_ref, cfg), _heads(dqh_ref), lambda: _f32(dkh_ref)[0], _heads(dd_ref),
-      tuple(functools.partial(lambda r: _f32(r)[0], r) for r in (dwa_ref, dxa_ref, dwka_ref)),
-      scale=cfg.scale, p=p,
+      common, _q_heads(q_ref, cfg), _heads(dqh_ref), _loader(dkh_ref), _heads(dd_ref),
+      tuple(_loader(r) for r in (dwa_ref, dxa_ref, dwka_ref)), scale=cfg.scale, p=p,
       put_dq=lambda g, dq: _put_q(dq_ref, g, dq, cfg))
   _put_vjp(grads, (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref), cfg)
 
