@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -182,6 +183,11 @@ def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision=None
   return chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, scale=scale, p=p)
 
 
+def _add(a, b):
+  """a + b, with None for a sum not yet started."""
+  return b if a is None else a + b
+
+
 def _read(x):
   """x, or x() where a kernel passed a loader (a ref read where first used: fewer live tiles)."""
   return x() if callable(x) else x
@@ -201,17 +207,30 @@ def chunk_operands_vjp_kv(common, dkh, de, p):
   (dw [C, D], dx [C, C], dwk [C, C], unmasked) float32."""
   _, _, X, W, _, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
-  # k^'s terms first, then E's (few live tiles: DE alone is 256 B a thread at D = 128)
-  DKH = hi(_read(dkh))
-  DZ = acc(-mm(W, DKH, tb=True))                                # k^ = K - Z^T W
-  dwk = mm(X, DZ, ta=True)
-  dx = mm(DZ, WK, tb=True)
-  dw = -mm(acc(mm(X, WK)), DKH)                                 # Z = X WK
-  DE = hi(_read(de))
-  DU = acc(mm(W, DE))                                           # E = W^T U
-  # U's lo half is the one operand the outputs are insensitive to (dw 1.6e-4 without it).
-  dw = dw + mm(hi(mm(X, W)), DE, tb=True) + mm(X, DU, ta=True)
-  dx = dx + mm(DU, W, tb=True)
+
+  def k_terms(dw, dx):                                          # k^ = K - Z^T W
+    DKH = hi(_read(dkh))
+    DZ = acc(-mm(W, DKH, tb=True))
+    dwk = mm(X, DZ, ta=True)
+    dx = _add(dx, mm(DZ, WK, tb=True))
+    dw = _add(dw, -mm(acc(mm(X, WK)), DKH))                      # Z = X WK
+    return dw, dx, dwk
+
+  def e_terms(dw, dx):                                          # E = W^T U
+    DE = hi(_read(de))
+    DU = acc(mm(W, DE))
+    # U's lo half is the one operand the outputs are insensitive to (dw 1.6e-4 without it).
+    dw = _add(dw, mm(hi(mm(X, W)), DE, tb=True) + mm(X, DU, ta=True))
+    return dw, _add(dx, mm(DU, W, tb=True))
+
+  # Order for few live tiles (resource report, 4 warps, spill bytes a thread): at D = 64 E's
+  # terms first (216 against 672); at 128 k^'s first (DE alone is 256 B a thread there).
+  if jax.tree.leaves(W)[0].shape[-1] <= 64:
+    dw, dx = e_terms(None, None)
+    dw, dx, dwk = k_terms(dw, dx)
+  else:
+    dw, dx, dwk = k_terms(None, None)
+    dw, dx = e_terms(dw, dx)
   return dw, dx, dwk
 
 
@@ -228,7 +247,6 @@ def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p
   y, beta_r, X, W, K, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
   strict, lower, _ = _masks(beta_r.shape[-1])   # beta_r [1, C] (y may be a loader)
-  add = lambda a, b: b if a is None else a + b
   dw = dx = dwk = dk = None
   dqs = []
   for g, (q, dqh, dd) in enumerate(zip(qs, dqhs, dds)):
@@ -237,16 +255,16 @@ def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p
     GM = acc(mm(LQ, X))                                          # GM = L X
     DS = hi(scale * dd)
     DGM = acc(-(mm(DQH, W, tb=True) + mm(DS, WK, tb=True)))     # q^ = Q - GM W, diag = .. - GM WK
-    dx = add(dx, mm(LQ, DGM, ta=True))
+    dx = _add(dx, mm(LQ, DGM, ta=True))
     DL = acc(jnp.where(lower, mm(DGM, X, tb=True), 0.0))
     dq = dqh + mm(DS, K) + mm(DL, W)
     if put_dq is not None:
       put_dq(g, dq)
       dq = None
     dqs.append(dq)
-    dw = add(dw, mm(DL, Q, ta=True) - mm(GM, DQH, ta=True))
-    dwk = add(dwk, -mm(GM, DS, ta=True))
-    dk = add(dk, mm(DS, Q, ta=True))
+    dw = _add(dw, mm(DL, Q, ta=True) - mm(GM, DQH, ta=True))
+    dwk = _add(dwk, -mm(GM, DS, ta=True))
+    dk = _add(dk, mm(DS, Q, ta=True))
   dw_kv, dx_kv, dwk_kv = partial
   DWK = acc(jnp.where(strict, _read(dwk_kv) + dwk, 0.0))         # WK = strictLower(W K^T)
   dw = _read(dw_kv) + dw + mm(DWK, K)
