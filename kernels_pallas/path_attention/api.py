@@ -61,9 +61,15 @@ def _forward(cfg, q, k, v, w, beta, log_forget, seg):
   return _attend_ops(cfg, _prepare(cfg, q, k, v, w, beta, log_forget, seg), q.dtype)
 
 
-def _attend_ops(cfg, ops, dtype):
+def _attend_ops(cfg, ops, dtype, boundary=None):
   return calls.forward(ops, scale=cfg.scale, precision=_precision(dtype, cfg.backend),
-                       backend=cfg.backend, bs=cfg.block_sizes)
+                       backend=cfg.backend, bs=cfg.block_sizes, boundary=boundary)
+
+
+def _span_boundary(cfg, ops, dtype):
+  """The span forward's and backward's boundary launch (calls.span_boundary), or None."""
+  return calls.span_boundary(ops, precision=_precision(dtype, cfg.backend), backend=cfg.backend,
+                             bs=cfg.block_sizes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -77,7 +83,12 @@ def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
   kept = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget) \
       if cfg.block_sizes.keep_operands else None
   ops = kept[0] if kept else _prepare(cfg, q, k, v, w, beta, log_forget, seg)
-  o, lse = _attend_ops(cfg, ops, q.dtype)
+  # The keys moved to their span's end: made once here for the forward kernel and, with kept
+  # operands, kept for the backward's span form (one k-sized array; the backward would hold
+  # its own copy through the same kernels).
+  boundary = _span_boundary(cfg, ops, q.dtype)
+  o, lse = _attend_ops(cfg, ops, q.dtype, boundary)
+  kept = None if kept is None else (*kept, boundary)
   return prepass.unblocked(o)[:, :cfg.T], (q, k, v, w, beta, log_forget, seg, o, lse, kept)
 
 
@@ -89,11 +100,11 @@ def _attend_bwd(cfg, res, do):
   delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
   # Recompute the pre-pass under jax.vjp (its residuals are only the inputs) unless the forward
   # kept it, run the backward kernels on it, then pull the operand gradients back.
-  ops, pullback = kept if kept is not None else jax.vjp(
-      lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget)
+  ops, pullback, boundary = kept if kept is not None else jax.vjp(
+      lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget) + (None,)
   g = calls.backward(ops, do_b, lse, delta, scale=cfg.scale,
                      precision=_precision(q.dtype, cfg.backend),
-                     backend=cfg.backend, bs=cfg.block_sizes)
+                     backend=cfg.backend, bs=cfg.block_sizes, boundary=boundary)
   # P_m = I - E_m, so dL/dE_m = -dL/dP_m (float32, as the kernel accumulated it).
   de = None if w is None else (-g["dp"]).astype(ops.e.dtype)
   ct = ops._replace(

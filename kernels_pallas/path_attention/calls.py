@@ -25,7 +25,9 @@ class BlockSizes:
   block_k: int = 64
   num_warps: int = 4
   num_stages: int | None = None  # None: 2 for head_dim <= 64, else 1 (shared memory); the
-                                 # dk/dv kernel takes 2 at every head_dim without grouped heads
+                                 # dk/dv kernel takes 2 at every head_dim without grouped heads,
+                                 # the forward, boundary and far dq kernels with 16-bit inputs
+                                 # (flash_stages)
   bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
   bwd_lanes: int | None = 0      # programs per kv head in the sequential dq/dW/dU backward
                                  # kernel (each lane adds a [T, D, D/C] float32 buffer); 0: as
@@ -94,6 +96,12 @@ class BlockSizes:
                                  # its states; 0: the sequential sweep. H200, fwd+bwd, 2 / 1 / 0:
                                  # 33.18 / 39.51 / 39.82 ms at 8,4096,16,128; 6.63 / 6.40 / 6.98
                                  # at 16,2048,12,64; 29.52 / 31.60 / ~33.4 at 32,2048,32,64
+  fwd_spans: bool = True         # GPU, PaTH: the forward kernel moves the query tile chunk by
+                                 # chunk only inside its own span (dkv_span's); key chunks of
+                                 # earlier spans are plain attention against the keys moved to
+                                 # their span's end, and the tile crosses a span in one D x D
+                                 # product (kernels.fwd_kernel). The boundary launch it needs is
+                                 # the span backward's, run once in the forward
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -140,6 +148,17 @@ def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, 
     return pltpu.CompilerParams(dimension_semantics=sem,
                                 vmem_limit_bytes=100 * 2**20)
   return None
+
+
+def flash_stages(bs: BlockSizes, dtype) -> int | None:
+  """Pipeline stages of the flash-like kernels (the forward, the span backward's boundary and
+  far dq kernels): 2 with 16-bit inputs at every head_dim, else _compiler_params' default (1 at
+  head_dim 128: shared memory); BlockSizes.num_stages overrides. Resource report (CPU, Triton
+  3.9) at head_dim 128, bf16, 2 stages: forward 128 KiB of shared memory, far dq 160, boundary
+  96 (with gate, segments and grouped heads too), of 227; float32 inputs: 256, 256, 192."""
+  if bs.num_stages:
+    return bs.num_stages
+  return 2 if jnp.dtype(dtype).itemsize <= 2 else None
 
 
 def prepass_compiler_params(backend: str, num_axes: int, num_warps: int = 4):
@@ -228,8 +247,11 @@ def _bounds(ops: Operands, backend: str) -> bool:
   return ops.lo is not None and backend in ("gpu", "interpret")
 
 
-def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
-  """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32."""
+def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes,
+            boundary=None):
+  """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32. With forward_span(...) > 0
+  the kernel reads the keys moved to their span's end and the span operators, `boundary`
+  (span_boundary's; computed here when None)."""
   if backend in ("tpu", "tpu_interpret"):
     return _forward_kv(ops, scale=scale, precision=precision, backend=backend, bs=bs)
   if bs.fwd_kernel == "mosaic":
@@ -264,12 +286,23 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
   if bounds:
     args.append(ops.lo)
     specs.append(_full(ops.lo, ids, lambda h: 0))
+  span = forward_span(ops, bs, backend)
+  fine = None
+  if span:
+    from kernels_pallas.path_attention import calls_span
+    kb, pi = boundary if boundary is not None else span_boundary(
+        ops, precision=precision, backend=backend, bs=bs)
+    args += [kb, pi]
+    specs += [kv(kb), kv(pi)]
+    fine = calls_span.fine_precision(ops.q.dtype, precision, backend)
   out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
   kernel = functools.partial(kernels.fwd_kernel, scale=scale, precision=precision,
-                             chunk_axis=axis, reverse=True, bounds=bounds, **f)
-  return _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False)(*args)
+                             chunk_axis=axis, reverse=True, bounds=bounds, span=span, fine=fine,
+                             **f)
+  return _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False,
+               stages=flash_stages(bs, ops.q.dtype))(*args)
 
 
 def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
@@ -307,7 +340,7 @@ def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: Blo
 
 
 def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
-             bs: BlockSizes):
+             bs: BlockSizes, boundary=None):
   """Gradients w.r.t. the operands: dict(q [B,H,..], k, v [B,K,..], diag? in the kernel dtype;
   dp [B,K,n,D,D]? (dL/dP per chunk), fq?, fk? float32). PaTH with a span boundary inside the
   sequence takes the span-parallel form (bwd_spans, calls_span.backward); otherwise two
@@ -323,9 +356,26 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   span = dkv_span(ops, bs, backend)
   if bs.bwd_spans and span:
     from kernels_pallas.path_attention import calls_span
-    return calls_span.backward(ops, do, lse, delta, span=span, **kw)
+    return calls_span.backward(ops, do, lse, delta, span=span, boundary=boundary, **kw)
   grads = backward_dq(ops, do, lse, delta, **kw)   # first: with dkv_span it gives qb to dk/dv
   return {**backward_dkv(ops, do, lse, delta, qb=grads.pop("qb", None), **kw), **grads}
+
+
+def forward_span(ops: Operands, bs: BlockSizes, backend: str) -> int:
+  """The span of the forward kernel's far steps (BlockSizes.fwd_spans: the backward's span,
+  dkv_span, so that one boundary launch serves both), or 0."""
+  return dkv_span(ops, bs, backend) if bs.fwd_spans and bs.fwd_kernel != "mosaic" else 0
+
+
+def span_boundary(ops: Operands, *, precision, backend: str, bs: BlockSizes):
+  """(kb, pi) of calls_span's boundary launch at the span forward_span or the span backward
+  uses, or None where neither does. The forward computes it once and the backward reads it."""
+  span = dkv_span(ops, bs, backend)
+  if not span or not (forward_span(ops, bs, backend) or bs.bwd_spans):
+    return None
+  from kernels_pallas.path_attention import calls_span
+  return calls_span._boundary(ops, span=span, nb=(ops.q.shape[2] - 1) // span,
+                              precision=precision, backend=backend, bs=bs)
 
 
 DKV_SPAN_BOUNDARIES = 3   # auto_span's memory bound: at most 3 q-sized arrays of states

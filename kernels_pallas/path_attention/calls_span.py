@@ -48,7 +48,7 @@ def _boundary(ops: Operands, *, span, nb, precision, backend, bs):
                              precision=precision,
                              fine=fine_precision(ops.k.dtype, precision, backend))
   return calls._call(kernel, grid, [full(ops.k), full(ops.e)], out_specs, [kb, pi], backend, bs,
-                     bwd=True)(ops.k, ops.e)
+                     bwd=True, stages=calls.flash_stages(bs, ops.k.dtype))(ops.k, ops.e)
 
 
 def _optional_inputs(ops: Operands, bounds: bool, *, query, seg, hi: bool):
@@ -90,7 +90,8 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
                              bounds=bounds, precision=precision, chunk_axis=axis,
                              fine=fine_precision(ops.q.dtype, precision, backend),
                              gate=f["gate"], segments=f["segments"])
-  return calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
+  return calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True,
+                     stages=calls.flash_stages(bs, ops.q.dtype))(*args)
 
 
 def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, backend, bs):
@@ -147,15 +148,16 @@ def span_pairs(bs: calls.BlockSizes, *, dtype, head_dim: int, backend: str) -> b
 
 
 def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
-             bs: calls.BlockSizes, span: int):
-  """calls.backward's gradients (q, k, v, diag, dp, fq?, fk?) by the span-parallel form."""
+             bs: calls.BlockSizes, span: int, boundary=None):
+  """calls.backward's gradients (q, k, v, diag, dp, fq?, fk?) by the span-parallel form.
+  boundary: (kb, pi) of the forward's launch at this span (calls.span_boundary), if kept."""
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   f = calls._flags(ops)
   nb = (n - 1) // span
   nsp = nb + 1
   kw = dict(precision=precision, backend=backend, bs=bs)
-  kb, pi = _boundary(ops, span=span, nb=nb, **kw)
+  kb, pi = boundary if boundary is not None else _boundary(ops, span=span, nb=nb, **kw)
   qb, a, *dfq_far = _far_dq(ops, do, lse, delta, kb, pi, scale=scale, span=span, nb=nb, **kw)
   kv = bs.bwd_spans == 1   # near dk, dv from the span kernel's states; 2: the dk/dv kernel's walk
   if kv:

@@ -61,7 +61,7 @@ def chunk_id(n, *, axis, reverse):
   return n - 1 - i if reverse else i
 
 
-def _unpack_fwd(refs, transport, gate, segments, bounds=False):
+def _unpack_fwd(refs, transport, gate, segments, bounds=False, spans=False):
   refs = list(refs)
   take = lambda k, on: [refs.pop(0) for _ in range(k)] if on else [None] * k
   q, k, v = take(3, True)
@@ -69,7 +69,8 @@ def _unpack_fwd(refs, transport, gate, segments, bounds=False):
   fq, fk = take(2, gate)
   sq, sk = take(2, segments)
   (lo,) = take(1, bounds)
-  return q, k, v, e, d, fq, fk, sq, sk, lo, refs
+  kb, pi = take(2, spans)
+  return q, k, v, e, d, fq, fk, sq, sk, lo, (kb, pi), refs
 
 
 def chunk_bound(ref, i):
@@ -107,12 +108,21 @@ def _diag(q, kc, vc, d_ref, fq, fk, sq, sk, *, scale, precision):
 
 
 def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, reverse,
-               bounds=False):
+               bounds=False, span=0, fine=None):
   """refs: q [C,D], k, v [n,C,D], (e [n,D,D], diag [C,C]), (fq [C,1], fk [n,1,C]),
-  (sq [C,1], sk [n,1,C]), (lo [n,1,1]) -> o [C,D], lse [C,1]. The query chunk is grid axis
-  chunk_axis (reversed with `reverse`, see calls.chunk_grid)."""
-  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, lo_ref, outs = _unpack_fwd(
-      refs, transport, gate, segments, bounds)
+  (sq [C,1], sk [n,1,C]), (lo [n,1,1]), (kb [n,C,D], pi [nb,D,D] with `span`) -> o [C,D],
+  lse [C,1]. The query chunk is grid axis chunk_axis (reversed with `reverse`, see
+  calls.chunk_grid).
+
+  With `span` (transport; chunks cut into spans of `span` as in bwd_span.py) the tile moves
+  chunk by chunk only inside its own span. At the span's start it is the boundary state
+  qb = q^_c P_{c-1} ... P_a, and every key chunk m of an earlier span J is plain attention
+  against kb_m = k^_m M_bm^T (bwd_span.boundary_kernel's keys moved to their span's end b):
+  q^_c M_cm = qb^(b) M_bm. Between spans the state crosses the whole span at once,
+  qb^(a) = qb^(b) Pi_J (float32, precision `fine`). Far steps take two products instead of
+  the walk's three (four at head_dim 128: the move is C x D x D)."""
+  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, lo_ref, (kb_ref, pi_ref), \
+      outs = _unpack_fwd(refs, transport, gate, segments, bounds, spans=bool(span))
   o_ref, lse_ref = outs
   c = chunk_id(k_ref.shape[0], axis=chunk_axis, reverse=reverse)
   q = q_ref[...]
@@ -125,18 +135,39 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
   m_i, l_i, acc = _diag(q, k_ref[c], v_ref[c], d_ref, fq, fk_of(c), sq, sk_of(c), scale=scale,
                         precision=precision)
 
+  def attend(qt, m, kt, m_i, l_i, acc):
+    gate_, ok = tile_mask(C, causal=False, fq=fq, fk=fk_of(m), sq=sq, sk=sk_of(m))
+    return _step(qt, m_i, l_i, acc, kt, v_ref[m], gate_, ok, scale=scale, dt=dt,
+                 precision=precision)
+
   def body(i, carry):
     qt, m_i, l_i, acc = carry
     m = c - 1 - i
-    gate_, ok = tile_mask(C, causal=False, fq=fq, fk=fk_of(m), sq=sq, sk=sk_of(m))
-    m_i, l_i, acc = _step(qt, m_i, l_i, acc, k_ref[m], v_ref[m], gate_, ok, scale=scale, dt=dt,
-                          precision=precision)
+    m_i, l_i, acc = attend(qt, m, k_ref[m], m_i, l_i, acc)
     if transport:
       qt = _move(qt, e_ref[m], dt=dt, precision=precision)
     return qt, m_i, l_i, acc
 
-  steps = c - chunk_bound(lo_ref, c) if bounds else c
-  _, m_i, l_i, acc = lax.fori_loop(0, steps, body, (q.astype(jnp.float32), m_i, l_i, acc))
+  lo = chunk_bound(lo_ref, c) if bounds else 0
+  near = lo if not span else jnp.maximum(lo, lax.div(c, span) * span)   # c's span start
+  qt, m_i, l_i, acc = lax.fori_loop(0, c - near, body, (q.astype(jnp.float32), m_i, l_i, acc))
+  if span:
+    jc = lax.div(c, span)
+    j0 = jnp.minimum(lax.div(lo, span), jc)   # spans wholly left of c's document: skipped
+
+    def far_span(i, carry):   # span J = jc-1 .. j0, its keys right to left, then across it
+      qt, m_i, l_i, acc = carry
+      J = jc - 1 - i
+
+      def key(t, carry):
+        m = (J + 1) * span - 1 - t
+        return attend(qt, m, kb_ref[m], *carry)
+
+      m_i, l_i, acc = lax.fori_loop(0, (J + 1) * span - jnp.maximum(lo, J * span), key,
+                                    (m_i, l_i, acc))
+      return dot(qt, pi_ref[J], precision=fine), m_i, l_i, acc
+
+    _, m_i, l_i, acc = lax.fori_loop(0, jc - j0, far_span, (qt, m_i, l_i, acc))
   o_ref[...] = (acc / l_i).astype(o_ref.dtype)
   lse_ref[...] = m_i + jnp.log(l_i)
 
@@ -144,7 +175,7 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
 def fwd_kv_kernel(*refs, scale, transport, gate, segments, precision):
   """refs (one chunk each): q [C,D] (chunk c), k, v [C,D], (e [D,D]) (chunk c - j), (diag [C,C]),
   (fq [C,1], fk [1,C]), (sq [C,1], sk [1,C]) -> o [C,D], lse [C,1]; scratch qt, m, l, acc."""
-  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, _, rest = _unpack_fwd(
+  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, _, _, rest = _unpack_fwd(
       refs, transport, gate, segments)
   o_ref, lse_ref, qt_ref, m_ref, l_ref, acc_ref = rest
   c, j = pl.program_id(2), pl.program_id(3)
