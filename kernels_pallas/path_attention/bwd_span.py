@@ -65,73 +65,96 @@ def boundary_kernel(k_ref, e_ref, kb_ref, pi_ref, *, span, nb, precision, fine, 
       pi_ref[...] = mop - dot(mop, e_ref[m].astype(f32), precision=fine)
 
 
-def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine, chunk_axis):
-  """Program (query chunk c, query head, batch). In: q^ [n, C, D] of the head; kb, v [n, C, D],
-  E [n, D, D], pi [nb, D, D] of its kv head; dO [n, C, D], lse, delta, (fq) [n, C, 1], (fk)
-  [n, 1, C]; (sq [n, C, 1], sk [n, 1, C]); (lo [n, 1, 1]). Out (chunk c): qb [nb, C, D], the
-  states at the boundaries s_j = (j + 1) S <= c; A [nb, C, D], the adjoint at s_j from the keys
-  left of it; (dfq [C, 1] of the far tiles). Rows for boundaries above c are not written.
-  Products with Pi take `fine` (boundary_kernel)."""
+def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine, chunk_axis,
+                  pairs):
+  """Program (query tile, query head, batch): query chunk c, or with `pairs` chunks c, c + 1
+  (c even; the span is even, so both lie in one span) as one 2C-row tile, the last program of
+  an odd n taking its chunk alone. In, chunks merged into time (rows c C ..): q^, dO [n*C, D],
+  lse, delta, (fq) [n*C, 1], (sq [n*C, 1]) of the head; kb, v [n, C, D], E [n, D, D],
+  pi [nb, D, D], (fk [n, 1, C], sk [n, 1, C]) of its kv head; (lo [n, 1, 1]). Out, this tile's
+  rows: qb [nb, n*C, D], the states at the boundaries s_j = (j + 1) S <= c; A [nb, n*C, D], the
+  adjoint at s_j from the keys left of it; (dfq [n*C, 1] of the far tiles). Rows for
+  boundaries above c are not written. Products with Pi take `fine` (boundary_kernel). A 2C-row
+  tile reads each key chunk once for two query chunks and gives the products twice the rows."""
   r = _unpack(refs, [("q", True), ("kb", True), ("v", True), ("e", True), ("pi", True),
                      ("do", True), ("lse", True), ("delta", True), ("fq", gate), ("fk", gate),
                      ("sq", segments), ("sk", segments), ("lo", bounds), ("qb", True),
                      ("a", True), ("dfq", gate)])
-  n, C, D = r["q"].shape
+  n, C, D = r["kb"].shape
   dt = r["q"].dtype
   f32 = jnp.float32
-  c = chunk_id(n, axis=chunk_axis, reverse=True)
-  jc = lax.div(c, span)   # boundaries at or below c: s_0 .. s_{jc-1}
+  tiles = (n + 1) // 2 if pairs else n
+  c = chunk_id(tiles, axis=chunk_axis, reverse=True) * (2 if pairs else 1)
 
-  @pl.when(jc > 0)
-  def _():
-    move = lambda i, s: s - dot(s.astype(dt), r["e"][c - 1 - i], precision=precision)
-    s = lax.fori_loop(0, c - jc * span, move, r["q"][c].astype(f32))   # to c's span start
-    r["qb"][jc - 1] = s.astype(dt)
+  def tile(size):
+    rows = pl.ds(pl.multiple_of(c * C, C), size)
+    jc = lax.div(c, span)   # boundaries at or below c: s_0 .. s_{jc-1}
 
-    def down(i, s):   # qb^(s_j) = qb^(s_{j+1}) Pi_{j+1}, j = jc-2 .. 0
-      j = jc - 2 - i
-      s = dot(s, r["pi"][j + 1], precision=fine)
-      r["qb"][j] = s.astype(dt)
-      return s
-
-    lax.fori_loop(0, jc - 1, down, s)
-    qc = dict(do=r["do"][c], lse=r["lse"][c], delta=r["delta"][c],
-              fq=r["fq"][c] if gate else None, sq=r["sq"][c] if segments else None)
-    lo = chunk_bound(r["lo"], c) if bounds else 0
-    zero = jnp.zeros((C, D), f32)
-
-    def masked_span(j, carry):   # wholly left of c's document: A stays 0
-      r["a"][j] = zero.astype(r["a"].dtype)
-      return carry
-
-    def far_span(j, carry):
-      adj, dfq = carry
-      qt = r["qb"][j]
-
-      def key(m, carry):
-        part, dfq = carry
-        kc = dict(k=r["kb"][m], v=r["v"][m], fk=r["fk"][m] if gate else None,
-                  sk=r["sk"][m] if segments else None)
-        _, ds = tile_grads(qc, kc, scale * dot(qt, kc["k"], tb=True, precision=precision), False,
-                           precision=precision)
-        return (part + scale * dot(ds.astype(dt), kc["k"], precision=precision),
-                dfq + jnp.sum(ds, axis=1, keepdims=True))
-
-      part, dfq = lax.fori_loop(jnp.maximum(lo, j * span), (j + 1) * span, key, (zero, dfq))
-      adj = dot(adj, r["pi"][j], tb=True, precision=fine) + part
-      r["a"][j] = adj.astype(r["a"].dtype)
-      return adj, dfq
-
-    j0 = jnp.minimum(lax.div(lo, span), jc)
-    lax.fori_loop(0, j0, masked_span, 0)
-    _, dfq = lax.fori_loop(j0, jc, far_span, (zero, jnp.zeros((C, 1), f32)))
-    if gate:
-      r["dfq"][...] = dfq
-
-  if gate:
-    @pl.when(jc == 0)
+    @pl.when(jc > 0)
     def _():
-      r["dfq"][...] = jnp.zeros((C, 1), f32)
+      q = r["q"][rows]
+      s = q.astype(f32)
+      if size > C:   # chunk c + 1's rows cross chunk c first
+        low = lax.broadcasted_iota(jnp.int32, (size, 1), 0) >= C
+        s = s - jnp.where(low, dot(q, r["e"][c], precision=precision), 0.0)
+      move = lambda i, s: s - dot(s.astype(dt), r["e"][c - 1 - i], precision=precision)
+      s = lax.fori_loop(0, c - jc * span, move, s)   # to c's span start
+      r["qb"][jc - 1, rows] = s.astype(dt)
+
+      def down(i, s):   # qb^(s_j) = qb^(s_{j+1}) Pi_{j+1}, j = jc-2 .. 0
+        j = jc - 2 - i
+        s = dot(s, r["pi"][j + 1], precision=fine)
+        r["qb"][j, rows] = s.astype(dt)
+        return s
+
+      lax.fori_loop(0, jc - 1, down, s)
+      qc = dict(do=r["do"][rows], lse=r["lse"][rows], delta=r["delta"][rows],
+                fq=r["fq"][rows] if gate else None, sq=r["sq"][rows] if segments else None)
+      lo = 0
+      if bounds:
+        lo = chunk_bound(r["lo"], c)
+        if size > C:
+          lo = jnp.minimum(lo, chunk_bound(r["lo"], c + 1))
+      zero = jnp.zeros((size, D), f32)
+
+      def masked_span(j, carry):   # wholly left of the tile's documents: A stays 0
+        r["a"][j, rows] = zero.astype(r["a"].dtype)
+        return carry
+
+      def far_span(j, carry):
+        adj, dfq = carry
+        qt = r["qb"][j, rows]
+
+        def key(m, carry):
+          part, dfq = carry
+          kc = dict(k=r["kb"][m], v=r["v"][m], fk=r["fk"][m] if gate else None,
+                    sk=r["sk"][m] if segments else None)
+          _, ds = tile_grads(qc, kc, scale * dot(qt, kc["k"], tb=True, precision=precision),
+                             False, precision=precision)
+          return (part + scale * dot(ds.astype(dt), kc["k"], precision=precision),
+                  dfq + jnp.sum(ds, axis=1, keepdims=True))
+
+        part, dfq = lax.fori_loop(jnp.maximum(lo, j * span), (j + 1) * span, key, (zero, dfq))
+        adj = dot(adj, r["pi"][j], tb=True, precision=fine) + part
+        r["a"][j, rows] = adj.astype(r["a"].dtype)
+        return adj, dfq
+
+      j0 = jnp.minimum(lax.div(lo, span), jc)
+      lax.fori_loop(0, j0, masked_span, 0)
+      _, dfq = lax.fori_loop(j0, jc, far_span, (zero, jnp.zeros((size, 1), f32)))
+      if gate:
+        r["dfq"][rows] = dfq
+
+    if gate:
+      @pl.when(jc == 0)
+      def _():
+        r["dfq"][rows] = jnp.zeros((size, 1), f32)
+
+  if not pairs:
+    tile(C)
+  else:
+    pl.when(c + 1 < n)(lambda: tile(2 * C))
+    pl.when(c + 1 >= n)(lambda: tile(C))   # the odd last chunk
 
 
 def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_axis):

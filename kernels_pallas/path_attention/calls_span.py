@@ -66,32 +66,46 @@ def _optional_inputs(ops: Operands, bounds: bool, *, query, seg, hi: bool):
 
 
 def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision, backend, bs):
-  """-> qb, A [B, H, nb, n, C, D] (kernel dtype), (dfq [B, H, n, C, 1] float32 of far tiles)."""
+  """-> qb, A [B, H, nb, n, C, D] (kernel dtype), (dfq [B, H, n, C, 1] float32 of far tiles).
+  Query chunks two at a time with BlockSizes.far_dq_pairs (bwd_span.far_dq_kernel)."""
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]
   f = calls._flags(ops)
   bounds = calls._bounds(ops, backend)
-  grid, ids, axis = calls.chunk_grid(B, H, n, backend, reverse=True)
+  pairs = bs.far_dq_pairs
+  grid, ids, axis = calls.chunk_grid(B, H, (n + 1) // 2 if pairs else n, backend, reverse=True)
   own = lambda x: calls._full(x, ids, lambda h: h)
   kv = lambda x: calls._full(x, ids, lambda h: h // G)
   seg = lambda x: calls._full(x, ids, lambda h: 0)
-  args = [ops.q, kb, ops.v, ops.e, pi, do, lse, delta]
-  specs = [own(ops.q), kv(kb), kv(ops.v), kv(ops.e), kv(pi), own(do), own(lse), own(delta)]
-  more, more_specs = _optional_inputs(ops, bounds, query=own, seg=seg, hi=False)
-  args, specs = args + more, specs + more_specs
-  states = jax.ShapeDtypeStruct((B, H, nb, n, C, D), ops.q.dtype)
-  state_spec = pl.BlockSpec((None, None, nb, None, C, D),
-                            lambda *p: (ids(*p)[0], ids(*p)[1], 0, ids(*p)[2], 0, 0))
-  out_shape, out_specs = [states, states], [state_spec, state_spec]
+  m = calls._merged
+  args = [m(ops.q), kb, ops.v, ops.e, pi, m(do), m(lse), m(delta)]
+  specs = [own(args[0]), kv(kb), kv(ops.v), kv(ops.e), kv(pi), own(args[5]), own(args[6]),
+           own(args[7])]
   if f["gate"]:
-    out_shape.append(jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32))
-    out_specs.append(pl.BlockSpec((None, None, None, C, 1), lambda *p: ids(*p) + (0, 0)))
+    args += [m(ops.fq), ops.fk]
+    specs += [own(args[-2]), own(ops.fk)]
+  if f["segments"]:
+    args += [m(ops.sq), ops.sk]
+    specs += [seg(args[-2]), seg(ops.sk)]
+  if bounds:
+    args.append(ops.lo)
+    specs.append(seg(ops.lo))
+  states = jax.ShapeDtypeStruct((B, H, nb, n * C, D), ops.q.dtype)
+  out_shape = [states, states]
+  if f["gate"]:
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), jnp.float32))
+  out_specs = [own(x) for x in out_shape]
   kernel = functools.partial(bwd_span.far_dq_kernel, scale=scale, span=span, nb=nb,
                              bounds=bounds, precision=precision, chunk_axis=axis,
                              fine=fine_precision(ops.q.dtype, precision, backend),
-                             gate=f["gate"], segments=f["segments"])
-  return calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True,
-                     stages=calls.flash_stages(bs, ops.q.dtype))(*args)
+                             gate=f["gate"], segments=f["segments"], pairs=pairs)
+  # 2C-row tiles take 8 warps (resource report at head_dim 64, bf16: 648 B of spills a thread
+  # with 4, none with 8)
+  outs = calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True,
+                     stages=calls.flash_stages(bs, ops.q.dtype),
+                     warps=bs.dq_num_warps or (8 if pairs else None))(*args)
+  qb, a = (x.reshape(B, H, nb, n, C, D) for x in outs[:2])
+  return (qb, a) + tuple(x.reshape(B, H, n, C, 1) for x in outs[2:])
 
 
 def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, backend, bs):
