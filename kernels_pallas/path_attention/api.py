@@ -83,9 +83,8 @@ def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
   kept = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget) \
       if cfg.block_sizes.keep_operands else None
   ops = kept[0] if kept else _prepare(cfg, q, k, v, w, beta, log_forget, seg)
-  # The keys moved to their span's end: made once here for the forward kernel and, with kept
-  # operands, kept for the backward's span form (one k-sized array; the backward would hold
-  # its own copy through the same kernels).
+  # With the span forward (BlockSizes.fwd_spans) the keys moved to their span's end are made
+  # once here and, with kept operands, kept for the span backward.
   boundary = _span_boundary(cfg, ops, q.dtype)
   o, lse = _attend_ops(cfg, ops, q.dtype, boundary)
   kept = None if kept is None else (*kept, boundary)

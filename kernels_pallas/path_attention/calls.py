@@ -98,12 +98,15 @@ class BlockSizes:
                                  # at 16,2048,12,64; 29.52 / 31.60 / ~33.4 at 32,2048,32,64
   far_dq_pairs: bool = True      # the span backward's far dq kernel takes query chunks two at
                                  # a time as one 2C-row tile (bwd_span.far_dq_kernel)
-  fwd_spans: bool = True         # GPU, PaTH: the forward kernel moves the query tile chunk by
+  fwd_spans: bool = False        # GPU, PaTH: the forward kernel moves the query tile chunk by
                                  # chunk only inside its own span (dkv_span's); key chunks of
                                  # earlier spans are plain attention against the keys moved to
                                  # their span's end, and the tile crosses a span in one D x D
                                  # product (kernels.fwd_kernel). The boundary launch it needs is
-                                 # the span backward's, run once in the forward
+                                 # the span backward's, run once in the forward and kept. Fewer
+                                 # products, but slower on the H200 (forward kernel 3.35 -> 4.13
+                                 # ms at 8,4096,16,128, 29.06 -> 30.68 at 4,16384,16,128, 2.52 ->
+                                 # 2.93 at 32,2048,32,64; not profiled further)
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -153,11 +156,13 @@ def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, 
 
 
 def flash_stages(bs: BlockSizes, dtype) -> int | None:
-  """Pipeline stages of the flash-like kernels (the forward, the span backward's boundary and
-  far dq kernels): 2 with 16-bit inputs at every head_dim, else _compiler_params' default (1 at
-  head_dim 128: shared memory); BlockSizes.num_stages overrides. Resource report (CPU, Triton
-  3.9) at head_dim 128, bf16, 2 stages: forward 128 KiB of shared memory, far dq 160, boundary
-  96 (with gate, segments and grouped heads too), of 227; float32 inputs: 256, 256, 192."""
+  """Pipeline stages of the span backward's flash-like kernels (boundary, far dq): 2 with 16-bit
+  inputs at every head_dim, else _compiler_params' default (1 at head_dim 128: shared memory);
+  BlockSizes.num_stages overrides. H200, 2026-11-25, 2 stages against 1 at head_dim 128: far
+  dq 5.04 -> 4.40 ms at 8,4096,16,128 and 32.97 -> 28.07 at 4,16384,16,128, boundary 0.64 ->
+  0.58 and 4.34 -> 3.81 (the forward kernel: 3.34 -> 3.35 and 25.54 -> 29.06, so it keeps
+  1). Resource report at head_dim 128, bf16, 2 stages: far dq 160 KiB of shared memory,
+  boundary 96 (with gate, segments and grouped heads too), of 227; float32 inputs 256, 192."""
   if bs.num_stages:
     return bs.num_stages
   return 2 if jnp.dtype(dtype).itemsize <= 2 else None
@@ -303,8 +308,7 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
   kernel = functools.partial(kernels.fwd_kernel, scale=scale, precision=precision,
                              chunk_axis=axis, reverse=True, bounds=bounds, span=span, fine=fine,
                              **f)
-  return _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False,
-               stages=flash_stages(bs, ops.q.dtype))(*args)
+  return _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False)(*args)
 
 
 def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
@@ -370,10 +374,12 @@ def forward_span(ops: Operands, bs: BlockSizes, backend: str) -> int:
 
 
 def span_boundary(ops: Operands, *, precision, backend: str, bs: BlockSizes):
-  """(kb, pi) of calls_span's boundary launch at the span forward_span or the span backward
-  uses, or None where neither does. The forward computes it once and the backward reads it."""
-  span = dkv_span(ops, bs, backend)
-  if not span or not (forward_span(ops, bs, backend) or bs.bwd_spans):
+  """(kb, pi) of calls_span's boundary launch where the span forward reads it (forward_span),
+  else None. The forward makes it once and the span backward reads it from the residuals;
+  without the span forward the backward makes its own (a residual would hold one k-sized
+  array per layer from the forward to the backward)."""
+  span = forward_span(ops, bs, backend)
+  if not span:
     return None
   from kernels_pallas.path_attention import calls_span
   return calls_span._boundary(ops, span=span, nb=(ops.q.shape[2] - 1) // span,

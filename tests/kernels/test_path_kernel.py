@@ -166,6 +166,16 @@ class PathKernelBase:
                 segments=f"alternating:{2 * self.block}" if alternating else True,
                 determinism=dtype == jnp.float32)
 
+  def test_span_forward_f32(self, key):
+    """BlockSizes(fwd_spans=True, dkv_span=2): the forward kernel walks chunk by chunk only
+    inside its query chunk's span and attends to earlier spans through the boundary launch's
+    moved keys and span operators, which the span backward then reads from the residuals
+    (n = 7: three boundaries; gate, grouped heads, documents alternating every two chunks, so
+    some far spans are wholly masked)."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, fwd_spans=True)
+    self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, T=7 * self.block - 12,
+                block_sizes=bs, segments=f"alternating:{2 * self.block}")
+
   def test_path_plain_f32_deterministic(self, key):
     self._check(key, H=2, K=2, dtype=jnp.float32, gate=False, segments=False, determinism=True)
 
