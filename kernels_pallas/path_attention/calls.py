@@ -96,8 +96,11 @@ class BlockSizes:
                                  # its states; 0: the sequential sweep. H200, fwd+bwd, 2 / 1 / 0:
                                  # 33.18 / 39.51 / 39.82 ms at 8,4096,16,128; 6.63 / 6.40 / 6.98
                                  # at 16,2048,12,64; 29.52 / 31.60 / ~33.4 at 32,2048,32,64
-  far_dq_pairs: bool = True      # the span backward's far dq kernel takes query chunks two at
-                                 # a time as one 2C-row tile (bwd_span.far_dq_kernel)
+  far_dq_pairs: bool | None = None  # the span backward's far dq kernel takes query chunks two
+                                 # at a time as one 2C-row tile (bwd_span.far_dq_kernel); None:
+                                 # at head_dim > 64. H200, fwd+bwd, pairs / single chunks (one
+                                 # call): 27.66 / 29.65 ms at 8,4096,16,128; 29.05 / 28.23 at
+                                 # 32,2048,32,64
   fwd_spans: bool = False        # GPU, PaTH: the forward kernel moves the query tile chunk by
                                  # chunk only inside its own span (dkv_span's); key chunks of
                                  # earlier spans are plain attention against the keys moved to

@@ -72,7 +72,7 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   G = H // ops.k.shape[1]
   f = calls._flags(ops)
   bounds = calls._bounds(ops, backend)
-  pairs = bs.far_dq_pairs
+  pairs = D > 64 if bs.far_dq_pairs is None else bs.far_dq_pairs
   grid, ids, axis = calls.chunk_grid(B, H, (n + 1) // 2 if pairs else n, backend, reverse=True)
   own = lambda x: calls._full(x, ids, lambda h: h)
   kv = lambda x: calls._full(x, ids, lambda h: h // G)

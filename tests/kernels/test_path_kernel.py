@@ -155,13 +155,13 @@ class PathKernelBase:
     """BlockSizes(bwd_spans=mode, dkv_span=2): the span-parallel backward (calls_span.py), with
     the near dk, dv from the dk/dv kernel (2, the default) or the span sweep (1); n = 7: three
     boundaries, the last span a single chunk; gate, grouped heads; query chunks in pairs (with
-    the odd tail) or one at a time (on the GPU float32 takes single chunks:
-    calls_span.span_pairs); float32 deterministic. Documents alternating every two chunks make
+    the odd tail) or one at a time, in the span sweep (on the GPU float32 takes single chunks:
+    calls_span.span_pairs) and the far dq kernel; float32 deterministic. Documents alternating every two chunks make
     far tiles that are wholly masked and adjoints that start past a boundary. (They run in
     float32: in bf16 the GPU's dlog_forget error there is 0.7-1.3e-2 for every backward form,
     the sequential sweep's included, NOTES_kernel round 17.)"""
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_spans=mode,
-                       dq_pairs=pairs)
+                       dq_pairs=pairs, far_dq_pairs=pairs)
     self._check(key, H=4, K=2, dtype=dtype, gate=True, T=7 * self.block - 12, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}" if alternating else True,
                 determinism=dtype == jnp.float32)
