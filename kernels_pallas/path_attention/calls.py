@@ -6,7 +6,6 @@ on CPU. The kernel bodies are the same for every backend (kernels.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -15,125 +14,8 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import bwd_kernels
 from kernels_pallas.path_attention import kernels
+from kernels_pallas.path_attention.block_sizes import BlockSizes
 from kernels_pallas.path_attention.prepass import Operands
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tile sizes. The transport chunk, the query tile and the key tile are one size for now."""
-  block_q: int = 64
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int | None = None  # None: 2 for head_dim <= 64, else 1 (shared memory); the
-                                 # dk/dv kernel takes 2 at every head_dim without grouped heads,
-                                 # the forward, boundary and far dq kernels with 16-bit inputs
-                                 # (flash_stages)
-  bwd_num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8 (measured, H200)
-  bwd_lanes: int | None = 0      # programs per kv head in the sequential dq/dW/dU backward
-                                 # kernel (each lane adds a [T, D, D/C] float32 buffer); 0: as
-                                 # many as fill the GPU's last wave best (auto_lanes; fwd+bwd
-                                 # 8.81 -> 8.39 ms at 16,2048,12,64 on the H100, 52.68 -> 52.53
-                                 # at 8,4096,16,128; 392.7 -> 288.1 with 2 lanes at
-                                 # 4,16384,16,128 on the H200); None: 1
-  prepass: str = "split2_hilo"   # prepass_kernel.VARIANTS: float32-accurate products from bf16
-                                 # hi / lo halves, split once, one half for bf16-exact operands,
-                                 # the operands VJP as two kernels (fwd+bwd 7.12 ms at
-                                 # 16,2048,12,64 on the H200 against 7.80 for "split_hilo", one
-                                 # VJP kernel, which does not build at head_dim 128; 44.95 against
-                                 # 48.96 for the jnp pre-pass at 8,4096,16,128). "split_hilo":
-                                 # 8.78 ms on the H100 against 11.71 for "split_bf16x3" (three
-                                 # bf16 passes per product) and 20.71 for "split" (three TF32
-                                 # passes); float32 inputs take "split2" / "split");
-                                 # "*_bf16": bf16 operands, 2-4x the gradient error when the w of
-                                 # a chunk share a direction; "fold*": -6% peak memory at
-                                 # head_dim 64, +6% time; "jnp": batched jnp.
-                                 # prepass_kernel.usable_variant routes a shape that does not
-                                 # build on the GPU to "jnp"
-  prepass_num_warps: int | None = None  # the pre-pass kernels' warps; None: each kernel's
-                                 # own by head_dim (prepass_kernel.auto_warps, measured)
-  keep_operands: bool = True     # keep the pre-pass's outputs from the forward for the backward
-                                 # instead of running the pre-pass again there: fwd+bwd 8.81 ->
-                                 # 8.24 ms at 16,2048,12,64 on the H100 (8.11 with auto lanes),
-                                 # for ~4 q-sized arrays per layer of extra residuals
-  dq_pairs: bool = True          # dq/dP kernel: two query chunks as one 2C-row tile per sweep
-                                 # (bwd_kernels.py): half the dP read-modify-writes and key loads
-  dq_num_warps: int | None = None  # dq/dP kernel's warps; None: 8 with dq_pairs (2C-row tiles),
-                                   # else bwd_num_warps
-  fwd_kernel: str = "triton"     # GPU forward: "triton", or "mosaic" (fwd_mosaic.py: TMA + wgmma;
-                                 # PaTH with or without gate and segments, bf16/f16, chunk 64).
-                                 # Whole forward on the H100: 1.57 (triton) vs 1.62 ms (mosaic)
-                                 # at 16,2048,12,64; 9.27 vs 11.66 at 8,4096,16,128
-  dkv_in_dq: bool = False        # GPU: the dq/dP sweep also accumulates dk^, dv, dfk from its
-                                 # states (dS^T s_m = (dS^T q^) M_cm) and no dk/dv kernel runs:
-                                 # per (query, key chunk) pair ~C^2 D more MACs in dq/dP instead
-                                 # of the dk/dv kernel's ~3 C D^2 + D^3 (its D x D operator,
-                                 # which spills at D = 128), for a [T, D] float32 read-modify-
-                                 # write pair per step. Slower on the H100: fwd+bwd 8.81 ->
-                                 # 10.25 ms at 16,2048,12,64. PaTH at D 128 or with float32
-                                 # inputs runs the two kernels instead (fused_dkv_builds:
-                                 # shared memory)
-  dkv_span: int | None = None    # GPU: > 0 splits the dk/dv kernel's walk over query chunks at
-                                 # span boundaries (every dkv_span chunks). The dq/dP sweep
-                                 # stores each query chunk's transport state at every boundary
-                                 # below it (q^_c P_{c-1} ... P_s: its state against key chunk
-                                 # s - 1, which it computes anyway); key chunk m then carries
-                                 # the D x D operator only to the end of its span, and walks the
-                                 # later spans as plain attention against those stored states
-                                 # with k~ = k^ M_sm^T (no operator product per step). Costs
-                                 # (n - 1) // dkv_span q-sized arrays of HBM. Even (the dq
-                                 # sweep's pairs start at even chunks). 0: off; None: the
-                                 # shortest span with at most 3 boundaries (auto_span). H200,
-                                 # fwd+bwd: 44.58 -> 39.01 ms (+0.25 GiB) at 8,4096,16,128
-                                 # (span 16; 8: 38.03, +0.75 GiB), 7.09 -> 6.75 at
-                                 # 16,2048,12,64 (span 8, +0.14 GiB)
-  bwd_spans: int = 2             # GPU: > 0, the span-parallel backward (bwd_span.py) at the
-                                 # spans above: the sequential dq/dP sweep walks only the pairs
-                                 # inside a span, one program per (batch, kv head, span); far
-                                 # pairs go to parallel flash-style kernels on the boundary
-                                 # states, the far queries' share of dL/dP to two D x D chains
-                                 # per span. 2: the dk/dv kernel gives dk, dv (its operator walk
-                                 # inside the span); 1: the span sweep gives the near dk, dv from
-                                 # its states; 0: the sequential sweep. H200, fwd+bwd, 2 / 1 / 0:
-                                 # 33.18 / 39.51 / 39.82 ms at 8,4096,16,128; 6.63 / 6.40 / 6.98
-                                 # at 16,2048,12,64; 29.52 / 31.60 / ~33.4 at 32,2048,32,64
-  far_dq_pairs: bool | None = None  # the span backward's far dq kernel takes query chunks two
-                                 # at a time as one 2C-row tile (bwd_span.far_dq_kernel); None:
-                                 # at head_dim > 64. H200, fwd+bwd, pairs / single chunks (one
-                                 # call): 27.66 / 29.65 ms at 8,4096,16,128; 29.05 / 28.23 at
-                                 # 32,2048,32,64
-  fwd_spans: bool = False        # GPU, PaTH: the forward kernel moves the query tile chunk by
-                                 # chunk only inside its own span (dkv_span's); key chunks of
-                                 # earlier spans are plain attention against the keys moved to
-                                 # their span's end, and the tile crosses a span in one D x D
-                                 # product (kernels.fwd_kernel). The boundary launch it needs is
-                                 # the span backward's, run once in the forward and kept. Fewer
-                                 # products, but slower on the H200 (forward kernel 3.35 -> 4.13
-                                 # ms at 8,4096,16,128, 29.06 -> 30.68 at 4,16384,16,128, 2.52 ->
-                                 # 2.93 at 32,2048,32,64; not profiled further)
-
-  def validate(self, head_dim: int) -> None:
-    if self.block_q != self.block_k:
-      raise ValueError(f"block_q={self.block_q} must equal block_k={self.block_k} "
-                       "(the query tile, key tile and transport chunk are one size)")
-    if self.block_q < 16 or self.block_q & (self.block_q - 1):
-      raise ValueError(f"block_q={self.block_q} must be a power of two >= 16")
-    from kernels_pallas.path_attention.prepass_kernel import VARIANTS
-    if self.prepass not in VARIANTS + ("jnp",):
-      raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
-    if self.fwd_kernel not in ("triton", "mosaic"):
-      raise ValueError(f"fwd_kernel={self.fwd_kernel!r} must be 'triton' or 'mosaic'")
-    if self.prepass_num_warps not in (None, 1, 2, 4, 8, 16):
-      raise ValueError(f"prepass_num_warps={self.prepass_num_warps} must be None (each "
-                       "kernel's own), 1, 2, 4, 8 or 16")
-    if self.bwd_lanes is not None and self.bwd_lanes < 0:
-      raise ValueError(f"bwd_lanes={self.bwd_lanes} must be None (1 lane), 0 (auto) or >= 1")
-    if self.bwd_spans not in (0, 1, 2):
-      raise ValueError(f"bwd_spans={self.bwd_spans} must be 0 (off), 1 or 2")
-    if self.dkv_span is not None and (self.dkv_span < 0 or self.dkv_span % 2):
-      raise ValueError(f"dkv_span={self.dkv_span} must be None (auto), 0 (off) or a positive "
-                       "even number of chunks")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-      raise ValueError(f"head_dim={head_dim} must be a power of two >= 16")
 
 
 def _compiler_params(backend: str, bs: BlockSizes, num_axes: int, *, bwd: bool, head_dim: int,

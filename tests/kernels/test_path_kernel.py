@@ -12,31 +12,8 @@ import kernels_pallas as kp
 from kernels_pallas.path_attention import calls
 from posenc_jax import householder
 from posenc_jax import unipotent
+from tests.kernels.transport_inputs import transport_vectors
 from tests.util import assert_rel_rms
-
-
-def _transport_vectors(key, B, T, K, D, *, mode):
-  """Unit w [B, T, K, D] and beta [B, T, K].
-
-  mode "random": independent w, beta uniform in (0, 2). The others are the inputs that made the
-  old in-kernel inverse (a Neumann product of powers of A) overflow in bf16 training: w sharing
-  a direction, as the PaTH layer's low-rank projection + short convolution make them, w_t =
-  normalize(a + eps n_t) for one a per row and head ("shared:EPS"), or neighbours alternating
-  in sign ("antiparallel"); beta there is 2 (reflections), the hardest case."""
-  ka, kn, kb = jax.random.split(key, 3)
-  n = jax.random.normal(kn, (B, T, K, D), jnp.float32)
-  beta = 2 * jax.random.uniform(kb, (B, T, K), jnp.float32)
-  if mode == "random":
-    w = n
-  else:
-    a = jax.random.normal(ka, (B, 1, K, D), jnp.float32)
-    if mode == "antiparallel":
-      sign = jnp.where(jnp.arange(T) % 2 == 0, 1.0, -1.0)[None, :, None, None]
-      w = sign * (a + 1e-3 * n)
-    else:
-      w = a + float(mode.split(":")[1]) * n
-    beta = jnp.full((B, T, K), 2.0, jnp.float32)
-  return w / jnp.linalg.norm(w, axis=-1, keepdims=True), beta
 
 
 def _segments(key, B, T, mode):
@@ -59,7 +36,7 @@ def _inputs(key, B, T, H, K, D, dtype, *, gate, segments, w_mode="random"):
   q = jax.random.normal(ks[0], (B, T, H, D), dtype)
   k = jax.random.normal(ks[1], (B, T, K, D), dtype)
   v = jax.random.normal(ks[2], (B, T, K, D), dtype)
-  w, beta = _transport_vectors(ks[3], B, T, K, D, mode=w_mode)
+  w, beta = transport_vectors(ks[3], B, T, K, D, mode=w_mode)
   lf = jax.nn.log_sigmoid(jax.random.normal(ks[5], (B, T, H)) + 2.0) if gate else None
   seg = None
   if segments:  # True: "few"; else a _segments mode. Never attended across.
@@ -445,94 +422,6 @@ class TestGPUTraining:
         assert np.isfinite(float(metrics["grad_norm"])), f"grad norm not finite: {metrics}"
     assert np.all(np.isfinite(losses)), losses
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
-
-def test_chunk_operands_vjp_matches_autodiff(key):
-  """The hand-written VJP of one chunk's operands against jax.vjp of the forward function."""
-  import functools
-  from kernels_pallas.path_attention import prepass_chunk as pk
-  C, D, G = 16, 8, 2
-  ks = jax.random.split(key, 6)
-  qs = tuple(jax.random.normal(k_, (C, D)) for k_ in ks[:G])
-  k = jax.random.normal(ks[2], (C, D))
-  w = jax.random.normal(ks[3], (C, D))
-  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
-  beta_r = 2 * jax.random.uniform(ks[4], (1, C))
-  hi = jax.lax.Precision.HIGHEST
-  y = pk.chunk_inverse(w, beta_r.T, precision=hi)
-  fn = functools.partial(pk.chunk_operands, scale=0.3, precision=hi)
-  out, pull = jax.vjp(fn, qs, k, w, y, beta_r)
-  leaves, tree = jax.tree.flatten(out)
-  cts = jax.tree.unflatten(tree, [jax.random.normal(k_, x.shape)
-                                  for k_, x in zip(jax.random.split(ks[5], len(leaves)), leaves)])
-  got = pk.chunk_operands_vjp(qs, k, w, y, beta_r, cts, scale=0.3, precision=hi)
-  for name, a, b in zip(("dq0", "dq1", "dk", "dw", "dy", "dbeta"), jax.tree.leaves(got),
-                        jax.tree.leaves(pull(cts))):
-    assert_rel_rms(a, b, 1e-5, name)
-
-
-@pytest.mark.parametrize("w_mode", ["random", "shared:1.0", "shared:0.1", "shared:0.01",
-                                    "antiparallel"])
-def test_chunk_inverse_correlated_w(key, w_mode):
-  """The in-kernel UT inverse at the GPU chunk size (C = 64) against float64 numpy.
-
-  The Neumann product it replaced was off by 1e10-1e21 (relative) on these inputs in exact
-  float32; float32 rounding of the inputs alone gives up to ~1.3e-5 (worst of 20 seeds each)."""
-  import numpy as np
-  from kernels_pallas.path_attention import prepass_chunk as pk
-  C = D = 64
-  w, beta = _transport_vectors(key, 1, C, 1, D, mode=w_mode)
-  w, beta = w[0, :, 0], beta[0, :, 0]
-  w64, b64 = np.asarray(w, np.float64), np.asarray(beta, np.float64)
-  expected = np.linalg.inv(np.eye(C) + np.tril(b64[:, None] * (w64 @ w64.T), -1))
-  got = pk.chunk_inverse(w, beta[:, None], precision=jax.lax.Precision.HIGHEST)
-  assert_rel_rms(got, expected, 1e-4, "Y")
-
-
-@pytest.mark.parametrize("dtype,variant,backend", [
-    (dtype, variant, "interpret") for dtype in (jnp.float32, jnp.bfloat16)
-    for variant in ("split", "split_bf16", "fold_bf16")] + [
-    (jnp.bfloat16, "split_bf16x3", "interpret")] + [
-    (dtype, "split_hilo", "interpret") for dtype in (jnp.float32, jnp.bfloat16)] + [
-    (jnp.bfloat16, "split2_hilo", "interpret"), (jnp.float32, "split2", "interpret")] + [
-    (jnp.float32, "fold_bf16", "tpu_interpret")])   # TPU: blocked inputs (time-major elsewhere)
-def test_prepass_kernel_matches_jnp(key, dtype, variant, backend):
-  """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass."""
-  import functools
-  from kernels_pallas.path_attention import prepass, prepass_kernel
-  B, H, K, n, C, D = 2, 4, 2, 3, 16, 16
-  ks = jax.random.split(key, 8)   # q, k, w time-major [B, T, heads, D]; beta blocked
-  q = jax.random.normal(ks[0], (B, n * C, H, D), dtype)
-  k = jax.random.normal(ks[1], (B, n * C, K, D), dtype)
-  w = jax.random.normal(ks[2], (B, n * C, K, D), jnp.float32)
-  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
-  bb = 2 * jax.random.uniform(ks[3], (B, K, n, C), jnp.float32)
-  ref = functools.partial(prepass.transport_jnp, scale=0.25, dtype=jnp.float32)
-  fast = functools.partial(prepass_kernel.transport_pallas, scale=0.25, dtype=jnp.float32,
-                           backend=backend, variant=variant)
-  outs = jax.eval_shape(ref, q, k, w, bb)
-  cts = tuple(jax.random.normal(k_, s.shape) for k_, s in zip(ks[4:], outs))
-
-  def value_and_pull(fn):   # jitted: one compile instead of eager op-by-op dispatch
-    def run(*a):
-      out, pull = jax.vjp(fn, *a)
-      return out, pull(cts)
-    return jax.jit(run)
-
-  with jax.default_matmul_precision("highest"):
-    o_ref, g_ref = value_and_pull(ref)(q, k, w, bb)
-  o_fast, g_fast = value_and_pull(fast)(q, k, w, bb)
-  # float32 inputs: float32 products throughout. bf16 inputs: bf16 operands in the "_bf16"
-  # variants, bf16 halves where the output is insensitive in "split_hilo" (designed for <=
-  # 2.5e-4 per chunk: _Products), and bf16 gradients of q, k.
-  tol = 1e-5 if dtype == jnp.float32 else {"split_bf16": 1e-2, "fold_bf16": 1e-2,
-                                             "split_hilo": 1e-3, "split2_hilo": 1e-3}.get(
-                                                 variant, 1e-5)
-  for name, a, b in zip(("q^", "k^", "E", "diag"), o_fast, o_ref):
-    assert_rel_rms(a, b, tol, name)
-  tol = 1e-5 if dtype == jnp.float32 else 1e-2
-  for name, a, b in zip(("dq", "dk", "dw", "dbeta"), g_fast, g_ref):
-    assert_rel_rms(a, b, tol, name)
-
 
 @pytest.mark.parametrize("transport", [True, False])
 def test_tpu_kv_grid_forward_interpret(key, transport):
