@@ -70,6 +70,13 @@ def tile_grads(qc, kc, s, causal, *, precision):
   return p, p * (dot(qc["do"], kc["v"], tb=True, precision=precision) - qc["delta"])
 
 
+def pair_state(q, e, *, precision):
+  """Query chunks c, c + 1 stacked as one 2C-row tile q (kernel dtype), E_c = e -> (the float32
+  state with chunk c + 1's rows moved across chunk c, the [2C, 1] mask of those rows)."""
+  low = lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) >= q.shape[0] // 2
+  return q.astype(jnp.float32) - jnp.where(low, dot(q, e, precision=precision), 0.0), low
+
+
 def dq_step(qc, kc, qt, adj, dfq, *, scale, transport, precision, live=None, kv=False):
   """One key chunk m < c for a query tile (one chunk, or two stacked): state qt (kernel dtype),
   adj = R, the adjoint of the state after crossing chunk m -> (R P_m^T + scale dS k^_m, dfq,
@@ -379,9 +386,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
       if gate:
         r["dfq"][g, rows(c + j, C)] = dfq
     qp = load_query(g, c, 2 * C)
-    low = lax.broadcasted_iota(jnp.int32, (2 * C, 1), 0) >= C   # rows of chunk c + 1
-    q0 = qp["q"].astype(f32)
-    qt = q0 - jnp.where(low, dot(qp["q"], kc["e"], precision=precision), 0.0)
+    qt, low = pair_state(qp["q"], kc["e"], precision=precision)
 
     lo = first_key(c, c + 1)
 

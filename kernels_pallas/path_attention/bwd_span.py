@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, dkv_step, dq_step,
-                                                       tile_grads)
+                                                       pair_state, tile_grads)
 from kernels_pallas.path_attention.kernels import chunk_bound, chunk_id, dot
 
 
@@ -93,10 +93,7 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
     @pl.when(jc > 0)
     def _():
       q = r["q"][rows]
-      s = q.astype(f32)
-      if size > C:   # chunk c + 1's rows cross chunk c first
-        low = lax.broadcasted_iota(jnp.int32, (size, 1), 0) >= C
-        s = s - jnp.where(low, dot(q, r["e"][c], precision=precision), 0.0)
+      s = pair_state(q, r["e"][c], precision=precision)[0] if size > C else q.astype(f32)
       move = lambda i, s: s - dot(s.astype(dt), r["e"][c - 1 - i], precision=precision)
       s = lax.fori_loop(0, c - jc * span, move, s)   # to c's span start
       r["qb"][jc - 1, rows] = s.astype(dt)
@@ -338,8 +335,7 @@ def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine,
     diagonal(g, c + 1)
     qp = load_query(g, c, 2 * C)
     kc = load_key(g, c)
-    low = lax.broadcasted_iota(jnp.int32, (2 * C, 1), 0) >= C   # rows of chunk c + 1
-    qt = qp["q"].astype(f32) - jnp.where(low, dot(qp["q"], kc["e"], **kw), 0.0)
+    qt, low = pair_state(qp["q"], kc["e"], **kw)
     adj, dfq = sweep(g, c, qp, qt, 2 * C, c + 1)
     adj, dfq, dp, parts = dq_step(qp, kc, qp["q"], adj, dfq, live=low, scale=scale,
                                   transport=True, kv=kv, **kw)   # chunk c + 1 vs key c

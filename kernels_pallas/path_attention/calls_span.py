@@ -81,15 +81,9 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   args = [m(ops.q), kb, ops.v, ops.e, pi, m(do), m(lse), m(delta)]
   specs = [own(args[0]), kv(kb), kv(ops.v), kv(ops.e), kv(pi), own(args[5]), own(args[6]),
            own(args[7])]
-  if f["gate"]:
-    args += [m(ops.fq), ops.fk]
-    specs += [own(args[-2]), own(ops.fk)]
-  if f["segments"]:
-    args += [m(ops.sq), ops.sk]
-    specs += [seg(args[-2]), seg(ops.sk)]
-  if bounds:
-    args.append(ops.lo)
-    specs.append(seg(ops.lo))
+  more, more_specs = _optional_inputs(ops._replace(fq=m(ops.fq), sq=m(ops.sq)), bounds,
+                                     query=own, seg=seg, hi=False)
+  args, specs = args + more, specs + more_specs
   states = jax.ShapeDtypeStruct((B, H, nb, n * C, D), ops.q.dtype)
   out_shape = [states, states]
   if f["gate"]:

@@ -149,10 +149,10 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
     return qt, m_i, l_i, acc
 
   lo = chunk_bound(lo_ref, c) if bounds else 0
-  near = lo if not span else jnp.maximum(lo, lax.div(c, span) * span)   # c's span start
+  jc = lax.div(c, span) if span else 0   # c's span
+  near = jnp.maximum(lo, jc * span) if span else lo   # the walk stops at c's span start
   qt, m_i, l_i, acc = lax.fori_loop(0, c - near, body, (q.astype(jnp.float32), m_i, l_i, acc))
   if span:
-    jc = lax.div(c, span)
     j0 = jnp.minimum(lax.div(lo, span), jc)   # spans wholly left of c's document: skipped
 
     def far_span(i, carry):   # span J = jc-1 .. j0, its keys right to left, then across it
