@@ -184,7 +184,8 @@ def _block_sizes_of(spec):
   span-parallel backward (bwd_spans 1 (2); seq: 0), np one query chunk per dq/dP tile, rc the
   backward runs the pre-pass again (keep_operands off), ko keep_operands on, mg the Mosaic GPU
   forward (PaTH without the gate), nfs the forward walking every chunk (fwd_spans off),
-  nfp one query chunk per far dq tile (far_dq_pairs off; fp: on),
+  nfp one query chunk per far dq tile (far_dq_pairs off; fp: on), nkp one key chunk per far
+  dk/dv tile (far_dkv_pairs off),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
   whether it builds and what it gains. E.g. path@l1rc is the seventh session's defaults."""
@@ -213,6 +214,7 @@ def _block_sizes_of(spec):
   changes.update({"fwd_spans": False} if "nfs" in spec else {})
   changes.update({"far_dq_pairs": False} if "nfp" in spec else
                  {"far_dq_pairs": True} if "fp" in spec else {})
+  changes.update({"far_dkv_pairs": False} if "nkp" in spec else {})
   changes.update({"prepass": pre[2]} if pre else {})
   return dataclasses.replace(bs, **changes), bool(pre and pre[1])
 

@@ -82,12 +82,22 @@ class BlockSizes:
                                  # inside the span); 1: the span sweep gives the near dk, dv from
                                  # its states; 0: the sequential sweep. H200, fwd+bwd, 2 / 1 / 0:
                                  # 33.18 / 39.51 / 39.82 ms at 8,4096,16,128; 6.63 / 6.40 / 6.98
-                                 # at 16,2048,12,64; 29.52 / 31.60 / ~33.4 at 32,2048,32,64
+                                 # at 16,2048,12,64; 29.52 / 31.60 / ~33.4 at 32,2048,32,64.
+                                 # 3: as 2, but the far walk (query chunks right of the key's
+                                 # span) is its own launch (bwd_span.far_dkv_kernel, 2C-row key
+                                 # tiles with far_dkv_pairs) and the dk/dv kernel adds its sums
   far_dq_pairs: bool | None = None  # the span backward's far dq kernel takes query chunks two
                                  # at a time as one 2C-row tile (bwd_span.far_dq_kernel); None:
                                  # at head_dim > 64. H200, fwd+bwd, pairs / single chunks (one
                                  # call): 27.66 / 29.65 ms at 8,4096,16,128; 29.05 / 28.23 at
                                  # 32,2048,32,64
+  far_dkv_pairs: bool = True     # the far dk/dv kernel (bwd_spans 1 and 3) takes key chunks two
+                                 # at a time as one 2C-row tile: each query chunk's operands are
+                                 # read once for both, the products twice as wide
+  far_dkv_rows: int | None = None  # query rows per step of the far dk/dv kernel (a divisor of
+                                 # block_q); None: half a chunk with key pairs at head_dim > 64
+                                 # (resource report, bf16, 8 warps: 836 -> 244 B of spills a
+                                 # thread at 128), else a chunk
   fwd_spans: bool = False        # GPU, PaTH: the forward kernel moves the query tile chunk by
                                  # chunk only inside its own span (dkv_span's); key chunks of
                                  # earlier spans are plain attention against the keys moved to
@@ -114,8 +124,12 @@ class BlockSizes:
                        "kernel's own), 1, 2, 4, 8 or 16")
     if self.bwd_lanes is not None and self.bwd_lanes < 0:
       raise ValueError(f"bwd_lanes={self.bwd_lanes} must be None (1 lane), 0 (auto) or >= 1")
-    if self.bwd_spans not in (0, 1, 2):
-      raise ValueError(f"bwd_spans={self.bwd_spans} must be 0 (off), 1 or 2")
+    if self.far_dkv_rows is not None and (self.far_dkv_rows < 8 or
+                                          self.block_q % self.far_dkv_rows):
+      raise ValueError(f"far_dkv_rows={self.far_dkv_rows} must be None (auto) or a divisor of "
+                       f"block_q={self.block_q} of at least 8 (16 on the GPU)")
+    if self.bwd_spans not in (0, 1, 2, 3):
+      raise ValueError(f"bwd_spans={self.bwd_spans} must be 0 (off), 1, 2 or 3")
     if self.dkv_span is not None and (self.dkv_span < 0 or self.dkv_span % 2):
       raise ValueError(f"dkv_span={self.dkv_span} must be None (auto), 0 (off) or a positive "
                        "even number of chunks")

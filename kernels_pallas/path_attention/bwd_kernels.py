@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention.kernels import (NEG_INF, chunk_bound, chunk_id, dot, logits,
-                                                   tile_mask)
+from kernels_pallas.path_attention.kernels import (NEG_INF, boundary_rows, chunk_bound, chunk_id,
+                                                   dot, logits, tile_mask)
 
 
 def _unpack(refs, spec):
@@ -115,7 +115,11 @@ def dkv_step(query, kc, mop, dk, dv, dfk, *, scale, transport, precision):
   dt = kc["k"].dtype
   kt = dot(kc["k"], mop.astype(dt), tb=True, precision=precision).astype(dt) if transport \
       else kc["k"]
-  a = jnp.zeros(dk.shape, jnp.float32)
+  # Without transport dS^T q^ goes straight into dk (scale taken into dS before its cast): a
+  # product added to a carried tile becomes the product's accumulator, where a per-step sum
+  # over heads would be one more [R, D] float32 tile (the far dk/dv kernel's 2C-row tiles
+  # spill at head_dim 128).
+  a = jnp.zeros(dk.shape, jnp.float32) if transport else None
   dfk = list(dfk)
   for g in range(len(dfk)):
     qc = query(g)
@@ -123,13 +127,14 @@ def dkv_step(query, kc, mop, dk, dv, dfk, *, scale, transport, precision):
                                                                   precision=precision),
                        False, precision=precision)
     dv += dot(p.astype(dt), qc["do"], ta=True, precision=precision)
-    a += dot(ds.astype(dt), qc["q"], ta=True, precision=precision)   # dS^T q^, summed over heads
+    if transport:
+      a += dot(ds.astype(dt), qc["q"], ta=True, precision=precision)   # dS^T q^, over heads
+    else:
+      dk += dot((scale * ds).astype(dt), qc["q"], ta=True, precision=precision)
     if qc["fq"] is not None:
       dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
   if transport:
     dk += scale * dot(a.astype(dt), mop.astype(dt), precision=precision)
-  else:
-    dk += scale * a
   return dk, dv, tuple(dfk)
 
 
@@ -153,20 +158,25 @@ def dkv_diagonal(query, kc, diag, dk, dv, dfk, *, scale, transport, precision):
 
 
 def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, bounds=False,
-               span=0, far_out=False):
+               span=0, far_out=False, far_in=False):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
-  (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]); (qb [G, nb, n, C, D]
-  with span). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C]). With `bounds` the walk stops
+  (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]); (qb [G, R, D]
+  with span: the boundary states packed, kernels.boundary_offset). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C]). With `bounds` the walk stops
   at hi_m, the last query chunk that shares a segment with chunk m (prepass.chunk_bounds).
 
   With `span` (BlockSizes.dkv_span, transport only) the operator walk stops at the end of key
   chunk m's span, s = (m // span + 1) span, where it is M_sm; the query chunks c >= s are then
-  plain attention steps of the stored states qb[s / span - 1, c] = q^_c M_cs' (s' = s - 1, the
+  plain attention steps of the stored states qb^(s)_c = q^_c M_cs' (s' = s - 1, the
   dq/dP kernel's) against k~ = k^ M_sm^T, since q^_c M_cm = (q^_c P_{c-1} ... P_s) M_sm, and
   their dk^ share is (scale sum_c dS^T qb_c) M_sm, one operator product in all. With
   `far_out` (the span-parallel backward, bwd_span.py) that sum, a [C, D] float32, is an output
-  too (zero for the last span's chunks)."""
-  r = _unpack(refs, _in_spec(transport, gate, segments, bounds) + [("qb", transport and span > 0)]
+  too (zero for the last span's chunks). With `far_in` (bwd_spans 3) another launch
+  (bwd_span.far_dkv_kernel) walked the far query chunks: its a, dv [C, D] and (dfk [G, 1, C])
+  float32 of chunk m come in where qb would, and only the operator walk inside the span runs
+  here."""
+  far_spec = [("qb", transport and span > 0 and not far_in), ("fa", far_in), ("fdv", far_in),
+              ("fdfk", far_in and gate)]
+  r = _unpack(refs, _in_spec(transport, gate, segments, bounds) + far_spec
               + [("dk", True), ("dv", True), ("dfk", gate), ("a", far_out)])
   G, n, C, D = r["q"].shape
   f32 = jnp.float32
@@ -203,12 +213,12 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
     s = (j + 1) * span
     mop, dk, dv, dfk = lax.fori_loop(m + 1, jnp.minimum(s, end), body, (mop, dk, dv, tuple(dfk)))
     mop = mop.astype(dt)   # M_sm (the product below takes it in the kernel dtype)
-    far = dict(kc, k=dot(kc["k"], mop, tb=True, precision=precision).astype(dt))
 
     def far_body(c, carry):
       def step(carry):
         a, dv, dfk = carry
-        return dkv_step(lambda g: query(g, c, q=r["qb"][g, j, c]), far, None, a, dv, dfk,
+        t = boundary_rows(j, c, C, n=n, span=span, C=C)
+        return dkv_step(lambda g: query(g, c, q=r["qb"][g, t]), far, None, a, dv, dfk,
                         scale=scale, transport=False, precision=precision)
 
       if not bounds:
@@ -218,7 +228,12 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
       # (c, m) is then fully masked (m < s <= lo_c), so skipping it is exact.
       return lax.cond(chunk_bound(r["lo"], c) < s, step, lambda carry: carry, carry)
 
-    a, dv, dfk = lax.fori_loop(s, end, far_body, (jnp.zeros((C, D), f32), dv, dfk))
+    if far_in:
+      a, dv = r["fa"][...], dv + r["fdv"][...]
+      dfk = tuple(dfk[g] + r["fdfk"][g] for g in range(G)) if gate else dfk
+    else:
+      far = dict(kc, k=dot(kc["k"], mop, tb=True, precision=precision).astype(dt))
+      a, dv, dfk = lax.fori_loop(s, end, far_body, (jnp.zeros((C, D), f32), dv, dfk))
     dk += dot(a.astype(dt), mop, precision=precision)   # a is already scaled
     if far_out:
       r["a"][...] = a
@@ -242,8 +257,8 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
   With `kv` (BlockSizes.dkv_in_dq) the kernel also accumulates this lane's dk^, dv [n, C, D]
   and (dfk [G, n, 1, C]) in float32 (dq_step's key-side parts), and calls.backward launches no
   dk/dv kernel.
-  With `span` (BlockSizes.dkv_span, transport only) it also writes qb [G, nb, n*C, D]: row
-  block (j, chunk c) holds q^_c P_{c-1} ... P_s, the state against key chunk s - 1 for the
+  With `span` (BlockSizes.dkv_span, transport only) it also writes qb [G, R, D], packed
+  (kernels.boundary_offset): row block (j, chunk c) holds q^_c P_{c-1} ... P_s, the state against key chunk s - 1 for the
   boundary s = (j + 1) span <= c, which the right-to-left state pass computes anyway (the dk/dv
   kernel's far walk reads it)."""
   r = _unpack(refs, _in_spec(transport, gate, segments, bounds)
@@ -319,7 +334,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
     if span:
       @pl.when(lax.rem(m + 1, span) == 0)   # (lax: jnp's floored % and // lower as selects)
       def _():
-        r["qb"][g, lax.div(m + 1, span) - 1, rows(c, size)] = st
+        r["qb"][g, boundary_rows(lax.div(m + 1, span) - 1, c, size, n=n, span=span, C=C)] = st
 
   # dP_m read-modify-write. At head_dim <= 64 the read is issued before the step, so that its
   # latency hides behind the step's products; at 128 the early [D, D] float32 tile costs more

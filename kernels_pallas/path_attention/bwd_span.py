@@ -21,11 +21,12 @@ boundary_kernel (kb, Pi; one program per key chunk), far_dq_kernel (qb, A, far d
 query chunk and query head), a key-side kernel (one per key chunk), then Y in XLA and
 span_kernel (one program per (batch, kv head, span)): the near sweeps of bwd_kernels.dq_kernel
 inside the span, starting from A instead of zero, and the D x D chains above. The sequential
-work per program falls from n^2 / 4 pair steps to S^2 / 4. The key side takes one of two forms
-(BlockSizes.bwd_spans): 2 (the default), bwd_kernels.dkv_kernel gives dk, dv, dfk whole (its
-operator walk inside the span, its plain walk against qb after it) and its far accumulator a;
-1, far_dkv_kernel gives a and the far dv, dfk, and the span kernel adds the near dk, dv, dfk
-from its sweep's states (dq_step's kv parts).
+work per program falls from n^2 / 4 pair steps to S^2 / 4. The key side takes one of three
+forms (BlockSizes.bwd_spans): 2 (the default), bwd_kernels.dkv_kernel gives dk, dv, dfk whole
+(its operator walk inside the span, its plain walk against qb after it) and its far
+accumulator a; 1, far_dkv_kernel gives a and the far dv, dfk, and the span kernel adds the
+near dk, dv, dfk from its sweep's states (dq_step's kv parts); 3, far_dkv_kernel as in 1, and
+dkv_kernel walks inside the span only and adds them.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, dkv_step, dq_step,
                                                        pair_state, tile_grads)
-from kernels_pallas.path_attention.kernels import chunk_bound, chunk_id, dot
+from kernels_pallas.path_attention.kernels import boundary_rows, chunk_bound, chunk_id, dot
 
 
 def boundary_kernel(k_ref, e_ref, kb_ref, pi_ref, *, span, nb, precision, fine, chunk_axis):
@@ -72,9 +73,9 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
   an odd n taking its chunk alone. In, chunks merged into time (rows c C ..): q^, dO [n*C, D],
   lse, delta, (fq) [n*C, 1], (sq [n*C, 1]) of the head; kb, v [n, C, D], E [n, D, D],
   pi [nb, D, D], (fk [n, 1, C], sk [n, 1, C]) of its kv head; (lo [n, 1, 1]). Out, this tile's
-  rows: qb [nb, n*C, D], the states at the boundaries s_j = (j + 1) S <= c; A [nb, n*C, D], the
-  adjoint at s_j from the keys left of it; (dfq [n*C, 1] of the far tiles). Rows for
-  boundaries above c are not written. Products with Pi take `fine` (boundary_kernel). A 2C-row
+  rows in the packed layout (kernels.boundary_offset: boundary j keeps the chunks c >= s_j
+  only): qb [R, D], the states at the boundaries s_j = (j + 1) S <= c; A [R, D], the adjoint at
+  s_j from the keys left of it; (dfq [n*C, 1] of the far tiles). Products with Pi take `fine` (boundary_kernel). A 2C-row
   tile reads each key chunk once for two query chunks and gives the products twice the rows."""
   r = _unpack(refs, [("q", True), ("kb", True), ("v", True), ("e", True), ("pi", True),
                      ("do", True), ("lse", True), ("delta", True), ("fq", gate), ("fk", gate),
@@ -89,6 +90,7 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
   def tile(size):
     rows = pl.ds(pl.multiple_of(c * C, C), size)
     jc = lax.div(c, span)   # boundaries at or below c: s_0 .. s_{jc-1}
+    packed = lambda j: boundary_rows(j, c, size, n=n, span=span, C=C)
 
     @pl.when(jc > 0)
     def _():
@@ -96,12 +98,12 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
       s = pair_state(q, r["e"][c], precision=precision)[0] if size > C else q.astype(f32)
       move = lambda i, s: s - dot(s.astype(dt), r["e"][c - 1 - i], precision=precision)
       s = lax.fori_loop(0, c - jc * span, move, s)   # to c's span start
-      r["qb"][jc - 1, rows] = s.astype(dt)
+      r["qb"][packed(jc - 1)] = s.astype(dt)
 
       def down(i, s):   # qb^(s_j) = qb^(s_{j+1}) Pi_{j+1}, j = jc-2 .. 0
         j = jc - 2 - i
         s = dot(s, r["pi"][j + 1], precision=fine)
-        r["qb"][j, rows] = s.astype(dt)
+        r["qb"][packed(j)] = s.astype(dt)
         return s
 
       lax.fori_loop(0, jc - 1, down, s)
@@ -115,12 +117,12 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
       zero = jnp.zeros((size, D), f32)
 
       def masked_span(j, carry):   # wholly left of the tile's documents: A stays 0
-        r["a"][j, rows] = zero.astype(r["a"].dtype)
+        r["a"][packed(j)] = zero.astype(r["a"].dtype)
         return carry
 
       def far_span(j, carry):
         adj, dfq = carry
-        qt = r["qb"][j, rows]
+        qt = r["qb"][packed(j)]
 
         def key(m, carry):
           part, dfq = carry
@@ -133,7 +135,7 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
 
         part, dfq = lax.fori_loop(jnp.maximum(lo, j * span), (j + 1) * span, key, (zero, dfq))
         adj = dot(adj, r["pi"][j], tb=True, precision=fine) + part
-        r["a"][j, rows] = adj.astype(r["a"].dtype)
+        r["a"][packed(j)] = adj.astype(r["a"].dtype)
         return adj, dfq
 
       j0 = jnp.minimum(lax.div(lo, span), jc)
@@ -154,51 +156,78 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
     pl.when(c + 1 >= n)(lambda: tile(C))   # the odd last chunk
 
 
-def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_axis):
-  """Program (key chunk m, kv head, batch). In: qb [G, nb, n, C, D] of the group's heads; kb, v
-  [n, C, D]; dO [G, n, C, D], lse, delta, (fq) [G, n, C, 1], (fk [G, n, 1, C]); (sq, sk);
-  (lo, hi [n, 1, 1]). Out (chunk m), float32: a [C, D] = scale sum_c dS_cm^T qb_c^(b) over the
-  query chunks c >= b (b: m's span end) of every head, dv [C, D] = sum p^T dO over them,
-  (dfk [G, 1, C]). Zero for the last span's chunks."""
+def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_axis, pairs,
+                   rows):
+  """Program (key tile, kv head, batch): key chunk m, or with `pairs` chunks m, m + 1 (m even;
+  the span is even, so both lie in one span) as one 2C-row key tile, the last program of an odd
+  n taking its chunk alone. In: qb [G, R, D] of the group's heads (packed:
+  kernels.boundary_offset); kb, v [n*C, D] (chunks merged into time); dO [G, n, C, D], lse,
+  delta, (fq) [G, n, C, 1]; (fk [G, 1, n*C]); (sq [n, C, 1], sk [1, n*C]); (lo, hi [n, 1, 1]).
+  Out, this tile's key rows, float32: a [n*C, D] = scale sum_c dS_cm^T qb_c^(b) over the query
+  chunks c >= b (b: the span's end) of every head, dv [n*C, D] = sum p^T dO over them,
+  (dfk [G, 1, n*C]). Zero for the last span's chunks. A 2C-row tile reads each query chunk's
+  operands once for two key chunks and gives the products twice the columns. A query chunk
+  goes in `rows`-row parts (C or a divisor): the [rows, 2C] logit-sized tiles are the ones a
+  step's products leave live beside the two accumulators."""
   r = _unpack(refs, [("qb", True), ("kb", True), ("v", True), ("do", True), ("lse", True),
                      ("delta", True), ("fq", gate), ("fk", gate), ("sq", segments),
                      ("sk", segments), ("lo", bounds), ("hi", bounds), ("a", True), ("dv", True),
                      ("dfk", gate)])
-  G, _, n, C, D = r["qb"].shape
+  G, n, C, D = r["do"].shape
   f32 = jnp.float32
-  m = chunk_id(n, axis=chunk_axis, reverse=False)
+  tiles = (n + 1) // 2 if pairs else n
+  m = chunk_id(tiles, axis=chunk_axis, reverse=False) * (2 if pairs else 1)
   j = lax.div(m, span)
-  kc = dict(k=r["kb"][m], v=r["v"][m], fk=[r["fk"][g, m] if gate else None for g in range(G)],
-            sk=r["sk"][m] if segments else None)
 
-  def query(g, c):
-    return dict(q=r["qb"][g, j, c], fq=r["fq"][g, c] if gate else None,
-                sq=r["sq"][c] if segments else None, lse=r["lse"][g, c], do=r["do"][g, c],
-                delta=r["delta"][g, c])
+  def tile(size):
+    keys = pl.ds(pl.multiple_of(m * C, C), size)
+    last = m + size // C - 1   # the tile's last key chunk
+    kc = dict(k=r["kb"][keys], v=r["v"][keys],
+              fk=[r["fk"][g, :, keys] if gate else None for g in range(G)],
+              sk=r["sk"][:, keys] if segments else None)
 
-  def body(c, carry):
-    step = lambda carry: dkv_step(lambda g: query(g, c), kc, None, *carry, scale=scale,
-                                  transport=False, precision=precision)
-    if not bounds:
-      return step(carry)
-    # every query of chunk c starts its document right of key chunk m: the tile is masked
-    return lax.cond(chunk_bound(r["lo"], c) <= m, step, lambda carry: carry, carry)
+    def query(g, c, h):   # rows h R .. (h + 1) R of query chunk c
+      t = pl.ds(h * rows, rows)
+      qb = boundary_rows(j, c, C, n=n, span=span, C=C)
+      return dict(q=r["qb"][g, pl.ds(pl.multiple_of(qb.start + h * rows, rows), rows)],
+                  fq=r["fq"][g, c, t] if gate else None, sq=r["sq"][c, t] if segments else None,
+                  lse=r["lse"][g, c, t], do=r["do"][g, c, t], delta=r["delta"][g, c, t])
 
-  end = chunk_bound(r["hi"], m) + 1 if bounds else n
-  init = (jnp.zeros((C, D), f32), jnp.zeros((C, D), f32), tuple(jnp.zeros((1, C), f32)
-                                                                 for _ in range(G)))
-  a, dv, dfk = lax.fori_loop((j + 1) * span, end, body, init)   # empty for the last span
-  r["a"][...] = a
-  r["dv"][...] = dv
-  if gate:
-    for g in range(G):
-      r["dfk"][g] = dfk[g]
+    def body(c, carry):
+      def step(carry):
+        for h in range(C // rows):
+          carry = dkv_step(lambda g: query(g, c, h), kc, None, *carry, scale=scale,
+                           transport=False, precision=precision)
+        return carry
+
+      if not bounds:
+        return step(carry)
+      # every query of chunk c starts its document right of the tile's keys: masked
+      return lax.cond(chunk_bound(r["lo"], c) <= last, step, lambda carry: carry, carry)
+
+    end = n
+    if bounds:
+      end = jnp.maximum(chunk_bound(r["hi"], m), chunk_bound(r["hi"], last)) + 1
+    init = (jnp.zeros((size, D), f32), jnp.zeros((size, D), f32),
+            tuple(jnp.zeros((1, size), f32) for _ in range(G)))
+    a, dv, dfk = lax.fori_loop((j + 1) * span, end, body, init)   # empty for the last span
+    r["a"][keys] = a
+    r["dv"][keys] = dv
+    for g in range(G) if gate else ():
+      r["dfk"][g, :, keys] = dfk[g]
+
+  if not pairs:
+    tile(C)
+  else:
+    pl.when(m + 1 < n)(lambda: tile(2 * C))
+    pl.when(m + 1 >= n)(lambda: tile(C))   # the odd last chunk
 
 
 def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine, span_axis,
                 pairs, kv=True):
   """Program (span J, kv head, batch). In: as bwd_kernels.dq_kernel with transport (query-side
-  operands merged into time: q, do [G, n*C, D], ...), then A [G, nb, n*C, D] (far_dq_kernel's),
+  operands merged into time: q, do [G, n*C, D], ...), then A [G, R, D] (far_dq_kernel's,
+  packed),
   y [nb, D, D] (Y_J), afar, dvfar [n, C, D], (dfkfar [G, n, 1, C]) (far_dkv_kernel's). Out, for
   this span's chunks only: dq^ [G, n*C, D], ddiag [G, n*C, C] (kernel dtype); dP [n, D, D], dk^,
   dv [n, C, D], (dfq [G, n*C, 1] of the near tiles, dfk [G, n, 1, C]) float32; st [S, R, D]
@@ -300,8 +329,9 @@ def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine,
     return jnp.maximum(lo, lo_s)
 
   def initial_adjoint(g, c, size):   # A_c at the span's start (keys left of it); none for J = 0
-    a = r["a"][g, jnp.maximum(jspan - 1, 0), rows(c, size)].astype(f32)
-    return jnp.where(jspan > 0, a, 0.0)
+    # (J = 0 has no rows in the packed A: the read must not happen there, not only be masked)
+    read = lambda: r["a"][g, boundary_rows(jspan - 1, c, size, n=n, span=span, C=C)].astype(f32)
+    return lax.cond(jspan > 0, read, lambda: jnp.zeros((size, D), f32))
 
   def sweep(g, c, qp, qt, size, last):
     """States of the query tile qp (rows of chunk c, or of c and c + 1 stacked) against key

@@ -346,11 +346,13 @@ def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv, *, bounds: bool):
 
 
 def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
-                 bs: BlockSizes, qb=None, far_out=False):
+                 bs: BlockSizes, qb=None, far_out=False, far_in=None):
   """dk, dv (and dfk): grid (B, K, key chunk), every program independent. qb: the dq/dP
-  kernel's boundary states [B, H, nb, n, C, D] when dkv_span(ops, bs, backend) > 0. far_out
+  kernel's boundary states [B, H, R, D] (packed: kernels.boundary_offset) when
+  dkv_span(ops, bs, backend) > 0. far_out
   (with qb): also "a" [B, K, n, C, D] float32, the far walk's scale sum dS^T qb per key chunk
-  (calls_span.py)."""
+  (calls_span.py). far_in (instead of qb): the far walk's a, dv [B, K, n, C, D] and dfk
+  [B, H, n, 1, C] (or None) float32 from calls_span._far_dkv; the kernel adds them."""
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   G = H // K
@@ -360,12 +362,18 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   bounds = _bounds(ops, backend)
   args, specs, grp = _bwd_inputs(ops, do, lse, delta, lambda *p: ids(*p)[:2], bounds=bounds)
   span = dkv_span(ops, bs, backend)
-  if span:
+  chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda *p: ids(*p) + (0, 0))
+  if span and far_in is not None:
+    fa, fdv, fdfk = far_in
+    args += [fa, fdv] + ([fdfk] if f["gate"] else [])
+    specs += [chunk(fa), chunk(fdv)]
+    if f["gate"]:
+      specs.append(pl.BlockSpec((None, G, None, 1, C), lambda *p: ids(*p) + (0, 0)))
+  elif span:
     if qb is None:
       raise ValueError("dkv_span: backward_dkv needs the boundary states qb of backward_dq")
     args.append(qb)
     specs.append(grp(qb))
-  chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda *p: ids(*p) + (0, 0))
   gdt = ops.q.dtype  # gradients leave in the kernel dtype (accumulated in float32 on chip)
   out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt)] * 2
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
@@ -377,7 +385,8 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
     out_shape.append(jax.ShapeDtypeStruct((B, K, n, C, D), f32))
     out_specs.append(chunk(out_shape[-1]))
   kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
-                             chunk_axis=axis, bounds=bounds, span=span, far_out=far_out, **f)
+                             chunk_axis=axis, bounds=bounds, span=span, far_out=far_out,
+                             far_in=bool(span) and far_in is not None, **f)
   # Without grouped heads two stages fit in shared memory at head_dim 128 too, and pay (H200
   # dk/dv 14.1 -> 13.6 ms at 8,4096,16,128, 112.9 -> 100.0 ms at 4,16384,16,128); with G = 2
   # they ask for 273 of 227 KiB. Grouped float32 heads take one stage at every head_dim (G = 2,
@@ -453,7 +462,6 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
                                 lambda b, kh, l: (b, kh * L + l) + (0,) * (len(s.shape) - 2))
   names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n * C, D), gdt)]
   span = dkv_span(ops, bs, backend)
-  nb = (n - 1) // span if span else 0   # boundaries s = span, 2 span, ... <= n - 1
   if f["transport"]:
     names += ["diag", "dp", "states"]
     out_shape += [jax.ShapeDtypeStruct((B, H, n * C, C), gdt),
@@ -461,7 +469,8 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
                   jax.ShapeDtypeStruct((B, K * L, n, C * (1 + pairs), D), ops.q.dtype)]
   if span:
     names.append("qb")
-    out_shape.append(jax.ShapeDtypeStruct((B, H, nb, n * C, D), ops.q.dtype))
+    out_shape.append(jax.ShapeDtypeStruct(
+        (B, H, kernels.boundary_array_rows(n=n, span=span, C=C), D), ops.q.dtype))
   if f["gate"]:
     names.append("fq")
     out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), f32))
@@ -479,8 +488,6 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
                warps=bs.dq_num_warps or (8 if pairs else None))(*args)
   more = dict(zip(names, outs))
   more.pop("states", None)
-  if span:
-    more["qb"] = more["qb"].reshape(B, H, nb, n, C, D)
   for name in ("q", "diag", "fq"):  # back to [B, H, n, C, ...]
     if name in more:
       more[name] = more[name].reshape(B, H, n, C, *more[name].shape[3:])

@@ -2,7 +2,8 @@
 
 GPU and interpreter only (the TPU takes bwd_tpu.py). Launch order: boundary (kb, Pi), far dq
 (qb, A, far dfq), the key side (bwd_spans 2: calls.backward_dkv, dk, dv, dfk whole and the far
-accumulator a; 1: far dk/dv, a and the far dv, dfk), Y_J in XLA, then the span kernel. Every
+accumulator a; 1: far dk/dv, a and the far dv, dfk; 3: far dk/dv, then calls.backward_dkv
+inside the spans adding them), Y_J in XLA, then the span kernel. Every
 launch is parallel over chunks or spans; the outputs are those of calls.backward.
 
 Known repetition: the boundary kernel's operator walk (key chunk m to its span's end) is the
@@ -19,6 +20,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import bwd_span
 from kernels_pallas.path_attention import calls
+from kernels_pallas.path_attention import kernels
 from kernels_pallas.path_attention.prepass import Operands
 
 
@@ -66,7 +68,8 @@ def _optional_inputs(ops: Operands, bounds: bool, *, query, seg, hi: bool):
 
 
 def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision, backend, bs):
-  """-> qb, A [B, H, nb, n, C, D] (kernel dtype), (dfq [B, H, n, C, 1] float32 of far tiles).
+  """-> qb, A [B, H, R, D] (kernel dtype; packed, kernels.boundary_offset), (dfq [B, H, n, C, 1]
+  float32 of far tiles).
   Query chunks two at a time with BlockSizes.far_dq_pairs (bwd_span.far_dq_kernel)."""
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]
@@ -84,7 +87,8 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   more, more_specs = _optional_inputs(ops._replace(fq=m(ops.fq), sq=m(ops.sq)), bounds,
                                      query=own, seg=seg, hi=False)
   args, specs = args + more, specs + more_specs
-  states = jax.ShapeDtypeStruct((B, H, nb, n * C, D), ops.q.dtype)
+  states = jax.ShapeDtypeStruct((B, H, kernels.boundary_array_rows(n=n, span=span, C=C), D),
+                                ops.q.dtype)
   out_shape = [states, states]
   if f["gate"]:
     out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), jnp.float32))
@@ -98,47 +102,60 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   outs = calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True,
                      stages=calls.flash_stages(bs, ops.q.dtype),
                      warps=bs.dq_num_warps or (8 if pairs else None))(*args)
-  qb, a = (x.reshape(B, H, nb, n, C, D) for x in outs[:2])
-  return (qb, a) + tuple(x.reshape(B, H, n, C, 1) for x in outs[2:])
+  return tuple(outs[:2]) + tuple(x.reshape(B, H, n, C, 1) for x in outs[2:])
 
 
 def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, backend, bs):
-  """-> a, dv [B, K, n, C, D] float32 (far tiles), (dfk [B, H, n, 1, C] float32)."""
+  """-> a, dv [B, K, n, C, D] float32 (far tiles), (dfk [B, H, n, 1, C] float32). Key chunks
+  two at a time with BlockSizes.far_dkv_pairs (bwd_span.far_dkv_kernel)."""
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   G = H // K
   f = calls._flags(ops)
   bounds = calls._bounds(ops, backend)
-  grid, ids, axis = calls.chunk_grid(B, K, n, backend)
+  pairs = bs.far_dkv_pairs
+  grid, ids, axis = calls.chunk_grid(B, K, (n + 1) // 2 if pairs else n, backend)
   grp = lambda x: pl.BlockSpec((None, G) + x.shape[2:],
                                lambda *p: (ids(*p)[0], ids(*p)[1]) + (0,) * (x.ndim - 2))
   kv = lambda x: calls._full(x, ids, lambda h: h)
   seg = lambda x: calls._full(x, ids, lambda h: 0)
-  args = [qb, kb, ops.v, do, lse, delta]
-  specs = [grp(qb), kv(kb), kv(ops.v), grp(do), grp(lse), grp(delta)]
-  more, more_specs = _optional_inputs(ops, bounds, query=grp, seg=seg, hi=True)
+  lanes = lambda x: None if x is None else x.reshape(x.shape[:2] + (1, n * C))  # [.., n, 1, C]
+  kbm, vm = calls._merged(kb), calls._merged(ops.v)
+  args = [qb, kbm, vm, do, lse, delta]
+  specs = [grp(qb), kv(kbm), kv(vm), grp(do), grp(lse), grp(delta)]
+  more, more_specs = _optional_inputs(ops._replace(fk=lanes(ops.fk), sk=lanes(ops.sk)), bounds,
+                                      query=grp, seg=seg, hi=True)
   args, specs = args + more, specs + more_specs
-  chunk = lambda *p: ids(*p) + (0, 0)
-  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), jnp.float32)] * 2
-  out_specs = [pl.BlockSpec((None, None, None, C, D), chunk)] * 2
+  out_shape = [jax.ShapeDtypeStruct((B, K, n * C, D), jnp.float32)] * 2
   if f["gate"]:
-    out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), jnp.float32))
-    out_specs.append(pl.BlockSpec((None, G, None, 1, C), chunk))
+    out_shape.append(jax.ShapeDtypeStruct((B, H, 1, n * C), jnp.float32))
+  out_specs = [kv(out_shape[0]), kv(out_shape[1])] + [grp(x) for x in out_shape[2:]]
   kernel = functools.partial(bwd_span.far_dkv_kernel, scale=scale, span=span, bounds=bounds,
                              precision=precision, chunk_axis=axis, gate=f["gate"],
-                             segments=f["segments"])
-  return calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True)(*args)
+                             segments=f["segments"], pairs=pairs,
+                             rows=bs.far_dkv_rows or (C // 2 if pairs and D > 64 else C))
+  # 2C-row key tiles take 8 warps (resource report, bf16, no gate: 1,144 B of spills a thread
+  # with 4 at head_dim 64, 20 with 8; at 128 with 64-row query parts 244 with 8, 3,824 with 4)
+  outs = calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True,
+                     stages=calls.flash_stages(bs, ops.q.dtype),
+                     warps=bs.bwd_num_warps or (8 if pairs else None))(*args)
+  a, dv = (x.reshape(B, K, n, C, D) for x in outs[:2])
+  return (a, dv) + tuple(x.reshape(B, H, n, 1, C) for x in outs[2:])
 
 
-def far_queries_y(qb, a, *, K: int, span: int, precision):
+def far_queries_y(qb, a, *, K: int, n: int, chunk: int, span: int, precision):
   """Y_J = sum over the group's heads and the query chunks c >= b_J of qb_c^(b_J)T A_c^(a_J)
-  -> [B, K, nb, D, D] float32 (zero for J = 0: no keys left of the first span)."""
-  B, H, nb, n, C, D = qb.shape
+  -> [B, K, nb, D, D] float32 (zero for J = 0: no keys left of the first span). qb, A: packed
+  [B, H, R, D] (kernels.boundary_offset) of n chunks of `chunk` rows."""
+  B, H, _, D = qb.shape
+  nb = (n - 1) // span
+  block = lambda j: kernels.boundary_offset(j, n=n, span=span) * chunk   # block j's first row
   ys = [jnp.zeros((B, K, D, D), jnp.float32)]
   for j in range(1, nb):
-    start = (j + 1) * span   # b_J: queries at and right of it are the far ones
-    q_ = qb[:, :, j, start:].reshape(B, H, -1, D)
-    a_ = a[:, :, j - 1, start:].reshape(B, H, -1, D)   # (qb's dtype: far_dq writes both)
+    # b_J = (j + 1) span: the queries at and right of it are the far ones, the whole block j
+    # of qb and block j - 1 of A less its first span of chunks
+    q_ = qb[:, :, block(j):block(j + 1)]
+    a_ = a[:, :, block(j - 1) + span * chunk:block(j)]   # (qb's dtype: far_dq writes both)
     y = jnp.einsum("bhtd,bhte->bhde", q_, a_, preferred_element_type=jnp.float32,
                    precision=precision)
     ys.append(y.reshape(B, K, H // K, D, D).sum(2))
@@ -151,7 +168,7 @@ def span_pairs(bs: calls.BlockSizes, *, dtype, head_dim: int, backend: str) -> b
   for 240 KiB at head_dim 128 (bf16) and 305 KiB at 64 with float32 inputs and grouped heads,
   of 227; the leaner bwd_spans 2 kernel built at 128 in bf16 (the resource report: 224 KiB, as
   the sweep's dq/dP kernel with the same tiles). The interpreter has no such limit."""
-  fits = jnp.dtype(dtype).itemsize <= 2 and (head_dim <= 64 or bs.bwd_spans == 2)
+  fits = jnp.dtype(dtype).itemsize <= 2 and (head_dim <= 64 or bs.bwd_spans != 1)
   return bs.dq_pairs and (fits or backend != "gpu")
 
 
@@ -167,13 +184,16 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   kw = dict(precision=precision, backend=backend, bs=bs)
   kb, pi = boundary if boundary is not None else _boundary(ops, span=span, nb=nb, **kw)
   qb, a, *dfq_far = _far_dq(ops, do, lse, delta, kb, pi, scale=scale, span=span, nb=nb, **kw)
-  kv = bs.bwd_spans == 1   # near dk, dv from the span kernel's states; 2: the dk/dv kernel's walk
-  if kv:
+  kv = bs.bwd_spans == 1   # near dk, dv from the span kernel's states; 2, 3: the dk/dv kernel's
+  if bs.bwd_spans != 2:
     afar, dvfar, *dfk_far = _far_dkv(ops, do, lse, delta, kb, qb, scale=scale, span=span, **kw)
-  else:
+  if bs.bwd_spans == 3:   # the dk/dv kernel's walk inside the span only, adding the far sums
+    key_side = calls.backward_dkv(ops, do, lse, delta, scale=scale,
+                                  far_in=(afar, dvfar, dfk_far[0] if dfk_far else None), **kw)
+  elif not kv:
     key_side = calls.backward_dkv(ops, do, lse, delta, scale=scale, qb=qb, far_out=True, **kw)
     afar = key_side.pop("a")
-  y = far_queries_y(qb, a, K=K, span=span, precision=precision)
+  y = far_queries_y(qb, a, K=K, n=n, chunk=C, span=span, precision=precision)
 
   merged = ops._replace(q=calls._merged(ops.q), diag=calls._merged(ops.diag),
                         fq=calls._merged(ops.fq), sq=calls._merged(ops.sq))
@@ -183,10 +203,9 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
                                        calls._merged(delta), grid_kv, bounds=bounds)
   kvh = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
                                lambda *i: grid_kv(*i) + (0,) * (x.ndim - 2))
-  a_m = a.reshape(B, H, nb, n * C, D)
   first = len(args) + 2   # afar's position: it, dvfar and dfkfar become dk, dv and dfk in place
-  args += [a_m, y, afar] + ([dvfar] + dfk_far if kv else [])
-  specs += [grp(a_m), kvh(y), kvh(afar)] + ([kvh(dvfar)] + [grp(x) for x in dfk_far] if kv
+  args += [a, y, afar] + ([dvfar] + dfk_far if kv else [])
+  specs += [grp(a), kvh(y), kvh(afar)] + ([kvh(dvfar)] + [grp(x) for x in dfk_far] if kv
                                             else [])
   f32 = jnp.float32
   gdt = ops.q.dtype

@@ -79,6 +79,28 @@ def chunk_bound(ref, i):
   return jnp.min(ref[i])
 
 
+def boundary_offset(j, *, n, span):
+  """The packed boundary-state layout (qb, A of the span backward; qb of the dk/dv kernel's
+  span): boundary j = 0 .. nb-1 sits at s_j = (j + 1) span and has states only for the query
+  chunks c >= s_j, so its block holds those n - s_j chunks, the blocks one after another. ->
+  the first chunk row of block j (j a Python int or a traced int32; j = nb gives the total)."""
+  half = j * (j + 1) // 2 if isinstance(j, int) else lax.div(j * (j + 1), 2)
+  return j * n - span * half
+
+
+def boundary_array_rows(*, n, span, C):
+  """Rows of a packed boundary-state array: R = boundary_offset(nb) chunks, at least two. A
+  2C-row tile's read or write there is traced even in a branch that never runs (the first
+  span's tiles, which have no boundary below), and its static size must fit."""
+  return max(boundary_offset((n - 1) // span, n=n, span=span), 2) * C
+
+
+def boundary_rows(j, c, size, *, n, span, C):
+  """pl.ds of `size` rows from query chunk c (>= s_j) of boundary j in the packed layout."""
+  start = (boundary_offset(j, n=n, span=span) + c - (j + 1) * span) * C
+  return pl.ds(start if isinstance(start, int) else pl.multiple_of(start, C), size)
+
+
 def _step(qt, m_i, l_i, acc, kt, vt, s_gate, s_ok, *, scale, dt, precision):
   """One online-softmax step of query tile state qt against a key/value chunk."""
   s = logits(scale * dot(qt.astype(dt), kt, tb=True, precision=precision), s_gate, s_ok)

@@ -45,6 +45,21 @@ def _inputs(key, B, T, H, K, D, dtype, *, gate, segments, w_mode="random"):
   return q, k, v, w, beta, lf, seg, do
 
 
+@pytest.mark.parametrize("n,span", [(7, 2), (9, 4), (16, 4), (5, 4), (64, 8)])
+def test_boundary_layout_packs_each_state_once(n, span):
+  """The packed boundary-state layout (kernels.boundary_offset): boundary j's chunks
+  c = (j + 1) span .. n-1 take the rows 0 .. R-1 once each, in (j, c) order, and the traced
+  offset (the kernels' j is an int32 scalar) agrees with the Python one."""
+  from kernels_pallas.path_attention.kernels import boundary_offset
+  nb = (n - 1) // span
+  rows = [boundary_offset(j, n=n, span=span) + c - (j + 1) * span
+          for j in range(nb) for c in range((j + 1) * span, n)]
+  assert rows == list(range(boundary_offset(nb, n=n, span=span)))
+  traced = jax.jit(lambda j: boundary_offset(j, n=n, span=span))
+  assert [int(traced(jnp.int32(j))) for j in range(nb + 1)] == [
+      boundary_offset(j, n=n, span=span) for j in range(nb + 1)]
+
+
 class PathKernelBase:
   backend: str = "interpret"
   block: int = 16
@@ -124,21 +139,24 @@ class PathKernelBase:
                 segments=f"alternating:{2 * self.block}" if alternating else True,
                 determinism=dtype == jnp.float32)
 
-  @pytest.mark.parametrize("mode", [1, 2])
+  @pytest.mark.parametrize("mode", [1, 2, 3])
   @pytest.mark.parametrize("dtype,pairs,alternating", [(jnp.float32, True, False),
                                                         (jnp.float32, False, True),
                                                         (jnp.bfloat16, True, False)])
   def test_bwd_spans(self, key, mode, dtype, pairs, alternating):
     """BlockSizes(bwd_spans=mode, dkv_span=2): the span-parallel backward (calls_span.py), with
-    the near dk, dv from the dk/dv kernel (2, the default) or the span sweep (1); n = 7: three
-    boundaries, the last span a single chunk; gate, grouped heads; query chunks in pairs (with
-    the odd tail) or one at a time, in the span sweep (on the GPU float32 takes single chunks:
-    calls_span.span_pairs) and the far dq kernel; float32 deterministic. Documents alternating every two chunks make
+    the near dk, dv from the dk/dv kernel (2, the default; 3: its far walk in a launch of its
+    own) or the span sweep (1); n = 7: three boundaries, the last span a single chunk; gate,
+    grouped heads; query chunks in pairs (with the odd tail) or one at a time, in the span
+    sweep (on the GPU float32 takes single chunks: calls_span.span_pairs) and the far dq
+    kernel, key chunks likewise in the far dk/dv kernel (form 3 with alternating documents:
+    half-chunk query parts there, as at head_dim 128); float32 deterministic. Documents alternating every two chunks make
     far tiles that are wholly masked and adjoints that start past a boundary. (They run in
     float32: in bf16 the GPU's dlog_forget error there is 0.7-1.3e-2 for every backward form,
     the sequential sweep's included, NOTES_kernel round 17.)"""
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_spans=mode,
-                       dq_pairs=pairs, far_dq_pairs=pairs)
+                       dq_pairs=pairs, far_dq_pairs=pairs, far_dkv_pairs=pairs,
+                       far_dkv_rows=self.block // 2 if mode == 3 and alternating else None)
     self._check(key, H=4, K=2, dtype=dtype, gate=True, T=7 * self.block - 12, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}" if alternating else True,
                 determinism=dtype == jnp.float32)
@@ -243,12 +261,14 @@ class TestInterpret(PathKernelBase):
 
   # The bf16 case repeats the float32 pairs case's code path (the interpreter takes pairs in
   # float32 too: calls_span.span_pairs); it matters on TestGPU, where float32 takes single chunks.
-  # Form 1 (not the default) keeps its alternating-documents case in the default set (CI time).
+  # Forms 1 and 3 (not the default) keep an alternating-documents case in the default set (CI
+  # time); form 3's takes pairs (key pairs with partly masked tiles).
   @pytest.mark.parametrize("mode,dtype,pairs,alternating", [
       (2, jnp.float32, True, False), (2, jnp.float32, False, True),
-      (1, jnp.float32, False, True),
-      pytest.param(1, jnp.float32, True, False, marks=pytest.mark.slow)] + [
-      pytest.param(mode, jnp.bfloat16, True, False, marks=pytest.mark.slow) for mode in (1, 2)])
+      (1, jnp.float32, False, True), (3, jnp.float32, True, True),
+      pytest.param(1, jnp.float32, True, False, marks=pytest.mark.slow),
+      pytest.param(3, jnp.float32, False, False, marks=pytest.mark.slow)] + [
+      pytest.param(mode, jnp.bfloat16, True, False, marks=pytest.mark.slow) for mode in (1, 2, 3)])
   def test_bwd_spans(self, key, mode, dtype, pairs, alternating):
     super().test_bwd_spans(key, mode, dtype, pairs, alternating)
 
@@ -265,34 +285,38 @@ class TestInterpret(PathKernelBase):
     GPU that row is uninitialised memory). The interpreter's outputs start at zero, so the
     unstored rows are the all-zero ones before the padding: they are set to NaN on the way to
     dk/dv, and the gradients must stay exact (documents alternating every two chunks)."""
-    real, T = calls.backward_dkv, 7 * self.block - 12
+    real, T, span = calls.backward_dkv, 7 * self.block - 12, 2
 
     def poisoned(*args, qb=None, **kw):
-      t = jnp.arange(qb.shape[3] * qb.shape[4]).reshape(qb.shape[3], qb.shape[4], 1)
+      # qb is packed (kernels.boundary_offset): boundary j holds the chunks c >= (j + 1) span
+      n = -(-T // self.block)
+      t = jnp.concatenate([jnp.arange((j + 1) * span * self.block, n * self.block)
+                           for j in range((n - 1) // span)])[:, None]
       unstored = jnp.all(qb == 0, axis=-1, keepdims=True) & (t < T)
       return real(*args, qb=jnp.where(unstored, jnp.nan, qb), **kw)
 
     monkeypatch.setattr(calls, "backward_dkv", poisoned)
-    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_spans=0)
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=span, bwd_spans=0)
     self._check(key, H=2, K=1, dtype=jnp.float32, gate=False, T=T, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}")
 
-  @pytest.mark.parametrize("mode", [pytest.param(1, marks=pytest.mark.slow), 2])  # 1: CI time
+  @pytest.mark.parametrize("mode", [pytest.param(1, marks=pytest.mark.slow), 2, 3])  # 1: CI time
   def test_bwd_spans_read_only_written_rows(self, key, monkeypatch, mode):
     """The span-parallel backward must not use a row its launches did not write (on the GPU
-    that is uninitialised memory): far_dq writes qb, A of chunk c only for the boundaries at
-    or below it, the boundary kernel no kb for the last span. Those rows are set to NaN on the
-    way out, and the gradients must stay exact (documents alternating every two chunks)."""
+    that is uninitialised memory): the boundary kernel writes no kb for the last span, and
+    the packed qb, A (kernels.boundary_offset) end with boundary nb - 1's last chunk. The kb
+    rows are set to NaN and NaN rows are appended to qb and A past their end (a read there
+    would clamp to real rows in the interpreter), and the gradients must stay exact
+    (documents alternating every two chunks)."""
     from kernels_pallas.path_attention import calls_span
     T, span = 7 * self.block - 12, 2
     real_dq, real_boundary = calls_span._far_dq, calls_span._boundary
 
     def far_dq(*args, **kw):
       qb, a, *rest = real_dq(*args, **kw)
-      j = jnp.arange(qb.shape[2])[:, None, None, None]
-      c = jnp.arange(qb.shape[3])[None, :, None, None]
-      unwritten = c < (j + 1) * span
-      return (jnp.where(unwritten, jnp.nan, qb), jnp.where(unwritten, jnp.nan, a), *rest)
+      pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 2 * self.block), (0, 0)),
+                              constant_values=jnp.nan)
+      return (pad(qb), pad(a), *rest)
 
     def boundary(*args, **kw):
       kb, pi = real_boundary(*args, **kw)
@@ -381,7 +405,7 @@ class TestGPU(PathKernelBase):
     self.D = 128
     self._check(key, H=2, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520)
 
-  @pytest.mark.parametrize("mode", [1, 2])
+  @pytest.mark.parametrize("mode", [1, 2, 3])
   def test_bwd_spans_head_dim_128_bf16(self, key, mode):
     """The span-parallel backward at head_dim 128 with the default tiles (calls_span.span_pairs:
     one query chunk per tile with the near dk, dv in the span kernel, which asks for 240 KiB
