@@ -183,7 +183,8 @@ def _block_sizes_of(spec):
   bw8 backward warps, pw8 the pre-pass kernels' warps, sp8 dkv_span, kv dkv_in_dq, par (par2) the
   span-parallel backward (bwd_spans 1 (2); seq: 0), np one query chunk per dq/dP tile, rc the
   backward runs the pre-pass again (keep_operands off), ko keep_operands on, mg the Mosaic GPU
-  forward (PaTH without the gate), nfs the forward walking every chunk (fwd_spans off),
+  forward (PaTH without the gate), nfs the forward walking every chunk (fwd_spans off; fs:
+  on),
   nfp one query chunk per far dq tile (far_dq_pairs off; fp: on), nkp one key chunk per far
   dk/dv tile (far_dkv_pairs off),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
@@ -211,7 +212,8 @@ def _block_sizes_of(spec):
   changes.update({"keep_operands": False} if "rc" in spec else {})
   changes.update({"keep_operands": True} if "ko" in spec else {})
   changes.update({"fwd_kernel": "mosaic"} if "mg" in spec else {})
-  changes.update({"fwd_spans": False} if "nfs" in spec else {})
+  changes.update({"fwd_spans": False} if "nfs" in spec else
+                 {"fwd_spans": True} if "fs" in spec else {})
   changes.update({"far_dq_pairs": False} if "nfp" in spec else
                  {"far_dq_pairs": True} if "fp" in spec else {})
   changes.update({"far_dkv_pairs": False} if "nkp" in spec else {})

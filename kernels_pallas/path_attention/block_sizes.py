@@ -67,13 +67,15 @@ class BlockSizes:
                                  # the D x D operator only to the end of its span, and walks the
                                  # later spans as plain attention against those stored states
                                  # with k~ = k^ M_sm^T (no operator product per step). Costs
-                                 # (n - 1) // dkv_span q-sized arrays of HBM. Even (the dq
-                                 # sweep's pairs start at even chunks). 0: off; None: the
-                                 # shortest span with at most 3 boundaries (auto_span). H200,
+                                 # the packed states of every boundary (about one q-sized
+                                 # array per two boundaries, kernels.boundary_offset). Even (the
+                                 # dq sweep's pairs start at even chunks). 0: off; None:
+                                 # calls.auto_span (<= 7 boundaries, spans of >= 8 chunks where
+                                 # the sequence has room: measured there). Round 12's H200,
                                  # fwd+bwd: 44.58 -> 39.01 ms (+0.25 GiB) at 8,4096,16,128
                                  # (span 16; 8: 38.03, +0.75 GiB), 7.09 -> 6.75 at
                                  # 16,2048,12,64 (span 8, +0.14 GiB)
-  bwd_spans: int = 2             # GPU: > 0, the span-parallel backward (bwd_span.py) at the
+  bwd_spans: int | None = None   # GPU: > 0, the span-parallel backward (bwd_span.py) at the
                                  # spans above: the sequential dq/dP sweep walks only the pairs
                                  # inside a span, one program per (batch, kv head, span); far
                                  # pairs go to parallel flash-style kernels on the boundary
@@ -85,7 +87,8 @@ class BlockSizes:
                                  # at 16,2048,12,64; 29.52 / 31.60 / ~33.4 at 32,2048,32,64.
                                  # 3: as 2, but the far walk (query chunks right of the key's
                                  # span) is its own launch (bwd_span.far_dkv_kernel, 2C-row key
-                                 # tiles with far_dkv_pairs) and the dk/dv kernel adds its sums
+                                 # tiles with far_dkv_pairs) and the dk/dv kernel adds its sums.
+                                 # None: 3 at head_dim > 64, else 2 (calls.span_form, measured)
   far_dq_pairs: bool | None = None  # the span backward's far dq kernel takes query chunks two
                                  # at a time as one 2C-row tile (bwd_span.far_dq_kernel); None:
                                  # at head_dim > 64. H200, fwd+bwd, pairs / single chunks (one
@@ -128,8 +131,8 @@ class BlockSizes:
                                           self.block_q % self.far_dkv_rows):
       raise ValueError(f"far_dkv_rows={self.far_dkv_rows} must be None (auto) or a divisor of "
                        f"block_q={self.block_q} of at least 8 (16 on the GPU)")
-    if self.bwd_spans not in (0, 1, 2, 3):
-      raise ValueError(f"bwd_spans={self.bwd_spans} must be 0 (off), 1, 2 or 3")
+    if self.bwd_spans not in (None, 0, 1, 2, 3):
+      raise ValueError(f"bwd_spans={self.bwd_spans} must be None (auto), 0 (off), 1, 2 or 3")
     if self.dkv_span is not None and (self.dkv_span < 0 or self.dkv_span % 2):
       raise ValueError(f"dkv_span={self.dkv_span} must be None (auto), 0 (off) or a positive "
                        "even number of chunks")

@@ -6,6 +6,7 @@ on CPU. The kernel bodies are the same for every backend (kernels.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -245,8 +246,10 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   if _fused_dkv(ops, bs, backend):
     return backward_dq(ops, do, lse, delta, **kw)
   span = dkv_span(ops, bs, backend)
-  if bs.bwd_spans and span:
+  form = span_form(bs, head_dim=ops.q.shape[-1])
+  if form and span:
     from kernels_pallas.path_attention import calls_span
+    kw["bs"] = dataclasses.replace(bs, bwd_spans=form)
     return calls_span.backward(ops, do, lse, delta, span=span, boundary=boundary, **kw)
   grads = backward_dq(ops, do, lse, delta, **kw)   # first: with dkv_span it gives qb to dk/dv
   return {**backward_dkv(ops, do, lse, delta, qb=grads.pop("qb", None), **kw), **grads}
@@ -271,16 +274,33 @@ def span_boundary(ops: Operands, *, precision, backend: str, bs: BlockSizes):
                               precision=precision, backend=backend, bs=bs)
 
 
-DKV_SPAN_BOUNDARIES = 3   # auto_span's memory bound: at most 3 q-sized arrays of states
+def span_form(bs: BlockSizes, *, head_dim: int) -> int:
+  """BlockSizes.bwd_spans, None resolved: form 3 (the far dk/dv walk in its own launch on
+  2C-row key tiles) at head_dim > 64, else 2. H200, 2026-11-25, one call, fwd+bwd 3 / 2:
+  122.74 / 131.42 ms at 4,16384,16,128 (span 32), 25.05 / 25.78 at 8,4096,16,128 (span 8);
+  30.59 / 28.29 at 32,2048,32,64 (span 8), 65.99 / 56.59 at 8,8192,32,64 (span 16)."""
+  if bs.bwd_spans is not None:
+    return bs.bwd_spans
+  return 3 if head_dim > 64 else 2
+
+
+# auto_span: the shortest even span with at most DKV_SPAN_BOUNDARIES boundaries, but no shorter
+# than DKV_SPAN_MIN chunks unless the span of at most 3 boundaries is (short sequences)
+DKV_SPAN_BOUNDARIES = 7
+DKV_SPAN_MIN = 8
 
 
 def auto_span(n: int) -> int:
-  """The shortest even span (in chunks) with at most DKV_SPAN_BOUNDARIES boundaries inside n
-  chunks: more boundaries take more of the walk off the operator (8,4096,16,128 on the H200:
-  spans 32 / 16 / 8 gave fwd+bwd 40.79 / 39.01 / 38.03 ms against 44.58), for one more
-  q-sized array per boundary (peak +0.25 GiB at span 16 there, +0.75 at 8)."""
-  span = (n - 1) // (DKV_SPAN_BOUNDARIES + 1) + 1
-  return span + span % 2
+  """Span length in chunks (DKV_SPAN_BOUNDARIES, DKV_SPAN_MIN). More boundaries shorten the
+  span kernel's sequential sweeps and the dk/dv kernel's operator walks for one more set of
+  packed boundary states each (kernels.boundary_offset: about one q-sized array per two
+  boundaries). H200, 2026-11-25, one call, fwd+bwd (peak GiB) with spans of <= 3 / <= 7
+  boundaries: 154.26 (5.90) / 131.42 (6.42) ms at 4,16384,16,128 (spans 64 / 32; 16: 124.75,
+  7.78), 27.24 / 25.78 at 8,4096,16,128 (16 / 8), 60.35 / 56.59 at 8,8192,32,64 (32 / 16),
+  but 28.29 / 29.17 at 32,2048,32,64 (8 / 4): hence the minimum of 8."""
+  even = lambda span: span + span % 2
+  most = lambda boundaries: even((n - 1) // (boundaries + 1) + 1)
+  return max(most(DKV_SPAN_BOUNDARIES), min(most(3), DKV_SPAN_MIN))
 
 
 def dkv_span(ops: Operands, bs: BlockSizes, backend: str) -> int:

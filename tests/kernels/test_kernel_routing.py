@@ -70,3 +70,22 @@ def test_usable_variant_routes_grouped_heads_off_the_pallas_prepass(requested, b
   assert usable_variant(requested, backend=backend, dtype=dtype, heads_per_kv=G,
                         head_dim=D) == expected
   assert usable_variant("jnp", backend=backend, dtype=dtype, heads_per_kv=G, head_dim=D) == "jnp"
+
+
+def test_auto_span_bounds_boundaries_and_keeps_short_spans():
+  """auto_span: an even span with at most 7 boundaries inside n chunks, never shorter than 8
+  chunks unless the span of at most 3 boundaries is (so short sequences keep that one), and
+  the shortest such span; the span-parallel form by head_dim where BlockSizes leaves it None."""
+  from kernels_pallas.path_attention import calls
+  for n in range(2, 600):
+    span = calls.auto_span(n)
+    at_most = lambda b: -(-n // (b + 1))   # shortest span with <= b boundaries (before evening)
+    assert span % 2 == 0 and (n - 1) // span <= 7, n
+    assert span >= min(at_most(3) + at_most(3) % 2, 8), n
+    assert span - 2 < max(at_most(7), min(at_most(3) + at_most(3) % 2, 8)), n
+  assert [calls.auto_span(n) for n in (32, 64, 128, 256)] == [8, 8, 16, 32]   # the anchors
+  assert calls.span_form(kp.BlockSizes(), head_dim=128) == 3
+  assert calls.span_form(kp.BlockSizes(), head_dim=64) == 2
+  assert calls.span_form(kp.BlockSizes(bwd_spans=1), head_dim=128) == 1
+  with pytest.raises(ValueError, match="far_dkv_rows"):
+    kp.BlockSizes(far_dkv_rows=24).validate(64)
