@@ -384,6 +384,7 @@ def test_tf32_products_correlated_w(key, monkeypatch, w_mode, prepass):
               block_sizes=kp.BlockSizes(block_q=16, block_k=16, prepass=prepass))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 class TestGPU(PathKernelBase):
   backend = "gpu"
@@ -415,6 +416,7 @@ class TestGPU(PathKernelBase):
                 block_sizes=kp.BlockSizes(bwd_spans=mode))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 class TestGPUTraining:
   """What a researcher runs: the 12-layer llama-style bf16 model (d_model 768, 12 heads x 64)
