@@ -12,7 +12,7 @@ The VJP is a jax.custom_vjp: the backward kernels (bwd_span.py and bwd_kernels.p
 bwd_tpu.py on the TPU) give gradients of the kernel's operands, and the pre-pass's own VJP (the
 Pallas kernel of prepass_kernel.py for the transport operands, jax.vjp for padding, layout and
 gate prefix sums) carries them to q, k, v, w, beta, log_forget.
-Residuals are the inputs, the output, the log-sum-exp and, with BlockSizes(keep_operands=True)
+Residuals are the inputs, the output (time-major, as returned), the log-sum-exp and, with BlockSizes(keep_operands=True)
 (the default), the pre-pass's outputs (q^, k^, blocked v, E, in-chunk logits, gate sums) and its
 VJP's residuals, so the backward does not run the pre-pass again: O(T) memory either way.
 """
@@ -88,15 +88,23 @@ def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
   boundary = _span_boundary(cfg, ops, q.dtype)
   o, lse = _attend_ops(cfg, ops, q.dtype, boundary)
   kept = None if kept is None else (*kept, boundary)
-  return prepass.unblocked(o)[:, :cfg.T], (q, k, v, w, beta, log_forget, seg, o, lse, kept)
+  # The residual is the time-major output itself, which the caller holds anyway (a model's
+  # output projection keeps it for its own gradient), not the kernel's blocked o: one [B, T, H, D]
+  # array less per layer. The backward needs o only for Delta.
+  out = prepass.unblocked(o)[:, :cfg.T]
+  return out, (q, k, v, w, beta, log_forget, seg, out, lse, kept)
 
 
 def _attend_bwd(cfg, res, do):
-  q, k, v, w, beta, log_forget, seg, o, lse, kept = res
+  q, k, v, w, beta, log_forget, seg, out, lse, kept = res
   C = cfg.block_sizes.block_q
-  n = o.shape[2]
-  do_b = prepass.blocked(prepass.pad_time(do, n * C), C).astype(q.dtype)
-  delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
+  Tp = lse.shape[2] * C
+  do = do.astype(q.dtype)
+  do_b = prepass.blocked(prepass.pad_time(do, Tp), C)
+  # Delta_i = dO_i . o_i in float32, time-major, then blocked as lse is ([B, H, n, C, 1]; padded
+  # rows 0).
+  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)
+  delta = prepass.blocked(prepass.pad_time(delta, Tp), C)
   # Recompute the pre-pass under jax.vjp (its residuals are only the inputs) unless the forward
   # kept it, run the backward kernels on it, then pull the operand gradients back.
   ops, pullback, boundary = kept if kept is not None else jax.vjp(

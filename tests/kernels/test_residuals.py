@@ -1,0 +1,38 @@
+"""What the kernels' custom VJP keeps from the forward for the backward, by jaxpr (no kernel
+runs): per layer, these arrays stay alive from a model's forward to its backward, so each one
+costs a [B, T, heads, D]-sized buffer per layer of a trained model."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas.path_attention import api
+from kernels_pallas.path_attention import calls
+
+
+def _kept_beyond_inputs_and_output(cfg, *args):
+  """Bytes of the residuals that are neither an input nor the returned output (those the caller
+  holds anyway), by the forward rule's jaxpr."""
+  jaxpr = jax.make_jaxpr(lambda *a: api._attend_fwd(cfg, *a))(*args).jaxpr
+  held = set(jaxpr.invars) | {jaxpr.outvars[0]}
+  kept = {v for v in jaxpr.outvars[1:] if not hasattr(v, "val") and v not in held}
+  return sum(v.aval.size * v.aval.dtype.itemsize for v in kept)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "interpret"])
+def test_path_residuals_are_the_backward_operands(backend):
+  """PaTH with the default BlockSizes (keep_operands): the backward kernels' operands q^, k^,
+  blocked v, E, the in-chunk logits, the log-sum-exp and the pre-pass pullback's blocked beta;
+  no blocked copy of the output (Delta comes from the time-major output the caller holds)."""
+  B, T, H, K, D, C = 2, 256, 4, 2, 32, 64          # n = 4 whole chunks (padding adds copies)
+  n = -(-T // C)
+  bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  args = (bf16(B, T, H, D), bf16(B, T, K, D), bf16(B, T, K, D), bf16(B, T, K, D), bf16(B, T, K),
+          None, None)
+  cfg = api._Config(scale=D ** -0.5, T=T, backend=backend, block_sizes=calls.BlockSizes())
+  expected = 2 * (B * H * n * C * D           # q^
+                  + B * K * n * C * D * 2     # k^, blocked v
+                  + B * K * n * D * D         # E
+                  + B * H * n * C * C         # in-chunk logits
+                  + B * K * n * C)            # blocked beta
+  expected += 4 * B * H * n * C               # float32 log-sum-exp
+  assert _kept_beyond_inputs_and_output(cfg, *args) == expected
