@@ -13,7 +13,6 @@ XLA's fusions).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -61,11 +60,8 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
   C, n = bs.block_q, ops.q.shape[2]
   do_b = prepass.blocked(prepass.pad_time(do, n * C), C)
   delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
-  form = calls.span_form(bs, head_dim=ops.q.shape[-1])
-  span = calls.dkv_span(ops, bs, backend) if form else 0
+  span, kw["bs"] = calls.span_backward(ops, bs, backend)   # as calls.backward routes it
   if span:
-    bs = dataclasses.replace(bs, bwd_spans=form)
-    kw["bs"] = bs
     timed_span = _span_phases(ops, do_b, lse, delta, span=span, **kw)
     phases = [p for p in phases if p not in ("dkv_kernel", "dq_kernel")] + list(SPAN_PHASES)
   else:

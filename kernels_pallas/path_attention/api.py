@@ -12,9 +12,10 @@ The VJP is a jax.custom_vjp: the backward kernels (bwd_span.py and bwd_kernels.p
 bwd_tpu.py on the TPU) give gradients of the kernel's operands, and the pre-pass's own VJP (the
 Pallas kernel of prepass_kernel.py for the transport operands, jax.vjp for padding, layout and
 gate prefix sums) carries them to q, k, v, w, beta, log_forget.
-Residuals are the inputs, the output (time-major, as returned), the log-sum-exp and, with BlockSizes(keep_operands=True)
-(the default), the pre-pass's outputs (q^, k^, blocked v, E, in-chunk logits, gate sums) and its
-VJP's residuals, so the backward does not run the pre-pass again: O(T) memory either way.
+Residuals are the inputs, the output (time-major, as returned), the log-sum-exp and, with
+BlockSizes(keep_operands=True) (the default), the pre-pass's outputs (q^, k^, blocked v, E,
+in-chunk logits, gate sums) and its VJP's residuals, so the backward does not run the pre-pass
+again: O(T) memory either way.
 """
 from __future__ import annotations
 

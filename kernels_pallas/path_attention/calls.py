@@ -245,11 +245,9 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
     return bwd_tpu.backward(ops, do, lse, delta, **kw)
   if _fused_dkv(ops, bs, backend):
     return backward_dq(ops, do, lse, delta, **kw)
-  span = dkv_span(ops, bs, backend)
-  form = span_form(bs, head_dim=ops.q.shape[-1])
-  if form and span:
+  span, kw["bs"] = span_backward(ops, bs, backend)
+  if span:
     from kernels_pallas.path_attention import calls_span
-    kw["bs"] = dataclasses.replace(bs, bwd_spans=form)
     return calls_span.backward(ops, do, lse, delta, span=span, boundary=boundary, **kw)
   grads = backward_dq(ops, do, lse, delta, **kw)   # first: with dkv_span it gives qb to dk/dv
   return {**backward_dkv(ops, do, lse, delta, qb=grads.pop("qb", None), **kw), **grads}
@@ -272,6 +270,13 @@ def span_boundary(ops: Operands, *, precision, backend: str, bs: BlockSizes):
   from kernels_pallas.path_attention import calls_span
   return calls_span._boundary(ops, span=span, nb=(ops.q.shape[2] - 1) // span,
                               precision=precision, backend=backend, bs=bs)
+
+
+def span_backward(ops: Operands, bs: BlockSizes, backend: str) -> tuple[int, BlockSizes]:
+  """(span, bs with bwd_spans resolved by span_form) where the span-parallel backward
+  (calls_span.backward) runs: PaTH with a span boundary inside the sequence; else (0, bs)."""
+  span, form = dkv_span(ops, bs, backend), span_form(bs, head_dim=ops.q.shape[-1])
+  return (span, dataclasses.replace(bs, bwd_spans=form)) if form and span else (0, bs)
 
 
 def span_form(bs: BlockSizes, *, head_dim: int) -> int:
