@@ -4,9 +4,9 @@
   python experiments/benchmarks/path_kernel_phases.py --cases 3 --prepass split_bf16x3 --force-prepass
 
 Phases: the pre-pass (forward), the forward kernel, the dk/dv kernel, the dq/dP kernel, the
-pre-pass VJP (recompute + pullback), and the whole fwd+bwd for comparison. bf16, no gate,
-median ms; one JSON line per (case, pre-pass variant) and a table last. --kv-heads K < H runs
-grouped-query heads. --trace DIR also profiles three whole fwd+bwd calls (jax.profiler) and lists
+pre-pass VJP (recompute + pullback), and the whole fwd+bwd for comparison. bf16, median ms;
+one JSON line per (case, pre-pass variant) and a table last. --gate adds a log forget gate
+(PaTH-FoX) to every phase; --kv-heads K < H runs grouped-query heads. --trace DIR also profiles three whole fwd+bwd calls (jax.profiler) and lists
 every device kernel's ms per call: the split the phases cannot give (inverse vs operands kernels,
 XLA's fusions).
 """
@@ -39,19 +39,20 @@ def _block_sizes(spec):
 
 
 def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
-                phases=PHASES, reps=10, trace_dir=None):
+                phases=PHASES, reps=10, trace_dir=None, gate=False):
   import jax
   import jax.numpy as jnp
   from kernels_pallas.path_attention import api, calls, prepass
   B, T, H, D = CASES[ci]
   K = kv_heads or H
-  q, k, v, w, beta, _, do = _inputs(B, T, H, D)
+  q, k, v, w, beta, log_forget, do = _inputs(B, T, H, D)
   k, v, w, beta = k[:, :, :K], v[:, :, :K], w[:, :, :K], beta[:, :, :K]
+  log_forget = log_forget if gate else None   # PaTH-FoX: the gate's share of every phase
   bs = calls.BlockSizes(**({"prepass": variant} if variant else {}), **_block_sizes(bs_spec))
   variant = bs.prepass
   cfg = api._Config(scale=D ** -0.5, T=T, backend=backend, block_sizes=bs)
   kw = dict(scale=cfg.scale, precision=None, backend=backend, bs=bs)
-  args = (q, k, v, w, beta, None)
+  args = (q, k, v, w, beta, log_forget)
   prepare = lambda *a: api._prepare(cfg, *a, None)   # the pre-pass the kernel itself runs
   prep = jax.jit(prepare)
   ops = prep(*args)
@@ -76,8 +77,9 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
 
   pull = jax.jit(vjp)
   whole = jax.jit(jax.grad(lambda *a: jnp.sum(api.path_attention(
-      *a, backend=backend, block_sizes=bs).astype(jnp.float32) * do), argnums=(0, 1, 2, 3, 4)))
-  row = dict(case=ci, B=B, T=T, H=H, K=K, D=D, variant=variant, bs=bs_spec)
+      *a, backend=backend, block_sizes=bs).astype(jnp.float32) * do),
+      argnums=(0, 1, 2, 3, 4, 5) if gate else (0, 1, 2, 3, 4)))
+  row = dict(case=ci, B=B, T=T, H=H, K=K, D=D, variant=variant, bs=bs_spec, gate=gate)
 
   def med(f, *a, n=reps):  # reps 0: one call, no timing (for a profiler: one launch per kernel)
     if not n:
@@ -87,7 +89,7 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
 
   timed = dict(prepass=lambda: med(prep, *args), fwd_kernel=lambda: med(fwd, ops),
                prepass_vjp=lambda: med(pull, args, ct),
-               fwd_bwd=lambda: med(whole, *args[:5], n=min(reps, 5)))
+               fwd_bwd=lambda: med(whole, *args, n=min(reps, 5)))
   if span:
     timed.update({name: (lambda f=f, a=a: med(f, *a)) for name, (f, a) in timed_span.items()})
   else:
@@ -97,12 +99,12 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
     row[name] = timed[name]()
   if trace_dir:  # every kernel of the whole fwd+bwd, by name (the phases above cannot split one)
     from experiments.benchmarks.step_profile import top_ops
-    jax.block_until_ready(whole(*args[:5]))
-    tag = (bs_spec or "default").replace(",", "_").replace("=", "-")
+    jax.block_until_ready(whole(*args))
+    tag = (bs_spec or "default").replace(",", "_").replace("=", "-") + ("_gate" if gate else "")
     run_dir = os.path.join(trace_dir, f"case{ci}_{tag}")
     with jax.profiler.trace(run_dir, create_perfetto_trace=True):
       for _ in range(3):
-        jax.block_until_ready(whole(*args[:5]))
+        jax.block_until_ready(whole(*args))
     row["kernels"] = [(name[:60], round(ms, 3), calls)
                       for name, ms, calls in top_ops(run_dir, steps=3, k=40)]
   row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
@@ -143,6 +145,7 @@ def main():
                  help="run the requested pre-pass variant where usable_variant would route the "
                       "shape to the jnp one (shared memory): does it build, what does it gain")
   p.add_argument("--kv-heads", type=int, default=None, help="K < H: grouped-query heads")
+  p.add_argument("--gate", action="store_true", help="PaTH-FoX: a log forget gate too")
   p.add_argument("--bs", action="append", default=None,
                  help="BlockSizes overrides, e.g. dq_pairs=0,bwd_num_warps=8; repeat to compare")
   p.add_argument("--phases", default=",".join(PHASES), help="which phases to time")
@@ -158,7 +161,7 @@ def main():
         try:  # a configuration that does not build (e.g. shared memory) is reported, not fatal
           with _prepass_as_requested(a.force_prepass):
             rows.append(case_phases(int(c), a.backend, variant, a.kv_heads, spec,
-                                    a.phases.split(","), a.reps, a.trace))
+                                    a.phases.split(","), a.reps, a.trace, a.gate))
         except Exception as e:
           print(json.dumps(dict(case=int(c), prepass=variant, bs=spec, error=type(e).__name__
                                 + ": " + str(e).splitlines()[0][:300])), flush=True)
@@ -166,7 +169,8 @@ def main():
     json.dump(rows, f, indent=1)
   for r in rows:
     for name, ms, calls in r.pop("kernels", []):
-      print(f"case {r['case']} {r['bs'] or 'default'}: {ms:8.3f} ms  x{calls}  {name}")
+      tag = (r['bs'] or 'default') + (' gate' if r['gate'] else '')
+      print(f"case {r['case']} {tag}: {ms:8.3f} ms  x{calls}  {name}")
   keys = [k for k in rows[0] if k not in ("B", "T", "H", "K", "D")] if rows else []
   print("| " + " | ".join(keys) + " |")
   for r in rows:
