@@ -186,7 +186,8 @@ def _block_sizes_of(spec):
   forward (PaTH without the gate), nfs the forward walking every chunk (fwd_spans off; fs:
   on),
   nfp one query chunk per far dq tile (far_dq_pairs off; fp: on), nkp one key chunk per far
-  dk/dv tile (far_dkv_pairs off),
+  dk/dv tile (far_dkv_pairs off), ky the pre-pass keeps its inverse Y for its VJP
+  (prepass_keep_inverse),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
   whether it builds and what it gains. E.g. path@l1rc is the seventh session's defaults."""
@@ -217,6 +218,7 @@ def _block_sizes_of(spec):
   changes.update({"far_dq_pairs": False} if "nfp" in spec else
                  {"far_dq_pairs": True} if "fp" in spec else {})
   changes.update({"far_dkv_pairs": False} if "nkp" in spec else {})
+  changes.update({"prepass_keep_inverse": True} if "ky" in spec else {})
   changes.update({"prepass": pre[2]} if pre else {})
   return dataclasses.replace(bs, **changes), bool(pre and pre[1])
 

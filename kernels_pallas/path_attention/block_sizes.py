@@ -38,6 +38,10 @@ class BlockSizes:
                                  # build on the GPU to "jnp"
   prepass_num_warps: int | None = None  # the pre-pass kernels' warps; None: each kernel's
                                  # own by head_dim (prepass_kernel.auto_warps, measured)
+  prepass_keep_inverse: bool = False  # the split pre-pass keeps Y = (I + A)^{-1} from the
+                                 # forward for its VJP instead of running the inverse kernel
+                                 # again: [B, K, T, C] float32 more per layer (0.5 GiB at
+                                 # 32,2048,32,64) for one inverse kernel less
   keep_operands: bool = True     # keep the pre-pass's outputs from the forward for the backward
                                  # instead of running the pre-pass again there: fwd+bwd 8.81 ->
                                  # 8.24 ms at 16,2048,12,64 on the H100 (8.11 with auto lanes),

@@ -53,6 +53,8 @@ class _Cfg:
   num_warps: object = 4  # every pre-pass kernel's warps, or a tuple of (kernel name, warps)
   vjp2: bool = False    # the operands VJP as two kernels (chunk_operands_vjp_kv, then _q), its
                         # partial dw, dx, dwk through HBM: fewer live tiles per program
+  keep_inverse: bool = False  # split variants: Y is a residual of the VJP (a [C, C] float32 per
+                              # chunk and kv head) instead of recomputed in the backward
 
 
 def _f32(*refs):
@@ -218,6 +220,7 @@ def _inverse(cfg, w, bc, spec_w):
 
 
 def _fwd(cfg, q, k, w, bb):
+  """-> (q^, k^, E, diag), and Y ([B, K, n, C, C] float32; None with fold)."""
   B, H, K, n, C, D, G = _dims(q, bb)
   _, one = _specs(G)
   spec_q, spec_1 = _input_specs(cfg, G, C, D)
@@ -226,27 +229,30 @@ def _fwd(cfg, q, k, w, bb):
   y = bc if cfg.fold else _inverse(cfg, w, bc, spec_1)
   kernel = functools.partial(_ops_kernel, cfg=cfg)
   in_specs = [spec_q, spec_1, spec_1, one(*y.shape[-2:]), one(1, C)]
-  return tuple(_call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(q, k, w, y, br))
+  ops = tuple(_call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(q, k, w, y, br))
+  return ops, None if cfg.fold else y
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _transport(cfg, q, k, w, bb):
-  return _fwd(cfg, q, k, w, bb)
+  return _fwd(cfg, q, k, w, bb)[0]
 
 
 def _transport_fwd(cfg, q, k, w, bb):
-  return _fwd(cfg, q, k, w, bb), (q, k, w, bb)
+  ops, y = _fwd(cfg, q, k, w, bb)
+  return ops, (q, k, w, bb, y if cfg.keep_inverse else None)
 
 
 def _transport_bwd(cfg, res, cts):
-  q, k, w, bb = res
+  q, k, w, bb, y = res
   B, H, K, n, C, D, G = _dims(q, bb)
   grp, one = _specs(G)
   spec_q, spec_1 = _input_specs(cfg, G, C, D)
   bc, br = bb[..., None], bb[..., None, :]
   sd = jax.ShapeDtypeStruct
   f32 = jnp.float32
-  y = _inverse(cfg, w, bc, spec_1)  # recomputed: cheaper than keeping [C, C] float32 per chunk
+  if y is None:   # recomputed unless kept (keep_inverse): [C, C] float32 per chunk and kv head
+    y = _inverse(cfg, w, bc, spec_1)
   in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), one(C, 1),
               grp(C, D), one(C, D), one(D, D), grp(C, C)]   # inputs, then cotangents
   dy_shape = (B, K, n, C, 1) if cfg.fold else (B, K, n, C, C)   # fold: dbeta as a column
@@ -347,7 +353,8 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
 
 
 def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precision=None,
-                     variant: str = "split", num_warps: int | None = 4):
+                     variant: str = "split", num_warps: int | None = 4,
+                     keep_inverse: bool = False):
   """Drop-in for prepass.transport_jnp (same arguments, shapes and dtypes) as Pallas kernels on
   `backend`: q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C].
 
@@ -382,7 +389,9 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   few live tiles (2026-11-25): split2_hilo's two VJP kernels now report 96 + 136 / 2,928 + 708
   at D = 128 (4 + 8 warps, auto_warps) and 56 + 88 / 728 + 792 at D = 64; the operands kernel
   812 (D 128, 8 warps) and 36 (D 64). num_warps sets the pre-pass kernels' warps; None: each
-  kernel's own, by head_dim (auto_warps).
+  kernel's own, by head_dim (auto_warps). keep_inverse: the split variants keep Y from the
+  forward for the VJP (one inverse kernel less there, for a [C, C] float32 residual per chunk
+  and kv head); the fold variants form Y inside their kernels and ignore it.
 
   Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
   bf16 q, k, v, relative RMS against the float32 oracle): float32-accurate products 3-4e-3 in
@@ -403,7 +412,8 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
              inv_precision=accurate, odt=odt, hilo=hilo, fold=variant.startswith("fold"),
              time_major=time_major, vjp2=variant.startswith("split2"),
-             num_warps=auto_warps(q.shape[-1]) if num_warps is None else num_warps)
+             num_warps=auto_warps(q.shape[-1]) if num_warps is None else num_warps,
+             keep_inverse=keep_inverse)
   if not time_major:
     C = bb.shape[-1]
     q, k, w = (prepass.blocked(x, C) for x in (q, k, w))

@@ -406,6 +406,12 @@ class TestGPU(PathKernelBase):
     self.D = 128
     self._check(key, H=2, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520)
 
+  def test_prepass_keep_inverse_bf16(self, key):
+    """BlockSizes(prepass_keep_inverse=True): the pre-pass VJP reads the forward's Y instead of
+    running the inverse kernel again; gradients against the oracle, grouped heads, gate."""
+    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=False,
+                block_sizes=kp.BlockSizes(prepass_keep_inverse=True))
+
   @pytest.mark.parametrize("mode", [1, 2, 3])
   def test_bwd_spans_head_dim_128_bf16(self, key, mode):
     """The span-parallel backward at head_dim 128 with the default tiles (calls_span.span_pairs:

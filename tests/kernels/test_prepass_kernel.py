@@ -52,15 +52,17 @@ def test_chunk_inverse_correlated_w(key, w_mode):
   assert_rel_rms(got, expected, 1e-4, "Y")
 
 
-@pytest.mark.parametrize("dtype,variant,backend", [
-    (dtype, variant, "interpret") for dtype in (jnp.float32, jnp.bfloat16)
+@pytest.mark.parametrize("dtype,variant,backend,keep_inverse", [
+    (dtype, variant, "interpret", False) for dtype in (jnp.float32, jnp.bfloat16)
     for variant in ("split", "split_bf16", "fold_bf16")] + [
-    (jnp.bfloat16, "split_bf16x3", "interpret")] + [
-    (dtype, "split_hilo", "interpret") for dtype in (jnp.float32, jnp.bfloat16)] + [
-    (jnp.bfloat16, "split2_hilo", "interpret"), (jnp.float32, "split2", "interpret")] + [
-    (jnp.float32, "fold_bf16", "tpu_interpret")])   # TPU: blocked inputs (time-major elsewhere)
-def test_prepass_kernel_matches_jnp(key, dtype, variant, backend):
-  """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass."""
+    (jnp.bfloat16, "split_bf16x3", "interpret", False)] + [
+    (dtype, "split_hilo", "interpret", False) for dtype in (jnp.float32, jnp.bfloat16)] + [
+    (jnp.bfloat16, "split2_hilo", "interpret", False), (jnp.float32, "split2", "interpret", False)]
+    + [(jnp.bfloat16, "split2_hilo", "interpret", True), (jnp.float32, "split", "interpret", True)]
+    + [(jnp.float32, "fold_bf16", "tpu_interpret", False)])  # TPU: blocked inputs
+def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse):
+  """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass; with
+  keep_inverse the VJP reads the forward's Y instead of recomputing it."""
   import functools
   from kernels_pallas.path_attention import prepass, prepass_kernel
   B, H, K, n, C, D = 2, 4, 2, 3, 16, 16
@@ -72,7 +74,7 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant, backend):
   bb = 2 * jax.random.uniform(ks[3], (B, K, n, C), jnp.float32)
   ref = functools.partial(prepass.transport_jnp, scale=0.25, dtype=jnp.float32)
   fast = functools.partial(prepass_kernel.transport_pallas, scale=0.25, dtype=jnp.float32,
-                           backend=backend, variant=variant)
+                           backend=backend, variant=variant, keep_inverse=keep_inverse)
   outs = jax.eval_shape(ref, q, k, w, bb)
   cts = tuple(jax.random.normal(k_, s.shape) for k_, s in zip(ks[4:], outs))
 

@@ -18,21 +18,25 @@ def _kept_beyond_inputs_and_output(cfg, *args):
   return sum(v.aval.size * v.aval.dtype.itemsize for v in kept)
 
 
-@pytest.mark.parametrize("backend", ["gpu", "interpret"])
-def test_path_residuals_are_the_backward_operands(backend):
+@pytest.mark.parametrize("backend,keep_inverse", [("gpu", False), ("interpret", False),
+                                                  ("gpu", True)])
+def test_path_residuals_are_the_backward_operands(backend, keep_inverse):
   """PaTH with the default BlockSizes (keep_operands): the backward kernels' operands q^, k^,
   blocked v, E, the in-chunk logits, the log-sum-exp and the pre-pass pullback's blocked beta;
-  no blocked copy of the output (Delta comes from the time-major output the caller holds)."""
+  no blocked copy of the output (Delta comes from the time-major output the caller holds).
+  prepass_keep_inverse adds the pre-pass's float32 Y and nothing else."""
   B, T, H, K, D, C = 2, 256, 4, 2, 32, 64          # n = 4 whole chunks (padding adds copies)
   n = -(-T // C)
   bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   args = (bf16(B, T, H, D), bf16(B, T, K, D), bf16(B, T, K, D), bf16(B, T, K, D), bf16(B, T, K),
           None, None)
-  cfg = api._Config(scale=D ** -0.5, T=T, backend=backend, block_sizes=calls.BlockSizes())
+  cfg = api._Config(scale=D ** -0.5, T=T, backend=backend, block_sizes=calls.BlockSizes(
+      prepass_keep_inverse=keep_inverse))
   expected = 2 * (B * H * n * C * D           # q^
                   + B * K * n * C * D * 2     # k^, blocked v
                   + B * K * n * D * D         # E
                   + B * H * n * C * C         # in-chunk logits
                   + B * K * n * C)            # blocked beta
   expected += 4 * B * H * n * C               # float32 log-sum-exp
+  expected += 4 * B * K * n * C * C * keep_inverse   # float32 Y
   assert _kept_beyond_inputs_and_output(cfg, *args) == expected
