@@ -105,6 +105,11 @@ class BlockSizes:
                                  # block_q); None: half a chunk with key pairs at head_dim > 64
                                  # (resource report, bf16, 8 warps: 836 -> 244 B of spills a
                                  # thread at 128), else a chunk
+  gate_carry: bool | None = None  # with a gate, the dk/dv kernels carry dfk's column sums as
+                                 # a [C, C] float32 tile per head, reduced once at the end,
+                                 # instead of a reduction over the tile's rows every step
+                                 # (bwd_kernels.minus_col_sums); None: with one query head per
+                                 # kv head (calls.gate_carry)
   fwd_spans: bool = False        # GPU, PaTH: the forward kernel moves the query tile chunk by
                                  # chunk only inside its own span (dkv_span's); key chunks of
                                  # earlier spans are plain attention against the keys moved to

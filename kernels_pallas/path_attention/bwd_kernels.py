@@ -70,6 +70,21 @@ def tile_grads(qc, kc, s, causal, *, precision):
   return p, p * (dot(qc["do"], kc["v"], tb=True, precision=precision) - qc["delta"])
 
 
+def minus_col_sums(acc, ds):
+  """acc - colsum(ds): acc is a [1, C] row (one reduction over ds's rows per step) or a tile of
+  ds's shape (carried, summed elementwise; col_total reduces it once at the end). Why carry:
+  with the gate the dk/dv kernel took 3.88 -> 7.11 ms at 32,2048,32,64 (H100 trace, 2026-11-25)
+  and the far dk/dv kernel 5.08 -> 14.27, while the forward and the dq kernels (row sums only)
+  moved by < 10%: a reduction over the rows of a product's tile crosses warps, and in the
+  Triton lowering that is a round trip through shared memory and a barrier every step."""
+  return acc - (jnp.sum(ds, axis=0, keepdims=True) if acc.shape[0] == 1 else ds)
+
+
+def col_total(acc):
+  """A minus_col_sums accumulator as the [1, C] row it stands for."""
+  return acc if acc.shape[0] == 1 else jnp.sum(acc, axis=0, keepdims=True)
+
+
 def pair_state(q, e, *, precision):
   """Query chunks c, c + 1 stacked as one 2C-row tile q (kernel dtype), E_c = e -> (the float32
   state with chunk c + 1's rows moved across chunk c, the [2C, 1] mask of those rows)."""
@@ -132,7 +147,7 @@ def dkv_step(query, kc, mop, dk, dv, dfk, *, scale, transport, precision):
     else:
       dk += dot((scale * ds).astype(dt), qc["q"], ta=True, precision=precision)
     if qc["fq"] is not None:
-      dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
+      dfk[g] = minus_col_sums(dfk[g], ds)
   if transport:
     dk += scale * dot(a.astype(dt), mop.astype(dt), precision=precision)
   return dk, dv, tuple(dfk)
@@ -151,14 +166,14 @@ def dkv_diagonal(query, kc, diag, dk, dv, dfk, *, scale, transport, precision):
     p, ds = tile_grads(qc, dict(kc, fk=kc["fk"][g]), s, True, precision=precision)
     dv += dot(p.astype(dt), qc["do"], ta=True, precision=precision)
     if qc["fq"] is not None:
-      dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
+      dfk[g] = minus_col_sums(dfk[g], ds)
     if not transport:
       dk += scale * dot(ds.astype(dt), qc["q"], ta=True, precision=precision)
   return dk, dv, tuple(dfk)
 
 
 def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, bounds=False,
-               span=0, far_out=False, far_in=False):
+               span=0, far_out=False, far_in=False, gate_carry=False):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
   (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]); (qb [G, R, D]
   with span: the boundary states packed, kernels.boundary_offset). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C]). With `bounds` the walk stops
@@ -173,7 +188,8 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   too (zero for the last span's chunks). With `far_in` (bwd_spans 3) another launch
   (bwd_span.far_dkv_kernel) walked the far query chunks: its a, dv [C, D] and (dfk [G, 1, C])
   float32 of chunk m come in where qb would, and only the operator walk inside the span runs
-  here."""
+  here. gate_carry: dfk's column sums are carried as [C, C] tiles and reduced once at the end
+  (minus_col_sums)."""
   far_spec = [("qb", transport and span > 0 and not far_in), ("fa", far_in), ("fdv", far_in),
               ("fdfk", far_in and gate)]
   r = _unpack(refs, _in_spec(transport, gate, segments, bounds) + far_spec
@@ -190,7 +206,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
                 delta=r["delta"][g, c])
 
   kw = dict(scale=scale, transport=transport, precision=precision)
-  dfk = tuple(jnp.zeros((1, C), f32) for _ in range(G))
+  dfk = tuple(jnp.zeros((C if gate_carry else 1, C), f32) for _ in range(G))
   dk, dv, dfk = dkv_diagonal(lambda g: query(g, m), kc, lambda g: r["diag"][g, m],
                              jnp.zeros((C, D), f32), jnp.zeros((C, D), f32), dfk, **kw)
 
@@ -230,7 +246,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
 
     if far_in:
       a, dv = r["fa"][...], dv + r["fdv"][...]
-      dfk = tuple(dfk[g] + r["fdfk"][g] for g in range(G)) if gate else dfk
+      dfk = tuple(col_total(dfk[g]) + r["fdfk"][g] for g in range(G)) if gate else dfk
     else:
       far = dict(kc, k=dot(kc["k"], mop, tb=True, precision=precision).astype(dt))
       a, dv, dfk = lax.fori_loop(s, end, far_body, (jnp.zeros((C, D), f32), dv, dfk))
@@ -241,7 +257,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   r["dv"][...] = dv.astype(r["dv"].dtype)
   if gate:
     for g in range(G):
-      r["dfk"][g] = dfk[g]
+      r["dfk"][g] = col_total(dfk[g])
 
 
 def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, bounds=False,
