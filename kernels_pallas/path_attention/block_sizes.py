@@ -105,11 +105,13 @@ class BlockSizes:
                                  # block_q); None: half a chunk with key pairs at head_dim > 64
                                  # (resource report, bf16, 8 warps: 836 -> 244 B of spills a
                                  # thread at 128), else a chunk
-  gate_carry: bool | None = None  # with a gate, the dk/dv kernels carry dfk's column sums as
-                                 # a [C, C] float32 tile per head, reduced once at the end,
-                                 # instead of a reduction over the tile's rows every step
-                                 # (bwd_kernels.minus_col_sums); None: with one query head per
-                                 # kv head (calls.gate_carry)
+  gate_carry: bool = False       # with a gate, the dk/dv kernels carry dfk's column sums as
+                                 # a tile per head (float32, the logits' shape), reduced once at
+                                 # the end, instead of a reduction over the tile's rows every
+                                 # step (bwd_kernels.minus_col_sums). H100, PaTH-FoX fwd+bwd,
+                                 # carried / reduced: 33.07 / 34.09 ms at 32,2048,32,64 (PaTH
+                                 # without gate 29.73), 30.62 / 28.88 at 8,4096,16,128. Off until
+                                 # the GPU tests have run it (interpret tests only, 2026-11-25)
   fwd_spans: bool = False        # GPU, PaTH: the forward kernel moves the query tile chunk by
                                  # chunk only inside its own span (dkv_span's); key chunks of
                                  # earlier spans are plain attention against the keys moved to

@@ -54,13 +54,6 @@ def flash_stages(bs: BlockSizes, dtype) -> int | None:
   return 2 if jnp.dtype(dtype).itemsize <= 2 else None
 
 
-def gate_carry(bs: BlockSizes, heads_per_kv: int) -> bool:
-  """Whether the dk/dv kernels carry the gate's column sums as tiles (bwd_kernels.minus_col_sums)
-  rather than reduce every step: BlockSizes.gate_carry, or (None) with one query head per kv
-  head, where one [C, C] float32 tile is carried; G heads would carry G."""
-  return bs.gate_carry if bs.gate_carry is not None else heads_per_kv == 1
-
-
 def prepass_compiler_params(backend: str, num_axes: int, num_warps: int = 4):
   """The pre-pass kernels (prepass_kernel.py): every grid axis independent, no pipelining."""
   return _compiler_params(backend, BlockSizes(num_stages=1, num_warps=num_warps), num_axes,
@@ -419,7 +412,7 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
                              chunk_axis=axis, bounds=bounds, span=span, far_out=far_out,
                              far_in=bool(span) and far_in is not None,
-                             gate_carry=f["gate"] and gate_carry(bs, G), **f)
+                             gate_carry=f["gate"] and bs.gate_carry, **f)
   # Without grouped heads two stages fit in shared memory at head_dim 128 too, and pay (H200
   # dk/dv 14.1 -> 13.6 ms at 8,4096,16,128, 112.9 -> 100.0 ms at 4,16384,16,128); with G = 2
   # they ask for 273 of 227 KiB. Grouped float32 heads take one stage at every head_dim (G = 2,

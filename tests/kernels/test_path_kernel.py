@@ -153,10 +153,10 @@ class PathKernelBase:
     half-chunk query parts there, as at head_dim 128); float32 deterministic. Documents alternating every two chunks make
     far tiles that are wholly masked and adjoints that start past a boundary. (They run in
     float32: in bf16 the GPU's dlog_forget error there is 0.7-1.3e-2 for every backward form,
-    the sequential sweep's included, NOTES_kernel round 17.) The dk/dv kernels carry the gate's
-    column sums as tiles (gate_carry, the default with one query head per kv head)."""
+    the sequential sweep's included, NOTES_kernel round 17.) With pairs the dk/dv kernels also
+    carry the gate's column sums as tiles (BlockSizes.gate_carry); without, reduce every step."""
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_spans=mode,
-                       dq_pairs=pairs, far_dq_pairs=pairs, far_dkv_pairs=pairs, gate_carry=True,
+                       dq_pairs=pairs, far_dq_pairs=pairs, far_dkv_pairs=pairs, gate_carry=pairs,
                        far_dkv_rows=self.block // 2 if mode == 3 and alternating else None)
     self._check(key, H=4, K=2, dtype=dtype, gate=True, T=7 * self.block - 12, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}" if alternating else True,
@@ -178,10 +178,10 @@ class PathKernelBase:
   def test_path_gate_bf16(self, key):
     self._check(key, H=2, K=1, dtype=jnp.bfloat16, gate=True, segments=False)
 
-  @pytest.mark.parametrize("gate_carry", [None, True])
+  @pytest.mark.parametrize("gate_carry", [False, True])
   def test_fox_segments_gqa_f32(self, key, gate_carry):
-    """FoX's dk/dv kernel with its gate column sums reduced every step (the default with grouped
-    heads) or carried as tiles."""
+    """FoX's dk/dv kernel with its gate column sums reduced every step (the default) or carried
+    as tiles (gate_carry)."""
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True, fox=True,
                 block_sizes=kp.BlockSizes(block_q=self.block, block_k=self.block,
                                           gate_carry=gate_carry))
