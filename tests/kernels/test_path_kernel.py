@@ -13,7 +13,7 @@ from kernels_pallas.path_attention import calls
 from posenc_jax import householder
 from posenc_jax import unipotent
 from tests.kernels.transport_inputs import transport_vectors
-from tests.util import assert_rel_rms
+from tests.util import assert_rel_rms, rel_rms
 
 
 def _segments(key, B, T, mode):
@@ -67,8 +67,23 @@ class PathKernelBase:
   D: int = 16
   tol = {jnp.float32: 1e-4, jnp.bfloat16: 1e-2}
 
-  def _check(self, key, *, H, K, dtype, gate, segments, fox=False, determinism=False, T=None,
-             block_sizes=None, w_mode="random"):
+  def _check(self, key, *, dtype, determinism=False, **kw):
+    """The kernel against the oracle on fresh inputs (_cases), forward and every gradient at
+    the dtype's tolerance; with `determinism`, the gradients bitwise equal over two runs."""
+    run, ref, names = self._cases(key, dtype=dtype, **kw)
+    got = run()
+    tol = self.tol[dtype]
+    for name, a, b in zip(names, got, ref):
+      assert_rel_rms(a, b, tol, name)
+    if determinism:
+      for name, a, b in zip(names[1:], got[1:], run()[1:]):
+        assert bool(jnp.array_equal(a, b)), f"{name} differs between two runs"
+
+  def _cases(self, key, *, H, K, dtype, gate, segments, fox=False, T=None, block_sizes=None,
+             w_mode="random"):
+    """-> (run: the kernel's [output, *gradients] on one input, jitted and traced at its first
+    call; the oracle's, at float32 precision; their names). Each call traces anew, so a
+    monkeypatch made before it reaches the kernel."""
     B, T, D = 2, T or self.T, self.D
     q, k, v, w, beta, lf, seg, do = _inputs(key, B, T, H, K, D, dtype, gate=gate, segments=segments,
                                             w_mode=w_mode)
@@ -90,18 +105,11 @@ class PathKernelBase:
     grad = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
                                        argnums=tuple(range(len(args)))))
     with jax.default_matmul_precision("highest"):
-      o_ref = jax.jit(ref)(*args)
-      g_ref = grad(ref)(*args)
-    tol = self.tol[dtype]
-    assert_rel_rms(jax.jit(fast)(*args), o_ref, tol, "forward")
-    g_fast = grad(fast)(*args)
+      ref_values = [jax.jit(ref)(*args), *grad(ref)(*args)]
+    fwd, bwd = jax.jit(fast), grad(fast)
     names = ("q", "k", "v", "log_forget") if fox else ("q", "k", "v", "w", "beta", "log_forget")
-    for name, a, b in zip(names, g_fast, g_ref):
-      assert_rel_rms(a, b, tol, f"d{name}")
-    if determinism:
-      again = grad(fast)(*args)
-      for name, a, b in zip(names, g_fast, again):
-        assert bool(jnp.array_equal(a, b)), f"d{name} differs between two runs"
+    names = ("forward",) + tuple(f"d{name}" for name in names[:len(args)])
+    return (lambda: [fwd(*args), *bwd(*args)]), ref_values, names
 
   def test_path_gate_segments_gqa_f32(self, key):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True)
@@ -377,17 +385,33 @@ def _gpu_rounding_dot(dot):
                  ("antiparallel", "split_hilo"))])
 def test_tf32_products_correlated_w(key, monkeypatch, w_mode, prepass):
   """The interpreter with every float32 product rounded as the GPU rounds it, on the bf16 inputs
-  whose transport is ill-conditioned (neighbouring w nearly parallel or antiparallel, beta = 2).
-  Single-pass TF32 pre-pass products failed this (dw 1.6e-2 / 2.3e-2 here; 4.7e-2 on the H100
-  at the GPU's chunk 64) while the exact-float32 interpret tests passed."""
+  whose transport is ill-conditioned (neighbouring w nearly parallel or antiparallel, beta = 2),
+  against the same kernel with exact float32 products on the same inputs: the GPU's rounding
+  may not add to the error. Single-pass TF32 pre-pass products failed this (dw 1.6e-2 / 2.3e-2
+  here, ~4x the exact products' error; 4.7e-2 on the H100 at the GPU's chunk 64) while the
+  exact-float32 interpret tests passed.
+
+  Why against the exact kernel and not only the bf16 tolerance: the exact kernel's own error
+  here is the bf16 operands' (q^, k^, E, the in-chunk logits), and on these inputs it reaches
+  1e-2 for some draws (dbeta 1.008e-2 at 1 seed in 60, with and without the emulation alike,
+  NOTES_kernel round 20), which made the old criterion fail CI by chance. Each output must stay
+  within the bf16 tolerance or within 1.25x the exact products' error."""
   from kernels_pallas.path_attention import bwd_kernels, bwd_span, kernels, prepass_chunk
+  case = PathKernelBase()
+  case.T = 64
+  kw = dict(H=2, K=1, dtype=jnp.bfloat16, gate=False, segments=False, w_mode=w_mode,
+            block_sizes=kp.BlockSizes(block_q=16, block_k=16, prepass=prepass))
+  run, ref, names = case._cases(key, **kw)
+  exact = [rel_rms(a, b) for a, b in zip(run(), ref)]
   emulated = _gpu_rounding_dot(kernels.dot)
   for module in (kernels, bwd_kernels, bwd_span, prepass_chunk):
     monkeypatch.setattr(module, "dot", emulated)
-  case = PathKernelBase()
-  case.T = 64
-  case._check(key, H=2, K=1, dtype=jnp.bfloat16, gate=False, segments=False, w_mode=w_mode,
-              block_sizes=kp.BlockSizes(block_q=16, block_k=16, prepass=prepass))
+  run, _, _ = case._cases(key, **kw)   # traced anew: every kernel product rounded
+  tol = case.tol[jnp.bfloat16]
+  for name, a, b, floor in zip(names, run(), ref, exact):
+    err = rel_rms(a, b)
+    assert err <= max(tol, 1.25 * floor), (
+        f"{name}: {err:.3e} with the GPU's rounding, {floor:.3e} with exact products")
 
 
 @pytest.mark.gpu
