@@ -187,8 +187,8 @@ def _block_sizes_of(spec):
   on),
   nfp one query chunk per far dq tile (far_dq_pairs off; fp: on), nkp one key chunk per far
   dk/dv tile (far_dkv_pairs off), ky the pre-pass keeps its inverse Y for its VJP
-  (prepass_keep_inverse), gc / ngc the gate's column sums carried / reduced every step
-  (gate_carry),
+  (prepass_keep_inverse), gc / gm the gate's column sums carried / on the tensor cores
+  (gate_colsum "carry" / "mma"),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
   whether it builds and what it gains. E.g. path@l1rc is the seventh session's defaults."""
@@ -220,8 +220,8 @@ def _block_sizes_of(spec):
                  {"far_dq_pairs": True} if "fp" in spec else {})
   changes.update({"far_dkv_pairs": False} if "nkp" in spec else {})
   changes.update({"prepass_keep_inverse": True} if "ky" in spec else {})
-  changes.update({"gate_carry": False} if "ngc" in spec else
-                 {"gate_carry": True} if "gc" in spec else {})
+  changes.update({"gate_colsum": "carry"} if "gc" in spec else
+                 {"gate_colsum": "mma"} if "gm" in spec else {})
   changes.update({"prepass": pre[2]} if pre else {})
   return dataclasses.replace(bs, **changes), bool(pre and pre[1])
 

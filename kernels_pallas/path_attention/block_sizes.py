@@ -105,13 +105,15 @@ class BlockSizes:
                                  # block_q); None: half a chunk with key pairs at head_dim > 64
                                  # (resource report, bf16, 8 warps: 836 -> 244 B of spills a
                                  # thread at 128), else a chunk
-  gate_carry: bool = False       # with a gate, the dk/dv kernels carry dfk's column sums as
-                                 # a tile per head (float32, the logits' shape), reduced once at
-                                 # the end, instead of a reduction over the tile's rows every
-                                 # step (bwd_kernels.minus_col_sums). H100, PaTH-FoX fwd+bwd,
-                                 # carried / reduced: 33.07 / 34.09 ms at 32,2048,32,64 (PaTH
-                                 # without gate 29.73), 30.62 / 28.88 at 8,4096,16,128. Off until
-                                 # the GPU tests have run it (interpret tests only, 2026-11-25)
+  gate_colsum: str = "reduce"    # with a gate, how the dk/dv kernels sum dS over query rows
+                                 # for dfk (bwd_kernels.minus_col_sums): "reduce" every step;
+                                 # "carry" a float32 tile of the logits' shape, reduced once at
+                                 # the end; "mma" a [C, 16] float32 tile from tensor-core
+                                 # products of dS^T (bf16 halves) with ones. H100, PaTH-FoX
+                                 # fwd+bwd, carry / reduce: 33.07 / 34.09 ms at 32,2048,32,64
+                                 # (PaTH without gate 29.73), 30.62 / 28.88 at 8,4096,16,128;
+                                 # "mma" not yet run on a GPU. Neither is the default until the
+                                 # GPU tests have run it (interpret tests only, 2026-11-25)
   fwd_spans: bool = False        # GPU, PaTH: the forward kernel moves the query tile chunk by
                                  # chunk only inside its own span (dkv_span's); key chunks of
                                  # earlier spans are plain attention against the keys moved to
@@ -142,6 +144,8 @@ class BlockSizes:
                                           self.block_q % self.far_dkv_rows):
       raise ValueError(f"far_dkv_rows={self.far_dkv_rows} must be None (auto) or a divisor of "
                        f"block_q={self.block_q} of at least 8 (16 on the GPU)")
+    if self.gate_colsum not in ("reduce", "carry", "mma"):
+      raise ValueError(f"gate_colsum={self.gate_colsum!r} must be 'reduce', 'carry' or 'mma'")
     if self.bwd_spans not in (None, 0, 1, 2, 3):
       raise ValueError(f"bwd_spans={self.bwd_spans} must be None (auto), 0 (off), 1, 2 or 3")
     if self.dkv_span is not None and (self.dkv_span < 0 or self.dkv_span % 2):

@@ -29,8 +29,10 @@ dq_kernel, one program per (batch, kv head, lane), sequential over (group head, 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -70,18 +72,53 @@ def tile_grads(qc, kc, s, causal, *, precision):
   return p, p * (dot(qc["do"], kc["v"], tb=True, precision=precision) - qc["delta"])
 
 
+GATE_COLSUMS = ("reduce", "carry", "mma")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MmaColSums:
+  """A gate column-sum accumulator of the "mma" form: colsum(dS) as a [C, 16] float32 tile (every
+  column the same) from tensor-core products of dS^T with a ones tile, in bf16 halves of dS
+  (`terms` of them: 2 give ~2^-17 relative, 3 float32's ~2^-24)."""
+  acc: jax.Array
+  terms: int = dataclasses.field(metadata=dict(static=True), default=2)
+
+
+def col_sums_init(mode, rows, cols, *, exact=False):
+  """The zero accumulator of minus_col_sums for a [rows, cols] dS tile: "reduce" a [1, cols] row,
+  "carry" a [rows, cols] tile, "mma" a [cols, 16] one (exact: three bf16 halves, for float32
+  kernels)."""
+  if mode == "reduce":
+    return jnp.zeros((1, cols), jnp.float32)
+  if mode == "carry":
+    return jnp.zeros((rows, cols), jnp.float32)
+  return MmaColSums(jnp.zeros((cols, 16), jnp.float32), 3 if exact else 2)
+
+
 def minus_col_sums(acc, ds):
-  """acc - colsum(ds): acc is a [1, C] row (one reduction over ds's rows per step) or a tile of
-  ds's shape (carried, summed elementwise; col_total reduces it once at the end). Why carry:
-  with the gate the dk/dv kernel took 3.88 -> 7.11 ms at 32,2048,32,64 (H100 trace, 2026-11-25)
-  and the far dk/dv kernel 5.08 -> 14.27, while the forward and the dq kernels (row sums only)
-  moved by < 10%: a reduction over the rows of a product's tile crosses warps, and in the
-  Triton lowering that is a round trip through shared memory and a barrier every step."""
+  """acc - colsum(dS) in acc's form (col_sums_init). Why not always "reduce" (one reduction over
+  dS's rows per step): with the gate the dk/dv kernel took 3.88 -> 7.11 ms at 32,2048,32,64 (H100
+  trace, 2026-11-25) and the far dk/dv kernel 5.08 -> 14.27, while the forward and the dq
+  kernels (row sums only) moved by < 10%: a reduction over the rows of a product's tile crosses
+  warps, and in the Triton lowering that is a round trip through shared memory and a barrier
+  every step. "carry" adds dS elementwise and reduces once at the end (more live registers);
+  "mma" sums over rows on the tensor cores, where the rows are the contraction."""
+  if isinstance(acc, MmaColSums):
+    ones = jnp.ones((ds.shape[0], acc.acc.shape[1]), jnp.bfloat16)
+    out, rest = acc.acc, ds
+    for _ in range(acc.terms):   # dS = hi + lo (+ lo2): each half exact in bf16, the sum ~exact
+      part = rest.astype(jnp.bfloat16)
+      out = out - dot(part, ones, ta=True)
+      rest = rest - part.astype(jnp.float32)
+    return MmaColSums(out, acc.terms)
   return acc - (jnp.sum(ds, axis=0, keepdims=True) if acc.shape[0] == 1 else ds)
 
 
 def col_total(acc):
   """A minus_col_sums accumulator as the [1, C] row it stands for."""
+  if isinstance(acc, MmaColSums):   # equal columns: max is exact; [C, 1] -> [1, C]
+    return jnp.max(acc.acc, axis=1, keepdims=True).T
   return acc if acc.shape[0] == 1 else jnp.sum(acc, axis=0, keepdims=True)
 
 
@@ -173,7 +210,7 @@ def dkv_diagonal(query, kc, diag, dk, dv, dfk, *, scale, transport, precision):
 
 
 def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, bounds=False,
-               span=0, far_out=False, far_in=False, gate_carry=False):
+               span=0, far_out=False, far_in=False, gate_colsum="reduce"):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
   (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]); (qb [G, R, D]
   with span: the boundary states packed, kernels.boundary_offset). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C]). With `bounds` the walk stops
@@ -188,8 +225,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   too (zero for the last span's chunks). With `far_in` (bwd_spans 3) another launch
   (bwd_span.far_dkv_kernel) walked the far query chunks: its a, dv [C, D] and (dfk [G, 1, C])
   float32 of chunk m come in where qb would, and only the operator walk inside the span runs
-  here. gate_carry: dfk's column sums are carried as [C, C] tiles and reduced once at the end
-  (minus_col_sums)."""
+  here. gate_colsum: the form of dfk's column sums (col_sums_init, minus_col_sums)."""
   far_spec = [("qb", transport and span > 0 and not far_in), ("fa", far_in), ("fdv", far_in),
               ("fdfk", far_in and gate)]
   r = _unpack(refs, _in_spec(transport, gate, segments, bounds) + far_spec
@@ -206,7 +242,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
                 delta=r["delta"][g, c])
 
   kw = dict(scale=scale, transport=transport, precision=precision)
-  dfk = tuple(jnp.zeros((C if gate_carry else 1, C), f32) for _ in range(G))
+  dfk = tuple(col_sums_init(gate_colsum, C, C, exact=r["q"].dtype == f32) for _ in range(G))
   dk, dv, dfk = dkv_diagonal(lambda g: query(g, m), kc, lambda g: r["diag"][g, m],
                              jnp.zeros((C, D), f32), jnp.zeros((C, D), f32), dfk, **kw)
 

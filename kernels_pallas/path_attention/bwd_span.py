@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, col_total,
-                                                       dkv_step, dq_step, pair_state, tile_grads)
+from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, col_sums_init,
+                                                       col_total, dkv_step, dq_step, pair_state, tile_grads)
 from kernels_pallas.path_attention.kernels import boundary_rows, chunk_bound, chunk_id, dot
 
 
@@ -157,7 +157,7 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
 
 
 def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_axis, pairs,
-                   rows, gate_carry=False):
+                   rows, gate_colsum="reduce"):
   """Program (key tile, kv head, batch): key chunk m, or with `pairs` chunks m, m + 1 (m even;
   the span is even, so both lie in one span) as one 2C-row key tile, the last program of an odd
   n taking its chunk alone. In: qb [G, R, D] of the group's heads (packed:
@@ -168,8 +168,8 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
   (dfk [G, 1, n*C]). Zero for the last span's chunks. A 2C-row tile reads each query chunk's
   operands once for two key chunks and gives the products twice the columns. A query chunk
   goes in `rows`-row parts (C or a divisor): the [rows, 2C] logit-sized tiles are the ones a
-  step's products leave live beside the two accumulators. gate_carry: dfk's column sums carried
-  as [rows, 2C] tiles, reduced once at the end (bwd_kernels.minus_col_sums)."""
+  step's products leave live beside the two accumulators. gate_colsum: the form of dfk's column
+  sums (bwd_kernels.col_sums_init)."""
   r = _unpack(refs, [("qb", True), ("kb", True), ("v", True), ("do", True), ("lse", True),
                      ("delta", True), ("fq", gate), ("fk", gate), ("sq", segments),
                      ("sk", segments), ("lo", bounds), ("hi", bounds), ("a", True), ("dv", True),
@@ -210,7 +210,8 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
     if bounds:
       end = jnp.maximum(chunk_bound(r["hi"], m), chunk_bound(r["hi"], last)) + 1
     init = (jnp.zeros((size, D), f32), jnp.zeros((size, D), f32),
-            tuple(jnp.zeros((rows if gate_carry else 1, size), f32) for _ in range(G)))
+            tuple(col_sums_init(gate_colsum, rows, size, exact=r["do"].dtype == f32)
+                  for _ in range(G)))
     a, dv, dfk = lax.fori_loop((j + 1) * span, end, body, init)   # empty for the last span
     r["a"][keys] = a
     r["dv"][keys] = dv

@@ -89,3 +89,5 @@ def test_auto_span_bounds_boundaries_and_keeps_short_spans():
   assert calls.span_form(kp.BlockSizes(bwd_spans=1), head_dim=128) == 1
   with pytest.raises(ValueError, match="far_dkv_rows"):
     kp.BlockSizes(far_dkv_rows=24).validate(64)
+  with pytest.raises(ValueError, match="gate_colsum"):
+    kp.BlockSizes(gate_colsum="carried").validate(64)

@@ -162,9 +162,11 @@ class PathKernelBase:
     far tiles that are wholly masked and adjoints that start past a boundary. (They run in
     float32: in bf16 the GPU's dlog_forget error there is 0.7-1.3e-2 for every backward form,
     the sequential sweep's included, NOTES_kernel round 17.) With pairs the dk/dv kernels also
-    carry the gate's column sums as tiles (BlockSizes.gate_carry); without, reduce every step."""
+    sum the gate's columns as a carried tile, or on the tensor cores in form 3
+    (BlockSizes.gate_colsum); without pairs, reduce every step."""
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_spans=mode,
-                       dq_pairs=pairs, far_dq_pairs=pairs, far_dkv_pairs=pairs, gate_carry=pairs,
+                       dq_pairs=pairs, far_dq_pairs=pairs, far_dkv_pairs=pairs,
+                       gate_colsum="reduce" if not pairs else "mma" if mode == 3 else "carry",
                        far_dkv_rows=self.block // 2 if mode == 3 and alternating else None)
     self._check(key, H=4, K=2, dtype=dtype, gate=True, T=7 * self.block - 12, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}" if alternating else True,
@@ -186,13 +188,12 @@ class PathKernelBase:
   def test_path_gate_bf16(self, key):
     self._check(key, H=2, K=1, dtype=jnp.bfloat16, gate=True, segments=False)
 
-  @pytest.mark.parametrize("gate_carry", [False, True])
-  def test_fox_segments_gqa_f32(self, key, gate_carry):
-    """FoX's dk/dv kernel with its gate column sums reduced every step (the default) or carried
-    as tiles (gate_carry)."""
+  @pytest.mark.parametrize("colsum", ["reduce", "carry", "mma"])
+  def test_fox_segments_gqa_f32(self, key, colsum):
+    """FoX's dk/dv kernel with each form of its gate column sums (BlockSizes.gate_colsum)."""
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True, fox=True,
                 block_sizes=kp.BlockSizes(block_q=self.block, block_k=self.block,
-                                          gate_carry=gate_carry))
+                                          gate_colsum=colsum))
 
   @pytest.mark.parametrize("segments", ["short", "interleaved"])
   def test_path_skips_chunks_before_the_document(self, key, segments):
