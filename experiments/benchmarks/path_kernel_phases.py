@@ -6,9 +6,9 @@
 Phases: the pre-pass (forward), the forward kernel, the dk/dv kernel, the dq/dP kernel, the
 pre-pass VJP (recompute + pullback), and the whole fwd+bwd for comparison. bf16, median ms;
 one JSON line per (case, pre-pass variant) and a table last. --gate adds a log forget gate
-(PaTH-FoX) to every phase; --kv-heads K < H runs grouped-query heads. --trace DIR also profiles three whole fwd+bwd calls (jax.profiler) and lists
-every device kernel's ms per call: the split the phases cannot give (inverse vs operands kernels,
-XLA's fusions).
+(PaTH-FoX) to every phase; --kv-heads K < H runs grouped-query heads. --trace DIR also profiles
+three whole fwd+bwd calls (jax.profiler) and lists every device kernel's ms per call: the split
+the phases cannot give (inverse vs operands kernels, XLA's fusions).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
   pull = jax.jit(vjp)
   whole = jax.jit(jax.grad(lambda *a: jnp.sum(api.path_attention(
       *a, backend=backend, block_sizes=bs).astype(jnp.float32) * do),
-      argnums=(0, 1, 2, 3, 4, 5) if gate else (0, 1, 2, 3, 4)))
+      argnums=tuple(range(6 if gate else 5))))
   row = dict(case=ci, B=B, T=T, H=H, K=K, D=D, variant=variant, bs=bs_spec, gate=gate)
 
   def med(f, *a, n=reps):  # reps 0: one call, no timing (for a profiler: one launch per kernel)

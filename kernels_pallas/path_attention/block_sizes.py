@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+GATE_COLSUMS = ("reduce", "carry", "mma")   # BlockSizes.gate_colsum
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -144,8 +146,8 @@ class BlockSizes:
                                           self.block_q % self.far_dkv_rows):
       raise ValueError(f"far_dkv_rows={self.far_dkv_rows} must be None (auto) or a divisor of "
                        f"block_q={self.block_q} of at least 8 (16 on the GPU)")
-    if self.gate_colsum not in ("reduce", "carry", "mma"):
-      raise ValueError(f"gate_colsum={self.gate_colsum!r} must be 'reduce', 'carry' or 'mma'")
+    if self.gate_colsum not in GATE_COLSUMS:
+      raise ValueError(f"gate_colsum={self.gate_colsum!r} must be one of {GATE_COLSUMS}")
     if self.bwd_spans not in (None, 0, 1, 2, 3):
       raise ValueError(f"bwd_spans={self.bwd_spans} must be None (auto), 0 (off), 1, 2 or 3")
     if self.dkv_span is not None and (self.dkv_span < 0 or self.dkv_span % 2):

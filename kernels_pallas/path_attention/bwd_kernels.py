@@ -72,9 +72,6 @@ def tile_grads(qc, kc, s, causal, *, precision):
   return p, p * (dot(qc["do"], kc["v"], tb=True, precision=precision) - qc["delta"])
 
 
-GATE_COLSUMS = ("reduce", "carry", "mma")
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MmaColSums:
@@ -85,11 +82,11 @@ class MmaColSums:
   terms: int = dataclasses.field(metadata=dict(static=True), default=2)
 
 
-def col_sums_init(mode, rows, cols, *, exact=False):
+def col_sums_init(mode, rows, cols, *, gate=True, exact=False):
   """The zero accumulator of minus_col_sums for a [rows, cols] dS tile: "reduce" a [1, cols] row,
   "carry" a [rows, cols] tile, "mma" a [cols, 16] one (exact: three bf16 halves, for float32
-  kernels)."""
-  if mode == "reduce":
+  kernels). Without a gate nothing adds to it: the smallest form, whatever `mode`."""
+  if mode == "reduce" or not gate:
     return jnp.zeros((1, cols), jnp.float32)
   if mode == "carry":
     return jnp.zeros((rows, cols), jnp.float32)
@@ -242,7 +239,8 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
                 delta=r["delta"][g, c])
 
   kw = dict(scale=scale, transport=transport, precision=precision)
-  dfk = tuple(col_sums_init(gate_colsum, C, C, exact=r["q"].dtype == f32) for _ in range(G))
+  dfk = tuple(col_sums_init(gate_colsum, C, C, gate=gate, exact=r["q"].dtype == f32)
+              for _ in range(G))
   dk, dv, dfk = dkv_diagonal(lambda g: query(g, m), kc, lambda g: r["diag"][g, m],
                              jnp.zeros((C, D), f32), jnp.zeros((C, D), f32), dfk, **kw)
 

@@ -35,7 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, col_sums_init,
-                                                       col_total, dkv_step, dq_step, pair_state, tile_grads)
+                                                       col_total, dkv_step, dq_step, pair_state,
+                                                       tile_grads)
 from kernels_pallas.path_attention.kernels import boundary_rows, chunk_bound, chunk_id, dot
 
 
@@ -210,7 +211,7 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
     if bounds:
       end = jnp.maximum(chunk_bound(r["hi"], m), chunk_bound(r["hi"], last)) + 1
     init = (jnp.zeros((size, D), f32), jnp.zeros((size, D), f32),
-            tuple(col_sums_init(gate_colsum, rows, size, exact=r["do"].dtype == f32)
+            tuple(col_sums_init(gate_colsum, rows, size, gate=gate, exact=r["do"].dtype == f32)
                   for _ in range(G)))
     a, dv, dfk = lax.fori_loop((j + 1) * span, end, body, init)   # empty for the last span
     r["a"][keys] = a

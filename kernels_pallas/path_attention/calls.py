@@ -412,7 +412,7 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
                              chunk_axis=axis, bounds=bounds, span=span, far_out=far_out,
                              far_in=bool(span) and far_in is not None,
-                             gate_colsum=bs.gate_colsum if f["gate"] else "reduce", **f)
+                             gate_colsum=bs.gate_colsum, **f)
   # Without grouped heads two stages fit in shared memory at head_dim 128 too, and pay (H200
   # dk/dv 14.1 -> 13.6 ms at 8,4096,16,128, 112.9 -> 100.0 ms at 4,16384,16,128); with G = 2
   # they ask for 273 of 227 KiB. Grouped float32 heads take one stage at every head_dim (G = 2,

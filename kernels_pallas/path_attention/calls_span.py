@@ -133,7 +133,7 @@ def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, b
   kernel = functools.partial(bwd_span.far_dkv_kernel, scale=scale, span=span, bounds=bounds,
                              precision=precision, chunk_axis=axis, gate=f["gate"],
                              segments=f["segments"], pairs=pairs,
-                             gate_colsum=bs.gate_colsum if f["gate"] else "reduce",
+                             gate_colsum=bs.gate_colsum,
                              rows=bs.far_dkv_rows or (C // 2 if pairs and D > 64 else C))
   # 2C-row key tiles take 8 warps (resource report, bf16, no gate: 1,144 B of spills a thread
   # with 4 at head_dim 64, 20 with 8; at 128 with 64-row query parts 244 with 8, 3,824 with 4)

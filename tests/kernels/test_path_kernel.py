@@ -70,8 +70,8 @@ class PathKernelBase:
   def _check(self, key, *, dtype, determinism=False, **kw):
     """The kernel against the oracle on fresh inputs (_cases), forward and every gradient at
     the dtype's tolerance; with `determinism`, the gradients bitwise equal over two runs."""
-    run, ref, names = self._cases(key, dtype=dtype, **kw)
-    got = run()
+    run, oracle, names = self._cases(key, dtype=dtype, **kw)
+    got, ref = run(), oracle()
     tol = self.tol[dtype]
     for name, a, b in zip(names, got, ref):
       assert_rel_rms(a, b, tol, name)
@@ -82,7 +82,7 @@ class PathKernelBase:
   def _cases(self, key, *, H, K, dtype, gate, segments, fox=False, T=None, block_sizes=None,
              w_mode="random"):
     """-> (run: the kernel's [output, *gradients] on one input, jitted and traced at its first
-    call; the oracle's, at float32 precision; their names). Each call traces anew, so a
+    call; oracle: the oracle's, at float32 precision; their names). Each call traces anew, so a
     monkeypatch made before it reaches the kernel."""
     B, T, D = 2, T or self.T, self.D
     q, k, v, w, beta, lf, seg, do = _inputs(key, B, T, H, K, D, dtype, gate=gate, segments=segments,
@@ -104,12 +104,14 @@ class PathKernelBase:
     # interpreter's grid loops and the oracle's scans recompile at every eager call).
     grad = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
                                        argnums=tuple(range(len(args)))))
-    with jax.default_matmul_precision("highest"):
-      ref_values = [jax.jit(ref)(*args), *grad(ref)(*args)]
+    def oracle():
+      with jax.default_matmul_precision("highest"):
+        return [jax.jit(ref)(*args), *grad(ref)(*args)]
+
     fwd, bwd = jax.jit(fast), grad(fast)
     names = ("q", "k", "v", "log_forget") if fox else ("q", "k", "v", "w", "beta", "log_forget")
     names = ("forward",) + tuple(f"d{name}" for name in names[:len(args)])
-    return (lambda: [fwd(*args), *bwd(*args)]), ref_values, names
+    return (lambda: [fwd(*args), *bwd(*args)]), oracle, names
 
   def test_path_gate_segments_gqa_f32(self, key):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True)
@@ -402,7 +404,8 @@ def test_tf32_products_correlated_w(key, monkeypatch, w_mode, prepass):
   case.T = 64
   kw = dict(H=2, K=1, dtype=jnp.bfloat16, gate=False, segments=False, w_mode=w_mode,
             block_sizes=kp.BlockSizes(block_q=16, block_k=16, prepass=prepass))
-  run, ref, names = case._cases(key, **kw)
+  run, oracle, names = case._cases(key, **kw)
+  ref = oracle()   # once: the same inputs below
   exact = [rel_rms(a, b) for a, b in zip(run(), ref)]
   emulated = _gpu_rounding_dot(kernels.dot)
   for module in (kernels, bwd_kernels, bwd_span, prepass_chunk):
