@@ -107,15 +107,14 @@ class BlockSizes:
                                  # block_q); None: half a chunk with key pairs at head_dim > 64
                                  # (resource report, bf16, 8 warps: 836 -> 244 B of spills a
                                  # thread at 128), else a chunk
-  gate_colsum: str = "reduce"    # with a gate, how the dk/dv kernels sum dS over query rows
+  gate_colsum: str = "mma"       # with a gate, how the dk/dv kernels sum dS over query rows
                                  # for dfk (bwd_kernels.minus_col_sums): "reduce" every step;
                                  # "carry" a float32 tile of the logits' shape, reduced once at
                                  # the end; "mma" a [C, 16] float32 tile from tensor-core
-                                 # products of dS^T (bf16 halves) with ones. H100, PaTH-FoX
-                                 # fwd+bwd, carry / reduce: 33.07 / 34.09 ms at 32,2048,32,64
-                                 # (PaTH without gate 29.73), 30.62 / 28.88 at 8,4096,16,128;
-                                 # "mma" not yet run on a GPU. Neither is the default until the
-                                 # GPU tests have run it (interpret tests only, 2026-11-25)
+                                 # products of dS^T (bf16 halves) with ones. H200, one call,
+                                 # PaTH-FoX fwd+bwd mma / carry / reduce (PaTH without gate):
+                                 # 31.63 / 32.08 / 33.06 (28.72) ms at 32,2048,32,64; 27.28 /
+                                 # 29.17 / 27.88 (25.42) at 8,4096,16,128 (2026-11-25)
   fwd_spans: bool = False        # GPU, PaTH: the forward kernel moves the query tile chunk by
                                  # chunk only inside its own span (dkv_span's); key chunks of
                                  # earlier spans are plain attention against the keys moved to
