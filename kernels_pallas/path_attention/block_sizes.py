@@ -115,15 +115,18 @@ class BlockSizes:
                                  # PaTH-FoX fwd+bwd mma / carry / reduce (PaTH without gate):
                                  # 31.63 / 32.08 / 33.06 (28.72) ms at 32,2048,32,64; 27.28 /
                                  # 29.17 / 27.88 (25.42) at 8,4096,16,128 (2026-11-25)
-  fwd_spans: bool = False        # GPU, PaTH: the forward kernel moves the query tile chunk by
+  fwd_spans: bool | None = None  # GPU, PaTH: the forward kernel moves the query tile chunk by
                                  # chunk only inside its own span (dkv_span's); key chunks of
                                  # earlier spans are plain attention against the keys moved to
-                                 # their span's end, and the tile crosses a span in one D x D
-                                 # product (kernels.fwd_kernel). The boundary launch it needs is
-                                 # the span backward's, run once in the forward and kept. Fewer
-                                 # products, but slower on the H200 (forward kernel 3.35 -> 4.13
-                                 # ms at 8,4096,16,128, 29.06 -> 30.68 at 4,16384,16,128, 2.52 ->
-                                 # 2.93 at 32,2048,32,64; not profiled further)
+                                 # their span's end, from the tile's states at the span
+                                 # boundaries (D x D crossings, kernels.fwd_kernel). The boundary
+                                 # launch it needs is the span backward's, run once in the
+                                 # forward and kept. None: at head_dim > 64 (calls.forward_span).
+                                 # H200, one call, fwd+bwd on / off: 116.22 / 122.53 ms at
+                                 # 4,16384,16,128, 24.85 / 24.97 at 8,4096,16,128, 28.56 /
+                                 # 28.09 at 32,2048,32,64 (2026-11-26). The forward's own peak
+                                 # grows by the packed states (4,16384,16,128: 2.88 -> 4.04
+                                 # GiB), fwd+bwd's does not
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:

@@ -191,10 +191,15 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
   out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
+  if span:   # the query states at the span boundaries, packed: the kernel's own scratch
+    out_shape.append(jax.ShapeDtypeStruct(
+        (B, H, kernels.boundary_array_rows(n=n, span=span, C=C), D), ops.q.dtype))
+    out_specs.append(_full(out_shape[-1], ids, lambda h: h))
   kernel = functools.partial(kernels.fwd_kernel, scale=scale, precision=precision,
                              chunk_axis=axis, reverse=True, bounds=bounds, span=span, fine=fine,
                              **f)
-  return _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False)(*args)
+  return tuple(_call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False)(
+      *args)[:2])
 
 
 def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
@@ -254,9 +259,10 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
 
 
 def forward_span(ops: Operands, bs: BlockSizes, backend: str) -> int:
-  """The span of the forward kernel's far steps (BlockSizes.fwd_spans: the backward's span,
-  dkv_span, so that one boundary launch serves both), or 0."""
-  return dkv_span(ops, bs, backend) if bs.fwd_spans and bs.fwd_kernel != "mosaic" else 0
+  """The span of the forward kernel's far steps (BlockSizes.fwd_spans, None: at head_dim > 64;
+  the backward's span, dkv_span, so that one boundary launch serves both), or 0."""
+  on = ops.q.shape[-1] > 64 if bs.fwd_spans is None else bs.fwd_spans
+  return dkv_span(ops, bs, backend) if on and bs.fwd_kernel != "mosaic" else 0
 
 
 def span_boundary(ops: Operands, *, precision, backend: str, bs: BlockSizes):

@@ -133,7 +133,7 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
                bounds=False, span=0, fine=None):
   """refs: q [C,D], k, v [n,C,D], (e [n,D,D], diag [C,C]), (fq [C,1], fk [n,1,C]),
   (sq [C,1], sk [n,1,C]), (lo [n,1,1]), (kb [n,C,D], pi [nb,D,D] with `span`) -> o [C,D],
-  lse [C,1]. The query chunk is grid axis chunk_axis (reversed with `reverse`, see
+  lse [C,1], (with `span`: qb [R, D], the head's packed boundary states, scratch). The query chunk is grid axis chunk_axis (reversed with `reverse`, see
   calls.chunk_grid).
 
   With `span` (transport; chunks cut into spans of `span` as in bwd_span.py) the tile moves
@@ -145,7 +145,8 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
   the walk's three (four at head_dim 128: the move is C x D x D)."""
   q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, lo_ref, (kb_ref, pi_ref), \
       outs = _unpack_fwd(refs, transport, gate, segments, bounds, spans=bool(span))
-  o_ref, lse_ref = outs
+  o_ref, lse_ref, *qb_ref = outs
+  qb_ref = qb_ref[0] if span else None   # [R, D]: the packed boundary states (boundary_rows)
   c = chunk_id(k_ref.shape[0], axis=chunk_axis, reverse=reverse)
   q = q_ref[...]
   C = q.shape[0]
@@ -175,24 +176,38 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
   near = jnp.maximum(lo, jc * span) if span else lo   # the walk stops at c's span start
   qt, m_i, l_i, acc = lax.fori_loop(0, c - near, body, (q.astype(jnp.float32), m_i, l_i, acc))
   if span:
+    n = k_ref.shape[0]
     j0 = jnp.minimum(lax.div(lo, span), jc)   # spans wholly left of c's document: skipped
+    packed = lambda J: boundary_rows(J, c, C, n=n, span=span, C=C)
 
-    # (one loop over every far key, a cond crossing each span, measured slower on the H200,
-    # 8 warps: whole forward 6.01 -> 8.03 ms at 8,4096,16,128 and 30.17 -> 45.38 at
-    # 4,16384,16,128 against the walk; this form's kernel cost +0.8 and +1.6 ms, round 19)
-    def far_span(i, carry):   # span J = jc-1 .. j0, its keys right to left, then across it
-      qt, m_i, l_i, acc = carry
+    # Two loops, as bwd_span.far_dq_kernel: the states at the boundaries s_J = (J + 1) span
+    # first (qb^(s_{J-1}) = qb^(s_J) Pi_J, float32 at precision `fine`), kept in qb_ref, then
+    # the far keys of each span against its state read back in the kernel dtype. H200,
+    # 2026-11-26, one call, forward (fwd+bwd) ms: 25.67 (116.22) against the walk of every
+    # chunk's 30.28 (122.53) at 4,16384,16,128, 6.00 (24.85) against 6.08 (24.97) at
+    # 8,4096,16,128. With the crossing inside the loop over spans (its float32 state live
+    # across the far keys) the kernel alone had been slower than the walk's (30.68 against
+    # 29.06 ms at 4,16384,16,128, round 19). Not better: one loop over every far key reading the state per key (29.00 / 7.01 ms forward at
+    # 4,16384,16,128 / 8,4096,16,128), and the far keys in a launch of their own (no gain at
+    # head_dim 64; at 128 it asked XLA's Triton for 384 KiB of shared memory). The crossing's
+    # products (Pi's bf16 halves) spill: 928 B a thread at 8,4096,16,128 with 4 warps, none
+    # without them (resource report).
+    def cross(i, qt):   # span J = jc-1 .. j0 (the last product moves past j0: unused)
       J = jc - 1 - i
+      qb_ref[packed(J)] = qt.astype(qb_ref.dtype)
+      return dot(qt, pi_ref[J], precision=fine)
 
-      def key(t, carry):
-        m = (J + 1) * span - 1 - t
+    lax.fori_loop(0, jc - j0, cross, qt)
+
+    def far_span(J, carry):   # plain attention of qb^(s_J) against span J's moved keys
+      qt = qb_ref[packed(J)]
+
+      def key(m, carry):
         return attend(qt, m, kb_ref[m], *carry)
 
-      m_i, l_i, acc = lax.fori_loop(0, (J + 1) * span - jnp.maximum(lo, J * span), key,
-                                    (m_i, l_i, acc))
-      return dot(qt, pi_ref[J], precision=fine), m_i, l_i, acc
+      return lax.fori_loop(jnp.maximum(lo, J * span), (J + 1) * span, key, carry)
 
-    _, m_i, l_i, acc = lax.fori_loop(0, jc - j0, far_span, (qt, m_i, l_i, acc))
+    m_i, l_i, acc = lax.fori_loop(j0, jc, far_span, (m_i, l_i, acc))
   o_ref[...] = (acc / l_i).astype(o_ref.dtype)
   lse_ref[...] = m_i + jnp.log(l_i)
 
