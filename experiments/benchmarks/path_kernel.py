@@ -187,7 +187,8 @@ def _block_sizes_of(spec):
   on),
   nfp one query chunk per far dq tile (far_dq_pairs off; fp: on), nkp one key chunk per far
   dk/dv tile (far_dkv_pairs off), ky the pre-pass keeps its inverse Y for its VJP
-  (prepass_keep_inverse), gc / gm the gate's column sums carried / on the tensor cores
+  (prepass_keep_inverse), lw the pre-pass VJP's WK pullback in its inverse-VJP kernel
+  (prepass_late_wk), gc / gm the gate's column sums carried / on the tensor cores
   (gate_colsum "carry" / "mma"),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
@@ -220,6 +221,7 @@ def _block_sizes_of(spec):
                  {"far_dq_pairs": True} if "fp" in spec else {})
   changes.update({"far_dkv_pairs": False} if "nkp" in spec else {})
   changes.update({"prepass_keep_inverse": True} if "ky" in spec else {})
+  changes.update({"prepass_late_wk": True} if "lw" in spec else {})
   changes.update({"gate_colsum": "carry"} if "gc" in spec else
                  {"gate_colsum": "mma"} if "gm" in spec else {})
   changes.update({"prepass": pre[2]} if pre else {})

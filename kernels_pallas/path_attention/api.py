@@ -54,7 +54,8 @@ def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
   transport = prepass.transport_jnp if variant == "jnp" else functools.partial(
       prepass_kernel.transport_pallas, backend=cfg.backend, variant=variant,
       num_warps=cfg.block_sizes.prepass_num_warps,
-      keep_inverse=cfg.block_sizes.prepass_keep_inverse)
+      keep_inverse=cfg.block_sizes.prepass_keep_inverse,
+      late_wk=cfg.block_sizes.prepass_late_wk)
   return prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale,
                          C=cfg.block_sizes.block_q, dtype=q.dtype, transport=transport)
 

@@ -44,6 +44,12 @@ class BlockSizes:
                                  # forward for its VJP instead of running the inverse kernel
                                  # again: [B, K, T, C] float32 more per layer (0.5 GiB at
                                  # 32,2048,32,64) for one inverse kernel less
+  prepass_late_wk: bool = False  # "split2_*" pre-pass: the q part of its VJP leaves WK's
+                                 # pullback (two products) to the inverse-VJP kernel, dwk and
+                                 # dk going through HBM as float32. The q part spills to DRAM
+                                 # (ncu, H200, 32,2048,32,64: 8.3 GB of local traffic, tensor
+                                 # pipe 14% busy); without those products it reports 696 B of
+                                 # spills a thread against 1,048 (resource report). Untimed
   keep_operands: bool = True     # keep the pre-pass's outputs from the forward for the backward
                                  # instead of running the pre-pass again there: fwd+bwd 8.81 ->
                                  # 8.24 ms at 16,2048,12,64 on the H100 (8.11 with auto lanes),

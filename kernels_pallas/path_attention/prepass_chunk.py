@@ -234,11 +234,20 @@ def chunk_operands_vjp_kv(common, dkh, de, p):
   return dw, dx, dwk
 
 
+def wk_pullback(dwk, K, W, p):
+  """WK = strictLower(W K^T)'s pullback: dwk [C, C] (unmasked) -> (its dw, its dk) [C, D]; K,
+  W marked as vjp_common marks them."""
+  strict, _, _ = _masks(dwk.shape[0])
+  DWK = p.acc(jnp.where(strict, dwk, 0.0))
+  return p.mm(DWK, K), p.mm(DWK, W, ta=True)
+
+
 def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p,
-                         put_dq=None):
+                         put_dq=None, late_wk=False):
   """The rest of the VJP: each query head's terms (q^ = Q - GM W, diag = Q K^T - GM WK) added
   to chunk_operands_vjp_kv's partial (dw, dx, dwk), then WK's and X's pullbacks:
-  -> (tuple of dq, dk, dw, dy, dbeta_r).
+  -> (tuple of dq, dk, dw, dy, dbeta_r). late_wk: WK's pullback is left to the caller (another
+  kernel: wk_pullback) -> (tuple of dq, dk, dw without it, dy, dbeta_r, dwk unmasked).
 
   Written for few live tiles (the kernel spilled ~2 KB a thread): each head's terms end their
   operands' lives in the order they are formed; dkh, common's Y and each of `partial`'s three
@@ -266,10 +275,14 @@ def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p
     dwk = _add(dwk, -mm(GM, DS, ta=True))
     dk = _add(dk, mm(DS, Q, ta=True))
   dw_kv, dx_kv, dwk_kv = partial
-  DWK = acc(jnp.where(strict, _read(dwk_kv) + dwk, 0.0))         # WK = strictLower(W K^T)
-  dw = _read(dw_kv) + dw + mm(DWK, K)
-  dk = _read(dkh) + dk + mm(DWK, W, ta=True)
+  if late_wk:
+    dwk, dw, dk = _read(dwk_kv) + dwk, _read(dw_kv) + dw, _read(dkh) + dk
+  else:   # wk_pullback's products, in this order (the order the GPU timings were taken with)
+    DWK = acc(jnp.where(strict, _read(dwk_kv) + dwk, 0.0))       # WK = strictLower(W K^T)
+    dw = _read(dw_kv) + dw + mm(DWK, K)
+    dk = _read(dkh) + dk + mm(DWK, W, ta=True)
   dx = _read(dx_kv) + dx
   y = _read(y)
   # X = Y diag(beta): dY = dX diag(beta), dbeta = the column sums of dX * Y
-  return tuple(dqs), dk, dw, dx * beta_r, jnp.sum(dx * y, axis=0, keepdims=True)
+  grads = tuple(dqs), dk, dw, dx * beta_r, jnp.sum(dx * y, axis=0, keepdims=True)
+  return grads + (dwk,) if late_wk else grads

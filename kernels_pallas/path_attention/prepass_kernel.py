@@ -34,7 +34,8 @@ from kernels_pallas.path_attention.prepass_chunk import (Products, chunk_inverse
                                                          chunk_inverse_vjp, chunk_operands,
                                                          chunk_operands_vjp,
                                                          chunk_operands_vjp_kv,
-                                                         chunk_operands_vjp_q, vjp_common)
+                                                         chunk_operands_vjp_q, vjp_common,
+                                                         wk_pullback)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,8 @@ class _Cfg:
                         # partial dw, dx, dwk through HBM: fewer live tiles per program
   keep_inverse: bool = False  # split variants: Y is a residual of the VJP (a [C, C] float32 per
                               # chunk and kv head) instead of recomputed in the backward
+  late_wk: bool = False  # vjp2: WK's pullback (two products) in the inverse-VJP kernel, not in
+                         # the q part's: its dwk and dk reach it through HBM (float32)
 
 
 def _f32(*refs):
@@ -92,12 +95,23 @@ def _inv_kernel(w_ref, bc_ref, y_ref, *, cfg):
   y_ref[...] = chunk_inverse(*_f32(w_ref, bc_ref), precision=cfg.inv_precision)
 
 
-def _inv_bwd_kernel(w_ref, bc_ref, y_ref, dy_ref, dwo_ref, dw_ref, dbc_ref, *, cfg):
+def _inv_bwd_kernel(w_ref, bc_ref, y_ref, dy_ref, dwo_ref, *refs, cfg):
   """dwo_ref: the operands VJP's dw (float32); dw_ref receives the whole dw in w's dtype (the
-  sum here, not in XLA: one elementwise pass over a float32 [B, T, K, D] fewer)."""
+  sum here, not in XLA: one elementwise pass over a float32 [B, T, K, D] fewer). late_wk: refs
+  start with k, the q part's dwk and dk (float32), and end with dk_ref, which receives dk
+  with WK's pullback added."""
+  dw_ref, dbc_ref = refs[-3:-1] if cfg.late_wk else refs
+  dw_wk = None
+  if cfg.late_wk:   # first: its operands die before the inverse VJP's (fewer spills)
+    k_ref, dwk_ref, dkp_ref, dk_ref = refs[:3] + refs[-1:]
+    p = Products(cfg.precision, cfg.odt, cfg.hilo)
+    k, w = _f32(k_ref, w_ref)
+    dw_wk, dk_wk = wk_pullback(dwk_ref[...], p.hi(k), p.acc(w), p)
+    dk_ref[...] = (dkp_ref[...] + dk_wk).astype(dk_ref.dtype)
   dw, dbc = chunk_inverse_vjp(*_f32(w_ref, bc_ref, y_ref, dy_ref),
                                precision=cfg.inv_precision)
-  dw_ref[...] = (dwo_ref[...].astype(jnp.float32) + dw).astype(dw_ref.dtype)
+  dw = dwo_ref[...].astype(jnp.float32) + dw
+  dw_ref[...] = (dw if dw_wk is None else dw + dw_wk).astype(dw_ref.dtype)
   dbc_ref[...] = dbc
 
 
@@ -155,16 +169,20 @@ def _ops_bwd_kv_kernel(k_ref, w_ref, y_ref, br_ref, dkh_ref, de_ref, dw_ref, dx_
 
 
 def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_ref, dwa_ref,
-                      dxa_ref, dwka_ref, dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref, *, cfg):
-  """The second: the query heads' terms on top of the first kernel's partials."""
+                      dxa_ref, dwka_ref, dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref, *dwk_ref, cfg):
+  """The second: the query heads' terms on top of the first kernel's partials (late_wk: dk, dw
+  without WK's pullback, and dwk_ref receives dwk for _inv_bwd_kernel)."""
   p = Products(cfg.precision, cfg.odt, cfg.hilo)
   common = vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
   common = (_loader(y_ref),) + common[1:]   # Y read again at the end
   grads = chunk_operands_vjp_q(
       common, _q_heads(q_ref, cfg), _heads(dqh_ref), _loader(dkh_ref), _heads(dd_ref),
       tuple(_loader(r) for r in (dwa_ref, dxa_ref, dwka_ref)), scale=cfg.scale, p=p,
-      put_dq=lambda g, dq: _put_q(dq_ref, g, dq, cfg))
-  _put_vjp(grads, (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref), cfg)
+      put_dq=lambda g, dq: _put_q(dq_ref, g, dq, cfg), late_wk=cfg.late_wk)
+  if cfg.late_wk:
+    *grads, dwk = grads
+    dwk_ref[0][...] = dwk
+  _put_vjp(tuple(grads), (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref), cfg)
 
 
 def _specs(G):
@@ -256,7 +274,8 @@ def _transport_bwd(cfg, res, cts):
   in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), one(C, 1),
               grp(C, D), one(C, D), one(D, D), grp(C, C)]   # inputs, then cotangents
   dy_shape = (B, K, n, C, 1) if cfg.fold else (B, K, n, C, C)   # fold: dbeta as a column
-  out_shape = [sd(q.shape, q.dtype), sd(k.shape, k.dtype),
+  late = cfg.late_wk and cfg.vjp2   # dk and dwk float32 to the inverse-VJP kernel
+  out_shape = [sd(q.shape, q.dtype), sd(k.shape, f32 if late else k.dtype),
                sd(w.shape, w.dtype if cfg.fold else f32), sd(dy_shape, f32),
                sd((B, K, n, 1, C), f32)]
   out_specs = [spec_q, spec_1, spec_1, one(*dy_shape[-2:]), one(1, C)]
@@ -271,10 +290,14 @@ def _transport_bwd(cfg, res, cts):
     kernel = functools.partial(_ops_bwd_q_kernel, cfg=cfg)
     in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), grp(C, D), one(C, D), grp(C, C),
                 one(C, D), one(C, C), one(C, C)]
-    aliases = {8 + i: o for i, o in ((0, 2), (1, 3))  # partial dw, dx -> dw, dy in place
-               if partial[i].shape == out_shape[o].shape and out_shape[o].dtype == f32}
-    dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape,
-                                aliases)(q, k, w, y, br, dqh, dkh, dd, *partial)
+    if late:
+      out_shape.append(partial[2])
+      out_specs.append(one(C, C))
+    aliases = {8 + i: o for i, o in ((0, 2), (1, 3), (2, 5))  # partial dw, dx, dwk in place
+               if o < len(out_shape) and partial[i].shape == out_shape[o].shape
+               and out_shape[o].dtype == f32}
+    dq, dk, dw, dy, dbr, *dwk = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape,
+                                      aliases)(q, k, w, y, br, dqh, dkh, dd, *partial)
   else:
     kernel = functools.partial(_ops_bwd_kernel, cfg=cfg)
     dq, dk, dw, dy, dbr = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
@@ -283,9 +306,13 @@ def _transport_bwd(cfg, res, cts):
     dbc = dy
   else:
     kernel = functools.partial(_inv_bwd_kernel, cfg=cfg)
-    dw, dbc = _call(cfg, kernel, (B, K, n), [spec_1, one(C, 1), one(C, C), one(C, C), spec_1],
-                    [spec_1, one(C, 1)], [sd(w.shape, w.dtype), sd((B, K, n, C, 1), f32)])(
-                        w, bc, y, dy, dw)
+    args, specs = [w, bc, y, dy, dw], [spec_1, one(C, 1), one(C, C), one(C, C), spec_1]
+    out_shape, out_specs = [sd(w.shape, w.dtype), sd((B, K, n, C, 1), f32)], [spec_1, one(C, 1)]
+    if late:
+      args, specs = args + [k, dwk[0], dk], specs + [spec_1, one(C, C), spec_1]
+      out_shape, out_specs = out_shape + [sd(k.shape, k.dtype)], out_specs + [spec_1]
+    dw, dbc, *dk_late = _call(cfg, kernel, (B, K, n), specs, out_specs, out_shape)(*args)
+    dk = dk_late[0] if late else dk
   dbeta = (dbc[..., 0] + dbr[..., 0, :]).astype(bb.dtype)
   return dq, dk, dw, dbeta
 
@@ -354,7 +381,7 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
 
 def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precision=None,
                      variant: str = "split", num_warps: int | None = 4,
-                     keep_inverse: bool = False):
+                     keep_inverse: bool = False, late_wk: bool = False):
   """Drop-in for prepass.transport_jnp (same arguments, shapes and dtypes) as Pallas kernels on
   `backend`: q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C].
 
@@ -391,7 +418,10 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   812 (D 128, 8 warps) and 36 (D 64). num_warps sets the pre-pass kernels' warps; None: each
   kernel's own, by head_dim (auto_warps). keep_inverse: the split variants keep Y from the
   forward for the VJP (one inverse kernel less there, for a [C, C] float32 residual per chunk
-  and kv head); the fold variants form Y inside their kernels and ignore it.
+  and kv head); the fold variants form Y inside their kernels and ignore it. late_wk ("split2_*"
+  only): the pullback of WK = strictLower(W K^T) (two products) runs in the inverse-VJP kernel,
+  not the q part's, which spills its tiles to DRAM (NOTES_kernel round 22); dwk and a float32
+  dk go through HBM between them.
 
   Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
   bf16 q, k, v, relative RMS against the float32 oracle): float32-accurate products 3-4e-3 in
@@ -413,7 +443,7 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
              inv_precision=accurate, odt=odt, hilo=hilo, fold=variant.startswith("fold"),
              time_major=time_major, vjp2=variant.startswith("split2"),
              num_warps=auto_warps(q.shape[-1]) if num_warps is None else num_warps,
-             keep_inverse=keep_inverse)
+             keep_inverse=keep_inverse, late_wk=late_wk and variant.startswith("split2"))
   if not time_major:
     C = bb.shape[-1]
     q, k, w = (prepass.blocked(x, C) for x in (q, k, w))

@@ -54,7 +54,8 @@ def test_lowers_for_tpu(gate, fox, D):
     ("split2_hilo+bwd_spans", False, 128, jnp.bfloat16, 4),
     ("split2_hilo+bwd_spans2", True, 64, jnp.bfloat16, 2),
     ("split2_hilo+bwd_spans2", False, 128, jnp.bfloat16, 4),
-    ("split+bwd_spans", True, 64, jnp.float32, 2)])
+    ("split+bwd_spans", True, 64, jnp.float32, 2),
+    ("split2_hilo+late_wk", True, 64, jnp.bfloat16, 2)])
 def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
   """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
   built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""
@@ -69,7 +70,8 @@ def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
   bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs, dkv_in_dq=fused,
                      dkv_span=2 if option.startswith(("dkv_span", "bwd_spans")) else 0,
                      bwd_spans=int(option[9:] or 1) if option.startswith("bwd_spans") else 0,
-                     bwd_lanes=0 if fused else None)   # (fused: with lanes, the harder layout)
+                     bwd_lanes=0 if fused else None,   # (fused: with lanes, the harder layout)
+                     prepass_late_wk=option == "late_wk")
   f = lambda *a: kp.path_attention(*a[:-1], segment_ids=a[-1], backend="gpu", block_sizes=bs)
   g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
   for fn in (f, g):

@@ -52,17 +52,22 @@ def test_chunk_inverse_correlated_w(key, w_mode):
   assert_rel_rms(got, expected, 1e-4, "Y")
 
 
-@pytest.mark.parametrize("dtype,variant,backend,keep_inverse", [
-    (dtype, variant, "interpret", False) for dtype in (jnp.float32, jnp.bfloat16)
+@pytest.mark.parametrize("dtype,variant,backend,keep_inverse,late_wk", [
+    (dtype, variant, "interpret", False, False) for dtype in (jnp.float32, jnp.bfloat16)
     for variant in ("split", "split_bf16", "fold_bf16")] + [
-    (jnp.bfloat16, "split_bf16x3", "interpret", False)] + [
-    (dtype, "split_hilo", "interpret", False) for dtype in (jnp.float32, jnp.bfloat16)] + [
-    (jnp.bfloat16, "split2_hilo", "interpret", False), (jnp.float32, "split2", "interpret", False)]
-    + [(jnp.bfloat16, "split2_hilo", "interpret", True), (jnp.float32, "split", "interpret", True)]
-    + [(jnp.float32, "fold_bf16", "tpu_interpret", False)])  # TPU: blocked inputs
-def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse):
+    (jnp.bfloat16, "split_bf16x3", "interpret", False, False)] + [
+    (dtype, "split_hilo", "interpret", False, False) for dtype in (jnp.float32, jnp.bfloat16)] + [
+    (jnp.bfloat16, "split2_hilo", "interpret", False, False),
+    (jnp.float32, "split2", "interpret", False, False)]
+    + [(jnp.bfloat16, "split2_hilo", "interpret", True, False),
+       (jnp.float32, "split", "interpret", True, False)]
+    + [(jnp.bfloat16, "split2_hilo", "interpret", False, True),
+       (jnp.float32, "split2", "interpret", True, True)]
+    + [(jnp.float32, "fold_bf16", "tpu_interpret", False, False)])  # TPU: blocked inputs
+def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse, late_wk):
   """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass; with
-  keep_inverse the VJP reads the forward's Y instead of recomputing it."""
+  keep_inverse the VJP reads the forward's Y instead of recomputing it; with late_wk WK's
+  pullback runs in the inverse-VJP kernel."""
   import functools
   from kernels_pallas.path_attention import prepass, prepass_kernel
   B, H, K, n, C, D = 2, 4, 2, 3, 16, 16
@@ -74,7 +79,8 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse):
   bb = 2 * jax.random.uniform(ks[3], (B, K, n, C), jnp.float32)
   ref = functools.partial(prepass.transport_jnp, scale=0.25, dtype=jnp.float32)
   fast = functools.partial(prepass_kernel.transport_pallas, scale=0.25, dtype=jnp.float32,
-                           backend=backend, variant=variant, keep_inverse=keep_inverse)
+                           backend=backend, variant=variant, keep_inverse=keep_inverse,
+                           late_wk=late_wk)
   outs = jax.eval_shape(ref, q, k, w, bb)
   cts = tuple(jax.random.normal(k_, s.shape) for k_, s in zip(ks[4:], outs))
 
