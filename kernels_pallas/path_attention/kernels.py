@@ -133,8 +133,8 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
                bounds=False, span=0, fine=None):
   """refs: q [C,D], k, v [n,C,D], (e [n,D,D], diag [C,C]), (fq [C,1], fk [n,1,C]),
   (sq [C,1], sk [n,1,C]), (lo [n,1,1]), (kb [n,C,D], pi [nb,D,D] with `span`) -> o [C,D],
-  lse [C,1], (with `span`: qb [R, D], the head's packed boundary states, scratch). The query chunk is grid axis chunk_axis (reversed with `reverse`, see
-  calls.chunk_grid).
+  lse [C,1], (with `span`: qb [R, D], the head's packed boundary states, scratch). The query
+  chunk is grid axis chunk_axis (reversed with `reverse`, see calls.chunk_grid).
 
   With `span` (transport; chunks cut into spans of `span` as in bwd_span.py) the tile moves
   chunk by chunk only inside its own span. At the span's start it is the boundary state
@@ -187,11 +187,11 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
     # chunk's 30.28 (122.53) at 4,16384,16,128, 6.00 (24.85) against 6.08 (24.97) at
     # 8,4096,16,128. With the crossing inside the loop over spans (its float32 state live
     # across the far keys) the kernel alone had been slower than the walk's (30.68 against
-    # 29.06 ms at 4,16384,16,128, round 19). Not better: one loop over every far key reading the state per key (29.00 / 7.01 ms forward at
-    # 4,16384,16,128 / 8,4096,16,128), and the far keys in a launch of their own (no gain at
-    # head_dim 64; at 128 it asked XLA's Triton for 384 KiB of shared memory). The crossing's
-    # products (Pi's bf16 halves) spill: 928 B a thread at 8,4096,16,128 with 4 warps, none
-    # without them (resource report).
+    # 29.06 ms at 4,16384,16,128, round 19). Not better: one loop over every far key reading
+    # the state per key (29.00 / 7.01 ms forward at 4,16384,16,128 / 8,4096,16,128), and the
+    # far keys in a launch of their own (no gain at head_dim 64; at 128 it asked XLA's Triton
+    # for 384 KiB of shared memory). The crossing's products (Pi's bf16 halves) spill: 928 B a
+    # thread at 8,4096,16,128 with 4 warps, none without them (resource report).
     def cross(i, qt):   # span J = jc-1 .. j0 (the last product moves past j0: unused)
       J = jc - 1 - i
       qb_ref[packed(J)] = qt.astype(qb_ref.dtype)

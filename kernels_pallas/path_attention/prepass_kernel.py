@@ -274,7 +274,7 @@ def _transport_bwd(cfg, res, cts):
   in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), one(C, 1),
               grp(C, D), one(C, D), one(D, D), grp(C, C)]   # inputs, then cotangents
   dy_shape = (B, K, n, C, 1) if cfg.fold else (B, K, n, C, C)   # fold: dbeta as a column
-  late = cfg.late_wk and cfg.vjp2   # dk and dwk float32 to the inverse-VJP kernel
+  late = cfg.late_wk   # (split2 only) dk and dwk float32 to the inverse-VJP kernel
   out_shape = [sd(q.shape, q.dtype), sd(k.shape, f32 if late else k.dtype),
                sd(w.shape, w.dtype if cfg.fold else f32), sd(dy_shape, f32),
                sd((B, K, n, 1, C), f32)]
