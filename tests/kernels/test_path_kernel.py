@@ -457,6 +457,13 @@ class TestGPU(PathKernelBase):
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=False,
                 block_sizes=kp.BlockSizes(prepass_keep_inverse=True))
 
+  def test_prepass_late_wk_correlated_bf16(self, key):
+    """BlockSizes(prepass_late_wk=True): the pre-pass VJP's q part leaves WK's pullback to the
+    inverse-VJP kernel (dwk and a float32 dk through HBM); grouped heads, on the correlated w
+    whose pre-pass products cancel (test_path_correlated_w's inputs and rows)."""
+    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=False, segments=False,
+                w_mode="shared:0.01", B=8, block_sizes=kp.BlockSizes(prepass_late_wk=True))
+
   @pytest.mark.parametrize("mode", [1, 2, 3])
   def test_bwd_spans_head_dim_128_bf16(self, key, mode):
     """The span-parallel backward at head_dim 128 with the default tiles (calls_span.span_pairs:
