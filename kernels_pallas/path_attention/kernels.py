@@ -190,14 +190,20 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
     # 29.06 ms at 4,16384,16,128, round 19). Not better: one loop over every far key reading
     # the state per key (29.00 / 7.01 ms forward at 4,16384,16,128 / 8,4096,16,128), and the
     # far keys in a launch of their own (no gain at head_dim 64; at 128 it asked XLA's Triton
-    # for 384 KiB of shared memory). The crossing's products (Pi's bf16 halves) spill: 928 B a
-    # thread at 8,4096,16,128 with 4 warps, none without them (resource report).
-    def cross(i, qt):   # span J = jc-1 .. j0 (the last product moves past j0: unused)
+    # for 384 KiB of shared memory). The crossing's products (Pi's bf16 halves) spill: 900 B a
+    # thread at 8,4096,16,128 with 4 warps, none without them (resource report; 928 while the
+    # loop also moved the state past the last span, a product never read: the timings above).
+    def cross(i, qt):   # store the state at span J's end, move it to J's start
       J = jc - 1 - i
       qb_ref[packed(J)] = qt.astype(qb_ref.dtype)
       return dot(qt, pi_ref[J], precision=fine)
 
-    lax.fori_loop(0, jc - j0, cross, qt)
+    # spans jc-1 .. j0+1 crossed, j0's state stored without the move past it (never read)
+    qt = lax.fori_loop(0, jnp.maximum(jc - j0 - 1, 0), cross, qt)
+
+    @pl.when(j0 < jc)
+    def _():
+      qb_ref[packed(j0)] = qt.astype(qb_ref.dtype)
 
     def far_span(J, carry):   # plain attention of qb^(s_J) against span J's moved keys
       qt = qb_ref[packed(J)]
