@@ -48,8 +48,9 @@ class BlockSizes:
                                  # pullback (two products) to the inverse-VJP kernel, dwk and
                                  # dk going through HBM as float32. The q part spills to DRAM
                                  # (ncu, H200, 32,2048,32,64: 8.3 GB of local traffic, tensor
-                                 # pipe 14% busy); without those products it reports 696 B of
-                                 # spills a thread against 1,048 (resource report). Untimed
+                                 # pipe 14% busy); with this option the q part reports 764 B
+                                 # of spills a thread against 1,048 and the inverse VJP none
+                                 # (resource report, 2,2048,2,2,64). Untimed
   keep_operands: bool = True     # keep the pre-pass's outputs from the forward for the backward
                                  # instead of running the pre-pass again there: fwd+bwd 8.81 ->
                                  # 8.24 ms at 16,2048,12,64 on the H100 (8.11 with auto lanes),

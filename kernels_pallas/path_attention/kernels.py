@@ -198,8 +198,9 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
       qb_ref[packed(J)] = qt.astype(qb_ref.dtype)
       return dot(qt, pi_ref[J], precision=fine)
 
-    # spans jc-1 .. j0+1 crossed, j0's state stored without the move past it (never read)
-    qt = lax.fori_loop(0, jnp.maximum(jc - j0 - 1, 0), cross, qt)
+    # spans jc-1 .. j0+1 crossed (no step when j0 >= jc - 1), j0's state stored without the
+    # move past it (never read)
+    qt = lax.fori_loop(0, jc - j0 - 1, cross, qt)
 
     @pl.when(j0 < jc)
     def _():
