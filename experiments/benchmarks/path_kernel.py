@@ -186,7 +186,8 @@ def _block_sizes_of(spec):
   forward (PaTH without the gate), nfs the forward walking every chunk (fwd_spans off; fs:
   on),
   nfp one query chunk per far dq tile (far_dq_pairs off; fp: on), nkp one key chunk per far
-  dk/dv tile (far_dkv_pairs off), ky the pre-pass keeps its inverse Y for its VJP
+  dk/dv tile (far_dkv_pairs off), nkm / km the far dk/dv kernel's tiles query-major / key-major
+  (far_dkv_keys_major), ndm / dm the dk/dv kernel's likewise (dkv_keys_major), fr32 its query rows a step (far_dkv_rows), ky the pre-pass keeps its inverse Y for its VJP
   (prepass_keep_inverse), lw the pre-pass VJP's WK pullback in its inverse-VJP kernel
   (prepass_late_wk), gc / gm the gate's column sums carried / on the tensor cores
   (gate_colsum "carry" / "mma"),
@@ -220,6 +221,12 @@ def _block_sizes_of(spec):
   changes.update({"far_dq_pairs": False} if "nfp" in spec else
                  {"far_dq_pairs": True} if "fp" in spec else {})
   changes.update({"far_dkv_pairs": False} if "nkp" in spec else {})
+  changes.update({"far_dkv_keys_major": False} if "nkm" in spec else
+                 {"far_dkv_keys_major": True} if "km" in spec else {})
+  changes.update({"dkv_keys_major": False} if "ndm" in spec else
+                 {"dkv_keys_major": True} if "dm" in spec else {})
+  rows = num(r"fr(\d+)")
+  changes.update({"far_dkv_rows": rows} if rows else {})
   changes.update({"prepass_keep_inverse": True} if "ky" in spec else {})
   changes.update({"prepass_late_wk": True} if "lw" in spec else {})
   changes.update({"gate_colsum": "carry"} if "gc" in spec else

@@ -114,6 +114,14 @@ class BlockSizes:
                                  # block_q); None: half a chunk with key pairs at head_dim > 64
                                  # (resource report, bf16, 8 warps: 836 -> 244 B of spills a
                                  # thread at 128), else a chunk
+  dkv_keys_major: bool | None = None  # the dk/dv kernel's tiles as [keys, queries]
+                                 # (bwd_kernels.dkv_step_keys, as far_dkv_keys_major) instead
+                                 # of [queries, keys]; None: on. UNTIMED
+  far_dkv_keys_major: bool | None = None  # the far dk/dv kernel's tiles as [keys, queries]
+                                 # (bwd_kernels.dkv_step_keys: every product's M is the key
+                                 # rows, no register tile transposed, the gate's column sums
+                                 # a reduction over lanes) instead of [queries, keys]; its query
+                                 # chunk then goes whole (far_dkv_rows None). None: on. UNTIMED
   gate_colsum: str = "mma"       # with a gate, how the dk/dv kernels sum dS over query rows
                                  # for dfk (bwd_kernels.minus_col_sums): "reduce" every step;
                                  # "carry" a float32 tile of the logits' shape, reduced once at

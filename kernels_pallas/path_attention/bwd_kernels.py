@@ -187,6 +187,51 @@ def dkv_step(query, kc, mop, dk, dv, dfk, *, scale, transport, precision):
   return dk, dv, tuple(dfk)
 
 
+def dkv_step_keys(query, kc, mop, dk, dv, dfk, *, scale, transport, precision, causal=False,
+                  diag=None):
+  """dkv_step (or with `diag`, dkv_diagonal) in key-major tiles: every tile is [S keys, R
+  queries], so the key rows are M in all four products (l^T = k~ q^T, dP^T = v dO^T, dv +=
+  p^T dO, dS^T q^ with p^T, dS^T formed as they are used) and no register tile is transposed;
+  the query-major form transposes p and dS for its dv and dk products, and with R < 64 rows at
+  8 warps its l and dP products fall back from wgmma to mma.sync (triton 3.9's PTX, head_dim
+  128). query(g): head g's q, dO [R, D] and lse, delta, (fq, sq) as rows [1, R]; kc: k, v
+  [S, D], fk (a list over heads) and sk as columns [S, 1]; dfk: [S, 1] float32 accumulators,
+  colsum(dS) taken over the queries (a reduction along a row: no cross-warp round trip).
+  causal: the diagonal chunk (key <= query); its logits are diag(g), the in-chunk logits [C
+  queries, C keys] with transport (transposed here, once per program), else formed from k."""
+  dt = kc["k"].dtype
+  S = kc["k"].shape[0]
+  kt = kc["k"]
+  if transport and diag is None:
+    kt = dot(kc["k"], mop.astype(dt), tb=True, precision=precision).astype(dt)
+  a = jnp.zeros(dk.shape, jnp.float32) if transport and diag is None else None
+  dfk = list(dfk)
+  for g in range(len(dfk)):
+    qc = query(g)
+    gate_, ok = tile_mask(S, causal=False, fq=qc["fq"], fk=kc["fk"][g], sq=qc["sq"],
+                          sk=kc["sk"])
+    if causal:
+      seen = (lax.broadcasted_iota(jnp.int32, (S, S), 0)
+              <= lax.broadcasted_iota(jnp.int32, (S, S), 1))
+      ok = seen if ok is None else ok & seen
+    if diag is not None:
+      st = diag(g).astype(jnp.float32).T
+    else:
+      st = scale * dot(kt, qc["q"], tb=True, precision=precision)
+    pt = jnp.exp(logits(st, gate_, ok) - qc["lse"])
+    dst = pt * (dot(kc["v"], qc["do"], tb=True, precision=precision) - qc["delta"])
+    dv += dot(pt.astype(dt), qc["do"], precision=precision)
+    if a is not None:
+      a += dot(dst.astype(dt), qc["q"], precision=precision)   # dS^T q^, over heads
+    elif not (transport and diag is not None):   # with transport the diagonal's dS is the pre-pass's
+      dk += dot((scale * dst).astype(dt), qc["q"], precision=precision)
+    if qc["fq"] is not None:
+      dfk[g] = dfk[g] - jnp.sum(dst, axis=1, keepdims=True)
+  if a is not None:
+    dk += scale * dot(a.astype(dt), mop.astype(dt), precision=precision)
+  return dk, dv, tuple(dfk)
+
+
 def dkv_diagonal(query, kc, diag, dk, dv, dfk, *, scale, transport, precision):
   """The diagonal chunk c = m of every head (query(g), diag(g): head g's tiles and in-chunk
   logits); with transport its dS goes to the pre-pass (the dq kernels write it), so only dv and
@@ -207,7 +252,7 @@ def dkv_diagonal(query, kc, diag, dk, dv, dfk, *, scale, transport, precision):
 
 
 def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, bounds=False,
-               span=0, far_out=False, far_in=False, gate_colsum="reduce"):
+               span=0, far_out=False, far_in=False, gate_colsum="reduce", keys_major=False):
   """In: q, do [G, n, C, D]; k, v [n, C, D]; (e [n, D, D]); lse, delta, (fq) [G, n, C, 1]; (fk) [G, n, 1, C];
   (sq [n, C, 1], sk [n, 1, C]); (diag [G, n, C, C]); (lo, hi [n, 1, 1]); (qb [G, R, D]
   with span: the boundary states packed, kernels.boundary_offset). Out: dk, dv [C, D] of key chunk m, (dfk [G, 1, C]). With `bounds` the walk stops
@@ -222,7 +267,10 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   too (zero for the last span's chunks). With `far_in` (bwd_spans 3) another launch
   (bwd_span.far_dkv_kernel) walked the far query chunks: its a, dv [C, D] and (dfk [G, 1, C])
   float32 of chunk m come in where qb would, and only the operator walk inside the span runs
-  here. gate_colsum: the form of dfk's column sums (col_sums_init, minus_col_sums)."""
+  here. gate_colsum: the form of dfk's column sums (col_sums_init, minus_col_sums).
+  keys_major (BlockSizes.dkv_keys_major): key-major tiles (dkv_step_keys); lse, delta, (fq) then
+  come in as rows [G, n, 1, C], (sq [n, 1, C]), fk as columns [G, n, C, 1], (sk [n, C, 1]),
+  and dfk (and fdfk) are columns [G, C, 1]: the same memory as the other layout's."""
   far_spec = [("qb", transport and span > 0 and not far_in), ("fa", far_in), ("fdv", far_in),
               ("fdfk", far_in and gate)]
   r = _unpack(refs, _in_spec(transport, gate, segments, bounds) + far_spec
@@ -239,16 +287,24 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
                 delta=r["delta"][g, c])
 
   kw = dict(scale=scale, transport=transport, precision=precision)
-  dfk = tuple(col_sums_init(gate_colsum, C, C, gate=gate, exact=r["q"].dtype == f32)
-              for _ in range(G))
-  dk, dv, dfk = dkv_diagonal(lambda g: query(g, m), kc, lambda g: r["diag"][g, m],
-                             jnp.zeros((C, D), f32), jnp.zeros((C, D), f32), dfk, **kw)
+  zeros = lambda: (jnp.zeros((C, D), f32), jnp.zeros((C, D), f32))
+  total = (lambda x: x) if keys_major else col_total   # dfk's accumulator -> its output
+  if keys_major:
+    walk = dkv_step_keys
+    dfk = tuple(jnp.zeros((C, 1), f32) for _ in range(G))
+    dk, dv, dfk = dkv_step_keys(lambda g: query(g, m), kc, None, *zeros(), dfk, causal=True,
+                                diag=(lambda g: r["diag"][g, m]) if transport else None, **kw)
+  else:
+    walk = dkv_step
+    dfk = tuple(col_sums_init(gate_colsum, C, C, gate=gate, exact=r["q"].dtype == f32)
+                for _ in range(G))
+    dk, dv, dfk = dkv_diagonal(lambda g: query(g, m), kc, lambda g: r["diag"][g, m], *zeros(),
+                               dfk, **kw)
 
   def body(c, carry):
     mop, dk, dv, dfk = carry
     first = query(0, c)  # head 0's loads ahead of the operator product, the others lazily
-    dk, dv, dfk = dkv_step(lambda g: first if g == 0 else query(g, c), kc, mop, dk, dv, dfk,
-                           **kw)
+    dk, dv, dfk = walk(lambda g: first if g == 0 else query(g, c), kc, mop, dk, dv, dfk, **kw)
     if transport:
       mop = mop - dot(r["e"][c], mop.astype(r["q"].dtype), precision=precision)  # P_c M
     return mop, dk, dv, dfk
@@ -268,8 +324,8 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
       def step(carry):
         a, dv, dfk = carry
         t = boundary_rows(j, c, C, n=n, span=span, C=C)
-        return dkv_step(lambda g: query(g, c, q=r["qb"][g, t]), far, None, a, dv, dfk,
-                        scale=scale, transport=False, precision=precision)
+        return walk(lambda g: query(g, c, q=r["qb"][g, t]), far, None, a, dv, dfk,
+                    scale=scale, transport=False, precision=precision)
 
       if not bounds:
         return step(carry)
@@ -280,7 +336,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
 
     if far_in:
       a, dv = r["fa"][...], dv + r["fdv"][...]
-      dfk = tuple(col_total(dfk[g]) + r["fdfk"][g] for g in range(G)) if gate else dfk
+      dfk = tuple(total(dfk[g]) + r["fdfk"][g] for g in range(G)) if gate else dfk
     else:
       far = dict(kc, k=dot(kc["k"], mop, tb=True, precision=precision).astype(dt))
       a, dv, dfk = lax.fori_loop(s, end, far_body, (jnp.zeros((C, D), f32), dv, dfk))
@@ -291,7 +347,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
   r["dv"][...] = dv.astype(r["dv"].dtype)
   if gate:
     for g in range(G):
-      r["dfk"][g] = col_total(dfk[g])
+      r["dfk"][g] = total(dfk[g])
 
 
 def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, bounds=False,

@@ -35,8 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, col_sums_init,
-                                                       col_total, dkv_step, dq_step, pair_state,
-                                                       tile_grads)
+                                                       col_total, dkv_step, dkv_step_keys, dq_step,
+                                                       pair_state, tile_grads)
 from kernels_pallas.path_attention.kernels import boundary_rows, chunk_bound, chunk_id, dot
 
 
@@ -158,7 +158,7 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
 
 
 def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_axis, pairs,
-                   rows, gate_colsum="reduce"):
+                   rows, gate_colsum="reduce", keys_major=False):
   """Program (key tile, kv head, batch): key chunk m, or with `pairs` chunks m, m + 1 (m even;
   the span is even, so both lie in one span) as one 2C-row key tile, the last program of an odd
   n taking its chunk alone. In: qb [G, R, D] of the group's heads (packed:
@@ -170,7 +170,10 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
   operands once for two key chunks and gives the products twice the columns. A query chunk
   goes in `rows`-row parts (C or a divisor): the [rows, 2C] logit-sized tiles are the ones a
   step's products leave live beside the two accumulators. gate_colsum: the form of dfk's column
-  sums (bwd_kernels.col_sums_init)."""
+  sums (bwd_kernels.col_sums_init). keys_major (BlockSizes.far_dkv_keys_major): the tiles are
+  [keys, queries] (bwd_kernels.dkv_step_keys); the query-side vectors then come in as rows
+  (lse, delta, fq [G, n, 1, C], sq [n, 1, C]), the key-side ones as columns (fk [G, n*C, 1],
+  sk [n*C, 1]) and dfk goes out as [G, n*C, 1]: the same memory as the other layout's."""
   r = _unpack(refs, [("qb", True), ("kb", True), ("v", True), ("do", True), ("lse", True),
                      ("delta", True), ("fq", gate), ("fk", gate), ("sq", segments),
                      ("sk", segments), ("lo", bounds), ("hi", bounds), ("a", True), ("dv", True),
@@ -188,18 +191,28 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
               fk=[r["fk"][g, :, keys] if gate else None for g in range(G)],
               sk=r["sk"][:, keys] if segments else None)
 
+    if keys_major:   # key-side vectors as columns
+      kc.update(fk=[r["fk"][g, keys, :] if gate else None for g in range(G)],
+                sk=r["sk"][keys, :] if segments else None)
+
     def query(g, c, h):   # rows h R .. (h + 1) R of query chunk c
       t = pl.ds(h * rows, rows)
+      # a row [1, R] (keys_major) or a column [R, 1]; `lead` the head index, if any
+      vec = lambda x, *lead: x[lead + ((c, slice(None), t) if keys_major else (c, t))]
       qb = boundary_rows(j, c, C, n=n, span=span, C=C)
       return dict(q=r["qb"][g, pl.ds(pl.multiple_of(qb.start + h * rows, rows), rows)],
-                  fq=r["fq"][g, c, t] if gate else None, sq=r["sq"][c, t] if segments else None,
-                  lse=r["lse"][g, c, t], do=r["do"][g, c, t], delta=r["delta"][g, c, t])
+                  fq=vec(r["fq"], g) if gate else None, sq=vec(r["sq"]) if segments else None,
+                  lse=vec(r["lse"], g), do=r["do"][g, c, t], delta=vec(r["delta"], g))
 
     def body(c, carry):
       def step(carry):
         for h in range(C // rows):
-          carry = dkv_step(lambda g: query(g, c, h), kc, None, *carry, scale=scale,
-                           transport=False, precision=precision)
+          if keys_major:
+            carry = dkv_step_keys(lambda g: query(g, c, h), kc, None, *carry, scale=scale,
+                                  transport=False, precision=precision)
+          else:
+            carry = dkv_step(lambda g: query(g, c, h), kc, None, *carry, scale=scale,
+                             transport=False, precision=precision)
         return carry
 
       if not bounds:
@@ -210,14 +223,20 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
     end = n
     if bounds:
       end = jnp.maximum(chunk_bound(r["hi"], m), chunk_bound(r["hi"], last)) + 1
-    init = (jnp.zeros((size, D), f32), jnp.zeros((size, D), f32),
-            tuple(col_sums_init(gate_colsum, rows, size, gate=gate, exact=r["do"].dtype == f32)
-                  for _ in range(G)))
+    if keys_major:
+      sums = tuple(jnp.zeros((size, 1), f32) for _ in range(G))
+    else:
+      sums = tuple(col_sums_init(gate_colsum, rows, size, gate=gate, exact=r["do"].dtype == f32)
+                   for _ in range(G))
+    init = (jnp.zeros((size, D), f32), jnp.zeros((size, D), f32), sums)
     a, dv, dfk = lax.fori_loop((j + 1) * span, end, body, init)   # empty for the last span
     r["a"][keys] = a
     r["dv"][keys] = dv
     for g in range(G) if gate else ():
-      r["dfk"][g, :, keys] = col_total(dfk[g])
+      if keys_major:
+        r["dfk"][g, keys, :] = dfk[g]
+      else:
+        r["dfk"][g, :, keys] = col_total(dfk[g])
 
   if not pairs:
     tile(C)

@@ -391,15 +391,21 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   f32 = jnp.float32
   grid, ids, axis = chunk_grid(B, K, n, backend)
   bounds = _bounds(ops, backend)
+  km = dkv_keys_major(bs)
+  if km:   # query-side vectors as rows, key-side ones as columns (dkv_kernel's keys_major)
+    ops = ops._replace(fq=as_rows(ops.fq), fk=as_cols(ops.fk), sq=as_rows(ops.sq),
+                       sk=as_cols(ops.sk))
+    lse, delta = as_rows(lse), as_rows(delta)
+  vec = (C, 1) if km else (1, C)   # dfk's block: a column or a row of the key chunk
   args, specs, grp = _bwd_inputs(ops, do, lse, delta, lambda *p: ids(*p)[:2], bounds=bounds)
   span = dkv_span(ops, bs, backend)
   chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda *p: ids(*p) + (0, 0))
   if span and far_in is not None:
     fa, fdv, fdfk = far_in
-    args += [fa, fdv] + ([fdfk] if f["gate"] else [])
+    args += [fa, fdv] + ([fdfk.reshape(B, H, n, *vec)] if f["gate"] else [])
     specs += [chunk(fa), chunk(fdv)]
     if f["gate"]:
-      specs.append(pl.BlockSpec((None, G, None, 1, C), lambda *p: ids(*p) + (0, 0)))
+      specs.append(pl.BlockSpec((None, G, None) + vec, lambda *p: ids(*p) + (0, 0)))
   elif span:
     if qb is None:
       raise ValueError("dkv_span: backward_dkv needs the boundary states qb of backward_dq")
@@ -409,8 +415,8 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt)] * 2
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
   if f["gate"]:
-    out_shape.append(jax.ShapeDtypeStruct((B, H, n, 1, C), f32))
-    out_specs.append(pl.BlockSpec((None, G, None, 1, C), lambda *p: ids(*p) + (0, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((B, H, n) + vec, f32))
+    out_specs.append(pl.BlockSpec((None, G, None) + vec, lambda *p: ids(*p) + (0, 0)))
   far_out = far_out and bool(span)
   if far_out:
     out_shape.append(jax.ShapeDtypeStruct((B, K, n, C, D), f32))
@@ -418,7 +424,7 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   kernel = functools.partial(bwd_kernels.dkv_kernel, scale=scale, precision=precision,
                              chunk_axis=axis, bounds=bounds, span=span, far_out=far_out,
                              far_in=bool(span) and far_in is not None,
-                             gate_colsum=bs.gate_colsum, **f)
+                             gate_colsum=bs.gate_colsum, keys_major=km, **f)
   # Without grouped heads two stages fit in shared memory at head_dim 128 too, and pay (H200
   # dk/dv 14.1 -> 13.6 ms at 8,4096,16,128, 112.9 -> 100.0 ms at 4,16384,16,128); with G = 2
   # they ask for 273 of 227 KiB. Grouped float32 heads take one stage at every head_dim (G = 2,
@@ -428,7 +434,7 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
                stages=bs.num_stages or stages)(*args)
   grads = dict(k=outs[0], v=outs[1])
   if f["gate"]:
-    grads["fk"] = outs[2]
+    grads["fk"] = outs[2].reshape(B, H, n, 1, C)
   if far_out:
     grads["a"] = outs[-1]
   return grads
@@ -459,6 +465,22 @@ def _sm_count(backend: str) -> int:
     if count:
       return int(count)
   return 132
+
+
+def as_rows(x):
+  """[..., n, C, 1] -> [..., n, 1, C] (None stays None): a query-side vector as a row, for the
+  key-major dk/dv kernels (the same memory: a bitcast)."""
+  return None if x is None else x.reshape(x.shape[:-2] + (1, x.shape[-2]))
+
+
+def as_cols(x):
+  """[..., n, 1, C] -> [..., n, C, 1] (None stays None): a key-side vector as a column."""
+  return None if x is None else x.reshape(x.shape[:-2] + (x.shape[-1], 1))
+
+
+def dkv_keys_major(bs: BlockSizes) -> bool:
+  """Whether the dk/dv kernel runs key-major tiles (BlockSizes.dkv_keys_major; None: on)."""
+  return True if bs.dkv_keys_major is None else bs.dkv_keys_major
 
 
 def _merged(x):

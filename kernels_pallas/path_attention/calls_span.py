@@ -119,22 +119,31 @@ def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, b
                                lambda *p: (ids(*p)[0], ids(*p)[1]) + (0,) * (x.ndim - 2))
   kv = lambda x: calls._full(x, ids, lambda h: h)
   seg = lambda x: calls._full(x, ids, lambda h: 0)
-  lanes = lambda x: None if x is None else x.reshape(x.shape[:2] + (1, n * C))  # [.., n, 1, C]
+  keys_major = far_dkv_keys_major(bs)
+  # Key-side vectors [.., n, 1, C] as one row of keys [.., 1, n*C], or (keys_major) a column
+  # [.., n*C, 1]; keys_major takes the query-side [.., n, C, 1] as rows [.., n, 1, C]. Each is
+  # the same memory (a bitcast).
+  keys = lambda x: None if x is None else x.reshape(
+      x.shape[:2] + ((n * C, 1) if keys_major else (1, n * C)))
+  rows = lambda x: x if x is None or not keys_major else x.reshape(x.shape[:3] + (1, C))
   kbm, vm = calls._merged(kb), calls._merged(ops.v)
-  args = [qb, kbm, vm, do, lse, delta]
-  specs = [grp(qb), kv(kbm), kv(vm), grp(do), grp(lse), grp(delta)]
-  more, more_specs = _optional_inputs(ops._replace(fk=lanes(ops.fk), sk=lanes(ops.sk)), bounds,
-                                      query=grp, seg=seg, hi=True)
+  args = [qb, kbm, vm, do, rows(lse), rows(delta)]
+  specs = [grp(qb), kv(kbm), kv(vm), grp(do), grp(args[4]), grp(args[5])]
+  more, more_specs = _optional_inputs(
+      ops._replace(fq=rows(ops.fq), fk=keys(ops.fk), sq=rows(ops.sq), sk=keys(ops.sk)), bounds,
+      query=grp, seg=seg, hi=True)
   args, specs = args + more, specs + more_specs
   out_shape = [jax.ShapeDtypeStruct((B, K, n * C, D), jnp.float32)] * 2
   if f["gate"]:
-    out_shape.append(jax.ShapeDtypeStruct((B, H, 1, n * C), jnp.float32))
+    out_shape.append(jax.ShapeDtypeStruct((B, H) + ((n * C, 1) if keys_major else (1, n * C)),
+                                          jnp.float32))
   out_specs = [kv(out_shape[0]), kv(out_shape[1])] + [grp(x) for x in out_shape[2:]]
   kernel = functools.partial(bwd_span.far_dkv_kernel, scale=scale, span=span, bounds=bounds,
                              precision=precision, chunk_axis=axis, gate=f["gate"],
                              segments=f["segments"], pairs=pairs,
-                             gate_colsum=bs.gate_colsum,
-                             rows=bs.far_dkv_rows or (C // 2 if pairs and D > 64 else C))
+                             gate_colsum=bs.gate_colsum, keys_major=keys_major,
+                             rows=bs.far_dkv_rows or (C // 2 if pairs and D > 64 and
+                                                      not keys_major else C))
   # 2C-row key tiles take 8 warps (resource report, bf16, no gate: 1,144 B of spills a thread
   # with 4 at head_dim 64, 20 with 8; at 128 with 64-row query parts 244 with 8, 3,824 with 4)
   outs = calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True,
@@ -180,6 +189,11 @@ def far_dkv_pairs(bs: calls.BlockSizes, *, dtype, backend: str) -> bool:
   and `test_bwd_spans[float32-True-False-3]` failed on the H200 (2026-11-25); the interpreter
   has no such limit."""
   return bs.far_dkv_pairs and (jnp.dtype(dtype).itemsize <= 2 or backend != "gpu")
+
+
+def far_dkv_keys_major(bs: calls.BlockSizes) -> bool:
+  """Whether the far dk/dv kernel runs key-major tiles (BlockSizes.far_dkv_keys_major)."""
+  return True if bs.far_dkv_keys_major is None else bs.far_dkv_keys_major
 
 
 def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,

@@ -54,6 +54,8 @@ def test_lowers_for_tpu(gate, fox, D):
     ("split2_hilo+bwd_spans", False, 128, jnp.bfloat16, 4),
     ("split2_hilo+bwd_spans2", True, 64, jnp.bfloat16, 2),
     ("split2_hilo+bwd_spans2", False, 128, jnp.bfloat16, 4),
+    ("split2_hilo+bwd_spans3", True, 64, jnp.bfloat16, 2),
+    ("split2_hilo+bwd_spans3", False, 128, jnp.bfloat16, 4),
     ("split+bwd_spans", True, 64, jnp.float32, 2),
     ("split2_hilo+late_wk", True, 64, jnp.bfloat16, 2)])
 def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
