@@ -111,18 +111,33 @@ class BlockSizes:
                                  # at a time as one 2C-row tile: each query chunk's operands are
                                  # read once for both, the products twice as wide
   far_dkv_rows: int | None = None  # query rows per step of the far dk/dv kernel (a divisor of
-                                 # block_q); None: half a chunk with key pairs at head_dim > 64
+                                 # block_q); None: a chunk key-major (far_dkv_keys_major), else
+                                 # half a chunk with key pairs at head_dim > 64
                                  # (resource report, bf16, 8 warps: 836 -> 244 B of spills a
                                  # thread at 128), else a chunk
   dkv_keys_major: bool | None = None  # the dk/dv kernel's tiles as [keys, queries]
                                  # (bwd_kernels.dkv_step_keys, as far_dkv_keys_major) instead
-                                 # of [queries, keys]; None: on. UNTIMED
+                                 # of [queries, keys]: fewer layout round trips through shared
+                                 # memory (triton 3.9 PTX at head_dim 64: 12 / 8 ldmatrix /
+                                 # stmatrix against 28 / 32). None: on. H200, one call, fwd+bwd
+                                 # on / off: 27.84 / 28.45 ms at 32,2048,32,64, 56.04 / 57.09 at
+                                 # 8,8192,32,64, PaTH-FoX 29.46 / 31.37 at 32,2048,32,64;
+                                 # 23.02 / 23.01 and 103.14 / 103.43 at the head_dim-128
+                                 # shapes (2026-11-26)
   far_dkv_keys_major: bool | None = None  # the far dk/dv kernel's tiles as [keys, queries]
                                  # (bwd_kernels.dkv_step_keys: every product's M is the key
                                  # rows, no register tile transposed, the gate's column sums
-                                 # a reduction over lanes) instead of [queries, keys]; its query
-                                 # chunk then goes whole (far_dkv_rows None). None: on. UNTIMED
-  gate_colsum: str = "mma"       # with a gate, how the dk/dv kernels sum dS over query rows
+                                 # a reduction along rows) instead of [queries, keys]; its query
+                                 # chunk then goes whole (far_dkv_rows None). With 32-row query
+                                 # parts the query-major l and dP products fell back from wgmma
+                                 # to mma.sync at head_dim 128 (triton 3.9 PTX: 128 mma.sync, 8
+                                 # wgmma; key-major 24 wgmma, none). None: on. H200, one call,
+                                 # fwd+bwd on / off / on with 32-row parts: 104.51 / 116.61 /
+                                 # 108.40 ms at 4,16384,16,128, 23.27 / 24.86 / 23.72 at
+                                 # 8,4096,16,128 (2026-11-26)
+  gate_colsum: str = "mma"       # with a gate and query-major tiles (dkv_keys_major /
+                                 # far_dkv_keys_major off; key-major tiles sum along their rows),
+                                 # how the dk/dv kernels sum dS over query rows
                                  # for dfk (bwd_kernels.minus_col_sums): "reduce" every step;
                                  # "carry" a float32 tile of the logits' shape, reduced once at
                                  # the end; "mma" a [C, 16] float32 tile from tensor-core

@@ -163,12 +163,13 @@ class PathKernelBase:
     half-chunk query parts there, as at head_dim 128); float32 deterministic. Documents alternating every two chunks make
     far tiles that are wholly masked and adjoints that start past a boundary. (They run in
     float32: in bf16 the GPU's dlog_forget error there is 0.7-1.3e-2 for every backward form,
-    the sequential sweep's included, NOTES_kernel round 17.) With pairs the dk/dv kernels also
-    sum the gate's columns as a carried tile, or on the tensor cores in form 3
-    (BlockSizes.gate_colsum); without pairs, reduce every step."""
+    the sequential sweep's included, NOTES_kernel round 17.) The dk/dv kernels take key-major
+    tiles (the default), or in forms 1 and 2 with alternating documents query-major ones, which
+    sum the gate's columns on the tensor cores (BlockSizes.gate_colsum's default)."""
+    keys_major = not alternating or mode == 3
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_spans=mode,
+                       dkv_keys_major=keys_major, far_dkv_keys_major=keys_major,
                        dq_pairs=pairs, far_dq_pairs=pairs, far_dkv_pairs=pairs,
-                       gate_colsum="reduce" if not pairs else "mma" if mode == 3 else "carry",
                        far_dkv_rows=self.block // 2 if mode == 3 and alternating else None)
     self._check(key, H=4, K=2, dtype=dtype, gate=True, T=7 * self.block - 12, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}" if alternating else True,
@@ -190,12 +191,13 @@ class PathKernelBase:
   def test_path_gate_bf16(self, key):
     self._check(key, H=2, K=1, dtype=jnp.bfloat16, gate=True, segments=False)
 
-  @pytest.mark.parametrize("colsum", ["reduce", "carry", "mma"])
+  @pytest.mark.parametrize("colsum", ["keys_major", "reduce", "carry", "mma"])
   def test_fox_segments_gqa_f32(self, key, colsum):
-    """FoX's dk/dv kernel with each form of its gate column sums (BlockSizes.gate_colsum)."""
+    """FoX's dk/dv kernel in key-major tiles (the default), and query-major with each form of
+    its gate column sums (BlockSizes.gate_colsum)."""
+    tiles = {} if colsum == "keys_major" else dict(dkv_keys_major=False, gate_colsum=colsum)
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True, fox=True,
-                block_sizes=kp.BlockSizes(block_q=self.block, block_k=self.block,
-                                          gate_colsum=colsum))
+                block_sizes=kp.BlockSizes(block_q=self.block, block_k=self.block, **tiles))
 
   @pytest.mark.parametrize("segments", ["short", "interleaved"])
   def test_path_skips_chunks_before_the_document(self, key, segments):
