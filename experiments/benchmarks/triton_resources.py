@@ -8,8 +8,10 @@
 Lowers jax.grad of `kernels_pallas.path_attention` for the GPU (no GPU needed: the Triton IR is
 built at lowering time), catches each kernel's Triton module with the num_warps / num_stages
 that calls.py chose, compiles it for sm_90a with the `triton` Python package and reads the
-shared memory from its metadata and the registers and spill bytes from `ptxas -v`. One table,
-one row per kernel launch, in launch order.
+shared memory from its metadata, the registers and spill bytes from `ptxas -v`, and from the
+PTX the count of Hopper (wgmma) and Ampere (mma.sync) MMA instructions and of ldmatrix /
+stmatrix (register <-> shared layout round trips). One table, one row per kernel launch, in
+launch order.
 
 Estimates, not the device's numbers: XLA compiles the same IR with its own pinned Triton, whose
 passes differ from the package's. Measured against the H100 (jax 0.11.2, 2026-11-23), with
@@ -103,10 +105,17 @@ def resources(text: str, *, num_warps: int, num_stages: int) -> dict:
                             capture_output=True, text=True).stderr
   regs = re.search(r"Used (\d+) registers", report)
   spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+  ptx_text = compiled.asm["ptx"]
+  count = lambda pattern: len(re.findall(pattern, ptx_text))
   return {"shared_kib": compiled.metadata.shared / 1024,
           "registers": int(regs.group(1)) if regs else None,
           "spill_store": int(spill.group(1)) if spill else None,
-          "spill_load": int(spill.group(2)) if spill else None}
+          "spill_load": int(spill.group(2)) if spill else None,
+          # Hopper MMA (wgmma) against the Ampere one (mma.sync): a product whose M is below a
+          # warpgroup's 64 rows falls back to the latter (NOTES_kernel round 24); ldmatrix /
+          # stmatrix count register <-> shared-memory layout round trips
+          "wgmma": count(r"wgmma\.mma_async"), "mma_sync": count(r"mma\.sync"),
+          "ldmatrix": count(r"ldmatrix"), "stmatrix": count(r"stmatrix")}
 
 
 def main() -> None:
@@ -129,12 +138,14 @@ def main() -> None:
                           segments=a.segments, block_sizes=_block_sizes(a.block_sizes))
   limit_kib = 227  # per block on the H100 / H200
   print(f"{'kernel':20s} {'warps':>5s} {'stages':>6s} {'shared KiB':>10s} {'regs':>5s} "
-        f"{'spill st/ld B':>14s}")
+        f"{'spill st/ld B':>14s} {'wgmma/mma.sync':>15s} {'ld/stmatrix':>12s}")
   for name, text, warps, stages in mods:
     r = resources(text, num_warps=warps, num_stages=stages)
     flag = "  > 227 KiB" if r["shared_kib"] > limit_kib else ""
     print(f"{name:20s} {warps:5d} {stages:6d} {r['shared_kib']:10.1f} {r['registers'] or '?':>5} "
-          f"{r['spill_store']}/{r['spill_load']:<8}{flag}")
+          f"{str(r['spill_store']) + '/' + str(r['spill_load']):>14s} "
+          f"{str(r['wgmma']) + '/' + str(r['mma_sync']):>15s} "
+          f"{str(r['ldmatrix']) + '/' + str(r['stmatrix']):>12s}{flag}")
 
 
 if __name__ == "__main__":
