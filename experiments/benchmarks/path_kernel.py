@@ -187,7 +187,7 @@ def _block_sizes_of(spec):
   on),
   nfp one query chunk per far dq tile (far_dq_pairs off; fp: on), nkp one key chunk per far
   dk/dv tile (far_dkv_pairs off), nkm / km the far dk/dv kernel's tiles query-major / key-major
-  (far_dkv_keys_major), ndm / dm the dk/dv kernel's likewise (dkv_keys_major), fr32 its query rows a step (far_dkv_rows), ky the pre-pass keeps its inverse Y for its VJP
+  (far_dkv_keys_major), fdw4 the far dq kernel's warps, ndm / dm the dk/dv kernel's likewise (dkv_keys_major), fr32 its query rows a step (far_dkv_rows), ky the pre-pass keeps its inverse Y for its VJP
   (prepass_keep_inverse), lw the pre-pass VJP's WK pullback in its inverse-VJP kernel
   (prepass_late_wk), gc / gm the gate's column sums carried / on the tensor cores
   (gate_colsum "carry" / "mma"),
@@ -227,6 +227,8 @@ def _block_sizes_of(spec):
                  {"dkv_keys_major": True} if "dm" in spec else {})
   rows = num(r"fr(\d+)")
   changes.update({"far_dkv_rows": rows} if rows else {})
+  fdw = num(r"fdw(\d+)")
+  changes.update({"far_dq_num_warps": fdw} if fdw else {})
   changes.update({"prepass_keep_inverse": True} if "ky" in spec else {})
   changes.update({"prepass_late_wk": True} if "lw" in spec else {})
   changes.update({"gate_colsum": "carry"} if "gc" in spec else

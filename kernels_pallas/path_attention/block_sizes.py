@@ -107,6 +107,12 @@ class BlockSizes:
                                  # at head_dim > 64. H200, fwd+bwd, pairs / single chunks (one
                                  # call): 27.66 / 29.65 ms at 8,4096,16,128; 29.05 / 28.23 at
                                  # 32,2048,32,64
+  far_dq_num_warps: int | None = None  # the far dq kernel's warps; None: dq_num_warps, else 8
+                                 # with far_dq_pairs (2C-row tiles), else bwd_num_warps. H200,
+                                 # one call, fwd+bwd pairs at 8 warps / one chunk at 8 / one
+                                 # chunk at 4: 23.29 / 26.23 / 24.93 ms at 8,4096,16,128,
+                                 # 103.79 / 120.04 / 112.17 at 4,16384,16,128 (2026-11-26); pairs
+                                 # at 4 warps spill 3.9 KB a thread (resource report)
   far_dkv_pairs: bool = True     # the far dk/dv kernel (bwd_spans 1 and 3) takes key chunks two
                                  # at a time as one 2C-row tile: each query chunk's operands are
                                  # read once for both, the products twice as wide

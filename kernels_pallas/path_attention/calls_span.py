@@ -99,9 +99,9 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
                              gate=f["gate"], segments=f["segments"], pairs=pairs)
   # 2C-row tiles take 8 warps (resource report at head_dim 64, bf16: 648 B of spills a thread
   # with 4, none with 8)
+  warps = bs.far_dq_num_warps or bs.dq_num_warps or (8 if pairs else None)
   outs = calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True,
-                     stages=calls.flash_stages(bs, ops.q.dtype),
-                     warps=bs.dq_num_warps or (8 if pairs else None))(*args)
+                     stages=calls.flash_stages(bs, ops.q.dtype), warps=warps)(*args)
   return tuple(outs[:2]) + tuple(x.reshape(B, H, n, C, 1) for x in outs[2:])
 
 
