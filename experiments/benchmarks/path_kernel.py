@@ -187,9 +187,10 @@ def _block_sizes_of(spec):
   on),
   nfp one query chunk per far dq tile (far_dq_pairs off; fp: on), nkp one key chunk per far
   dk/dv tile (far_dkv_pairs off), nkm / km the far dk/dv kernel's tiles query-major / key-major
-  (far_dkv_keys_major), fdw4 the far dq kernel's warps, ndm / dm the dk/dv kernel's likewise (dkv_keys_major), fr32 its query rows a step (far_dkv_rows), ky the pre-pass keeps its inverse Y for its VJP
-  (prepass_keep_inverse), lw the pre-pass VJP's WK pullback in its inverse-VJP kernel
-  (prepass_late_wk), gc / gm the gate's column sums carried / on the tensor cores
+  (far_dkv_keys_major), ndm / dm the dk/dv kernel's likewise (dkv_keys_major), fr32 the far
+  dk/dv kernel's query rows a step (far_dkv_rows), fdw4 the far dq kernel's warps
+  (far_dq_num_warps), ky the pre-pass keeps its inverse Y for its VJP (prepass_keep_inverse),
+  lw the pre-pass VJP's WK pullback in its inverse-VJP kernel (prepass_late_wk), gc / gm the gate's column sums carried / on the tensor cores
   (gate_colsum "carry" / "mma"),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time

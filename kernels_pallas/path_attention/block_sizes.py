@@ -121,23 +121,23 @@ class BlockSizes:
                                  # half a chunk with key pairs at head_dim > 64
                                  # (resource report, bf16, 8 warps: 836 -> 244 B of spills a
                                  # thread at 128), else a chunk
-  dkv_keys_major: bool | None = None  # the dk/dv kernel's tiles as [keys, queries]
+  dkv_keys_major: bool = True    # the dk/dv kernel's tiles as [keys, queries]
                                  # (bwd_kernels.dkv_step_keys, as far_dkv_keys_major) instead
                                  # of [queries, keys]: fewer layout round trips through shared
                                  # memory (triton 3.9 PTX at head_dim 64: 12 / 8 ldmatrix /
-                                 # stmatrix against 28 / 32). None: on. H200, one call, fwd+bwd
+                                 # stmatrix against 28 / 32). H200, one call, fwd+bwd
                                  # on / off: 27.84 / 28.45 ms at 32,2048,32,64, 56.04 / 57.09 at
                                  # 8,8192,32,64, PaTH-FoX 29.46 / 31.37 at 32,2048,32,64;
                                  # 23.02 / 23.01 and 103.14 / 103.43 at the head_dim-128
                                  # shapes (2026-11-26)
-  far_dkv_keys_major: bool | None = None  # the far dk/dv kernel's tiles as [keys, queries]
+  far_dkv_keys_major: bool = True  # the far dk/dv kernel's tiles as [keys, queries]
                                  # (bwd_kernels.dkv_step_keys: every product's M is the key
                                  # rows, no register tile transposed, the gate's column sums
                                  # a reduction along rows) instead of [queries, keys]; its query
                                  # chunk then goes whole (far_dkv_rows None). With 32-row query
                                  # parts the query-major l and dP products fell back from wgmma
                                  # to mma.sync at head_dim 128 (triton 3.9 PTX: 128 mma.sync, 8
-                                 # wgmma; key-major 24 wgmma, none). None: on. H200, one call,
+                                 # wgmma; key-major 24 wgmma, none). H200, one call,
                                  # fwd+bwd on / off / on with 32-row parts: 104.51 / 116.61 /
                                  # 108.40 ms at 4,16384,16,128, 23.27 / 24.86 / 23.72 at
                                  # 8,4096,16,128 (2026-11-26)

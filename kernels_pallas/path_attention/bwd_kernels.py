@@ -201,10 +201,11 @@ def dkv_step_keys(query, kc, mop, dk, dv, dfk, *, scale, transport, precision, c
   queries, C keys] with transport (transposed here, once per program), else formed from k."""
   dt = kc["k"].dtype
   S = kc["k"].shape[0]
+  moved = transport and diag is None   # a step of the operator walk: keys moved by mop
   kt = kc["k"]
-  if transport and diag is None:
+  if moved:
     kt = dot(kc["k"], mop.astype(dt), tb=True, precision=precision).astype(dt)
-  a = jnp.zeros(dk.shape, jnp.float32) if transport and diag is None else None
+  a = jnp.zeros(dk.shape, jnp.float32) if moved else None
   dfk = list(dfk)
   for g in range(len(dfk)):
     qc = query(g)
@@ -221,13 +222,13 @@ def dkv_step_keys(query, kc, mop, dk, dv, dfk, *, scale, transport, precision, c
     pt = jnp.exp(logits(st, gate_, ok) - qc["lse"])
     dst = pt * (dot(kc["v"], qc["do"], tb=True, precision=precision) - qc["delta"])
     dv += dot(pt.astype(dt), qc["do"], precision=precision)
-    if a is not None:
+    if moved:
       a += dot(dst.astype(dt), qc["q"], precision=precision)   # dS^T q^, over heads
-    elif not (transport and diag is not None):   # with transport the diagonal's dS is the pre-pass's
+    elif not transport:   # with transport the diagonal's dS is the pre-pass's
       dk += dot((scale * dst).astype(dt), qc["q"], precision=precision)
     if qc["fq"] is not None:
       dfk[g] = dfk[g] - jnp.sum(dst, axis=1, keepdims=True)
-  if a is not None:
+  if moved:
     dk += scale * dot(a.astype(dt), mop.astype(dt), precision=precision)
   return dk, dv, tuple(dfk)
 

@@ -180,6 +180,7 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
                      ("dfk", gate)])
   G, n, C, D = r["do"].shape
   f32 = jnp.float32
+  walk = dkv_step_keys if keys_major else dkv_step
   tiles = (n + 1) // 2 if pairs else n
   m = chunk_id(tiles, axis=chunk_axis, reverse=False) * (2 if pairs else 1)
   j = lax.div(m, span)
@@ -207,12 +208,8 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
     def body(c, carry):
       def step(carry):
         for h in range(C // rows):
-          if keys_major:
-            carry = dkv_step_keys(lambda g: query(g, c, h), kc, None, *carry, scale=scale,
-                                  transport=False, precision=precision)
-          else:
-            carry = dkv_step(lambda g: query(g, c, h), kc, None, *carry, scale=scale,
-                             transport=False, precision=precision)
+          carry = walk(lambda g: query(g, c, h), kc, None, *carry, scale=scale,
+                       transport=False, precision=precision)
         return carry
 
       if not bounds:

@@ -391,7 +391,7 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   f32 = jnp.float32
   grid, ids, axis = chunk_grid(B, K, n, backend)
   bounds = _bounds(ops, backend)
-  km = dkv_keys_major(bs)
+  km = bs.dkv_keys_major
   if km:   # query-side vectors as rows, key-side ones as columns (dkv_kernel's keys_major)
     ops = ops._replace(fq=as_rows(ops.fq), fk=as_cols(ops.fk), sq=as_rows(ops.sq),
                        sk=as_cols(ops.sk))
@@ -476,11 +476,6 @@ def as_rows(x):
 def as_cols(x):
   """[..., n, 1, C] -> [..., n, C, 1] (None stays None): a key-side vector as a column."""
   return None if x is None else x.reshape(x.shape[:-2] + (x.shape[-1], 1))
-
-
-def dkv_keys_major(bs: BlockSizes) -> bool:
-  """Whether the dk/dv kernel runs key-major tiles (BlockSizes.dkv_keys_major; None: on)."""
-  return True if bs.dkv_keys_major is None else bs.dkv_keys_major
 
 
 def _merged(x):

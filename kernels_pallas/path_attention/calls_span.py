@@ -119,13 +119,13 @@ def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, b
                                lambda *p: (ids(*p)[0], ids(*p)[1]) + (0,) * (x.ndim - 2))
   kv = lambda x: calls._full(x, ids, lambda h: h)
   seg = lambda x: calls._full(x, ids, lambda h: 0)
-  keys_major = far_dkv_keys_major(bs)
+  keys_major = bs.far_dkv_keys_major
   # Key-side vectors [.., n, 1, C] as one row of keys [.., 1, n*C], or (keys_major) a column
   # [.., n*C, 1]; keys_major takes the query-side [.., n, C, 1] as rows [.., n, 1, C]. Each is
   # the same memory (a bitcast).
   keys = lambda x: None if x is None else x.reshape(
       x.shape[:2] + ((n * C, 1) if keys_major else (1, n * C)))
-  rows = lambda x: x if x is None or not keys_major else x.reshape(x.shape[:3] + (1, C))
+  rows = calls.as_rows if keys_major else (lambda x: x)
   kbm, vm = calls._merged(kb), calls._merged(ops.v)
   args = [qb, kbm, vm, do, rows(lse), rows(delta)]
   specs = [grp(qb), kv(kbm), kv(vm), grp(do), grp(args[4]), grp(args[5])]
@@ -189,11 +189,6 @@ def far_dkv_pairs(bs: calls.BlockSizes, *, dtype, backend: str) -> bool:
   and `test_bwd_spans[float32-True-False-3]` failed on the H200 (2026-11-25); the interpreter
   has no such limit."""
   return bs.far_dkv_pairs and (jnp.dtype(dtype).itemsize <= 2 or backend != "gpu")
-
-
-def far_dkv_keys_major(bs: calls.BlockSizes) -> bool:
-  """Whether the far dk/dv kernel runs key-major tiles (BlockSizes.far_dkv_keys_major)."""
-  return True if bs.far_dkv_keys_major is None else bs.far_dkv_keys_major
 
 
 def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
