@@ -243,49 +243,48 @@ def wk_pullback(dwk, K, W, p):
 
 
 def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p,
-                         put_dq=None, late_wk=False):
+                         put=None, late_wk=False):
   """The rest of the VJP: each query head's terms (q^ = Q - GM W, diag = Q K^T - GM WK) added
   to chunk_operands_vjp_kv's partial (dw, dx, dwk), then WK's and X's pullbacks:
   -> (tuple of dq, dk, dw, dy, dbeta_r). late_wk: WK's pullback is left to the caller (another
   kernel: wk_pullback) -> (tuple of dq, dk, dw without it, dy, dbeta_r, dwk unmasked).
 
-  Written for few live tiles (the kernel spilled ~2 KB a thread): each head's terms end their
-  operands' lives in the order they are formed; dkh, common's Y and each of `partial`'s three
-  may be functions that read them (a kernel: from its refs) only where they are added;
-  put_dq(g, dq) stores head g's dq as soon as it is formed (None in the returned tuple)."""
+  Written for few live tiles: any of common's six, dkh and `partial`'s three may be loaders
+  (functions a kernel passes that read its ref, and mark the value, where a product needs it:
+  a tile re-read from the L1 / L2 costs less than one kept in registers past their limit),
+  and each head's terms end their operands' lives in the order they are formed: DGM first
+  (WK's last use), DL and dq (X's), then Q's terms. put(name, g, x), where given, stores
+  each output as soon as it is final ("dq" per head; "dy" and "dbeta" once the last head's dx
+  is added, then "dw" and "dk") and None takes its place in the returned tuple."""
   y, beta_r, X, W, K, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
   strict, lower, _ = _masks(beta_r.shape[-1])   # beta_r [1, C] (y may be a loader)
-  dw = dx = dwk = dk = None
+  store = (lambda name, g, x: x) if put is None else (lambda name, g, x: put(name, g, x))
+  dw = dx = dwk = dk = dy = dbeta = None
   dqs = []
   for g, (q, dqh, dd) in enumerate(zip(qs, dqhs, dds)):
-    Q, DQH = hi(q), hi(dqh)
-    LQ = acc(jnp.where(lower, mm(Q, W, tb=True), 0.0))
-    GM = acc(mm(LQ, X))                                          # GM = L X
-    DS = hi(scale * dd)
-    DGM = acc(-(mm(DQH, W, tb=True) + mm(DS, WK, tb=True)))     # q^ = Q - GM W, diag = .. - GM WK
+    last = g == len(qs) - 1
+    DQH, DS = hi(dqh), hi(scale * dd)
+    DGM = acc(-(mm(DQH, _read(W), tb=True) + mm(DS, _read(WK), tb=True)))  # q^ = Q - GM W,
+    DL = acc(jnp.where(lower, mm(DGM, _read(X), tb=True), 0.0))          # diag = .. - GM WK
+    dqs.append(store("dq", g, dqh + mm(DS, _read(K)) + mm(DL, _read(W))))
+    Q = hi(q)
+    LQ = acc(jnp.where(lower, mm(Q, _read(W), tb=True), 0.0))
     dx = _add(dx, mm(LQ, DGM, ta=True))
-    DL = acc(jnp.where(lower, mm(DGM, X, tb=True), 0.0))
-    dq = dqh + mm(DS, K) + mm(DL, W)
-    if put_dq is not None:
-      put_dq(g, dq)
-      dq = None
-    dqs.append(dq)
+    if last:   # X = Y diag(beta): dY = dX diag(beta), dbeta = the column sums of dX * Y
+      dx = _read(partial[1]) + dx
+      dy = store("dy", 0, dx * beta_r)
+      dbeta = store("dbeta", 0, jnp.sum(dx * _read(y), axis=0, keepdims=True))
+    GM = acc(mm(LQ, _read(X)))                                           # GM = L X
     dw = _add(dw, mm(DL, Q, ta=True) - mm(GM, DQH, ta=True))
     dwk = _add(dwk, -mm(GM, DS, ta=True))
     dk = _add(dk, mm(DS, Q, ta=True))
-  dw_kv, dx_kv, dwk_kv = partial
+  dw_kv, _, dwk_kv = partial
   if late_wk:
-    dwk, dw, dk = _read(dwk_kv) + dwk, _read(dw_kv) + dw, _read(dkh) + dk
-  else:   # wk_pullback's products, written out in the order the GPU timings were taken with:
-    # calling wk_pullback here (both products before the partials are read) reports 768
-    # instead of 1,048 B of spills at head_dim 64 but 832 instead of 724 at 128 (resource
-    # report, 2,2048,2,2,D); untimed
-    DWK = acc(jnp.where(strict, _read(dwk_kv) + dwk, 0.0))       # WK = strictLower(W K^T)
-    dw = _read(dw_kv) + dw + mm(DWK, K)
-    dk = _read(dkh) + dk + mm(DWK, W, ta=True)
-  dx = _read(dx_kv) + dx
-  y = _read(y)
-  # X = Y diag(beta): dY = dX diag(beta), dbeta = the column sums of dX * Y
-  grads = tuple(dqs), dk, dw, dx * beta_r, jnp.sum(dx * y, axis=0, keepdims=True)
-  return grads + (dwk,) if late_wk else grads
+    dwk = _read(dwk_kv) + dwk
+    return (tuple(dqs), store("dk", 0, _read(dkh) + dk), store("dw", 0, _read(dw_kv) + dw), dy,
+            dbeta, dwk)
+  DWK = acc(jnp.where(strict, _read(dwk_kv) + dwk, 0.0))               # WK = strictLower(W K^T)
+  dw = store("dw", 0, _read(dw_kv) + dw + mm(DWK, _read(K)))
+  dk = store("dk", 0, _read(dkh) + dk + mm(DWK, _read(W), ta=True))
+  return tuple(dqs), dk, dw, dy, dbeta

@@ -149,7 +149,7 @@ def _put_vjp(grads, refs, cfg):
   """The operands VJP's outputs: dq (G heads), dk, dw in their refs' dtypes, dy, dbeta_r."""
   (dqs, dk, dw, dy, dbr), (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref) = grads, refs
   for g in range(len(dqs)):
-    if dqs[g] is not None:   # None: stored already (chunk_operands_vjp_q's put_dq)
+    if dqs[g] is not None:   # None: stored already (chunk_operands_vjp_q's put)
       _put_q(dq_ref, g, dqs[g], cfg)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dw_ref[...] = dw.astype(dw_ref.dtype)
@@ -171,18 +171,27 @@ def _ops_bwd_kv_kernel(k_ref, w_ref, y_ref, br_ref, dkh_ref, de_ref, dw_ref, dx_
 def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_ref, dwa_ref,
                       dxa_ref, dwka_ref, dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref, *dwk_ref, cfg):
   """The second: the query heads' terms on top of the first kernel's partials (late_wk: dk, dw
-  without WK's pullback, and dwk_ref receives dwk for _inv_bwd_kernel)."""
+  without WK's pullback, and dwk_ref receives dwk for _inv_bwd_kernel). Each output is stored
+  as soon as it is final (put): with the terms' order in chunk_operands_vjp_q, 356 instead of
+  1,048 B of spills a thread at head_dim 64 (4 warps) and 332 instead of 724 at 128 (8 warps;
+  resource report, 2,2048,2,2,D); storing everything at the end, 816 and 564."""
   p = Products(cfg.precision, cfg.odt, cfg.hilo)
   common = vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
-  common = (_loader(y_ref),) + common[1:]   # Y read again at the end
+  common = (_loader(y_ref),) + common[1:]   # Y read again where dbeta needs it
+  outs = dict(dk=dk_ref, dw=dw_ref, dy=dy_ref, dbeta=dbr_ref)
+
+  def put(name, g, x):
+    if name == "dq":
+      _put_q(dq_ref, g, x, cfg)
+    else:
+      outs[name][...] = x.astype(outs[name].dtype)
+
   grads = chunk_operands_vjp_q(
       common, _q_heads(q_ref, cfg), _heads(dqh_ref), _loader(dkh_ref), _heads(dd_ref),
-      tuple(_loader(r) for r in (dwa_ref, dxa_ref, dwka_ref)), scale=cfg.scale, p=p,
-      put_dq=lambda g, dq: _put_q(dq_ref, g, dq, cfg), late_wk=cfg.late_wk)
+      tuple(_loader(r) for r in (dwa_ref, dxa_ref, dwka_ref)), scale=cfg.scale, p=p, put=put,
+      late_wk=cfg.late_wk)
   if cfg.late_wk:
-    *grads, dwk = grads
-    dwk_ref[0][...] = dwk
-  _put_vjp(tuple(grads), (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref), cfg)
+    dwk_ref[0][...] = grads[-1]
 
 
 def _specs(G):
