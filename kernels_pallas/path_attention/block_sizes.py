@@ -48,9 +48,11 @@ class BlockSizes:
                                  # pullback (two products) to the inverse-VJP kernel, dwk and
                                  # dk going through HBM as float32. The q part spills to DRAM
                                  # (ncu, H200, 32,2048,32,64: 8.3 GB of local traffic, tensor
-                                 # pipe 14% busy); with this option the q part reports 764 B
-                                 # of spills a thread against 1,048 and the inverse VJP none
-                                 # (resource report, 2,2048,2,2,64). Untimed
+                                 # pipe 14% busy, before its outputs were stored as formed).
+                                 # Resource report, 2,2048,2,2,64, spill bytes a thread: q part
+                                 # 240 with this option against 356, the inverse VJP none.
+                                 # Lost on the H200 when the q part spilled 1,048 (28.32 /
+                                 # 28.60 ms at 32,2048,32,64); not timed since
   keep_operands: bool = True     # keep the pre-pass's outputs from the forward for the backward
                                  # instead of running the pre-pass again there: fwd+bwd 8.81 ->
                                  # 8.24 ms at 16,2048,12,64 on the H100 (8.11 with auto lanes),

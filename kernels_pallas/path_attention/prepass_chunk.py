@@ -249,13 +249,14 @@ def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p
   -> (tuple of dq, dk, dw, dy, dbeta_r). late_wk: WK's pullback is left to the caller (another
   kernel: wk_pullback) -> (tuple of dq, dk, dw without it, dy, dbeta_r, dwk unmasked).
 
-  Written for few live tiles: any of common's six, dkh and `partial`'s three may be loaders
-  (functions a kernel passes that read its ref, and mark the value, where a product needs it:
-  a tile re-read from the L1 / L2 costs less than one kept in registers past their limit),
-  and each head's terms end their operands' lives in the order they are formed: DGM first
-  (WK's last use), DL and dq (X's), then Q's terms. put(name, g, x), where given, stores
-  each output as soon as it is final ("dq" per head; "dy" and "dbeta" once the last head's dx
-  is added, then "dw" and "dk") and None takes its place in the returned tuple."""
+  Written for few live tiles: each head's terms end their operands' lives in the order they
+  are formed (DGM first, WK's last use; DL and dq; then Q's terms), and put(name, g, x), where
+  given, stores each output as soon as it is final ("dq" per head; "dy" and "dbeta" once the
+  last head's dx is added; then "dw", "dk"), None taking its place in the returned tuple.
+  Any of common's six, dkh and `partial`'s three may be loaders (functions that read a
+  kernel's ref where the value is used); the kernel passes Y, dkh and the partials so. X, W,
+  K as loaders too (in three combinations) reported 336-388 B of spill stores a thread at
+  D = 64 against 356, and 324-668 at 128 against 332: no clear gain, so they stay values."""
   y, beta_r, X, W, K, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
   strict, lower, _ = _masks(beta_r.shape[-1])   # beta_r [1, C] (y may be a loader)

@@ -173,8 +173,10 @@ def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_r
   """The second: the query heads' terms on top of the first kernel's partials (late_wk: dk, dw
   without WK's pullback, and dwk_ref receives dwk for _inv_bwd_kernel). Each output is stored
   as soon as it is final (put): with the terms' order in chunk_operands_vjp_q, 356 instead of
-  1,048 B of spills a thread at head_dim 64 (4 warps) and 332 instead of 724 at 128 (8 warps;
-  resource report, 2,2048,2,2,D); storing everything at the end, 816 and 564."""
+  1,048 B of spill stores a thread at head_dim 64 (4 warps) and 332 instead of 724 at 128 (8
+  warps; resource report, 2,2048,2,2,D); that order storing everything at the end: 816 and
+  564. H200 at 32,2048,32,64: 4.25 -> 3.33 ms (traces of two calls), fwd+bwd 27.87 -> 26.94
+  against the old kernel in one call."""
   p = Products(cfg.precision, cfg.odt, cfg.hilo)
   common = vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
   common = (_loader(y_ref),) + common[1:]   # Y read again where dbeta needs it
@@ -422,9 +424,10 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   208 / 12,456 (split_hilo) and 160 / 11,296 (split_bf16x3); two kernels 160 + 122 / 2,940 +
   4,148 (split2_hilo) and 80 + 96 / 3,596 + 5,460 (split2_bf16x3). At D = 64: 120 / 2,748
   against 80 + 82 / 276 + 2,180 (hilo). Those were before the chunk functions were ordered for
-  few live tiles (2026-11-25): split2_hilo's two VJP kernels now report 96 + 136 / 2,928 + 708
-  at D = 128 (4 + 8 warps, auto_warps) and 56 + 88 / 728 + 792 at D = 64; the operands kernel
-  812 (D 128, 8 warps) and 36 (D 64). num_warps sets the pre-pass kernels' warps; None: each
+  few live tiles (2026-11-25) and the q part stored its outputs as formed (2026-11-26):
+  split2_hilo's two VJP kernels now report 96 + 144 / 2,680 + 364 at D = 128 (4 + 8 warps,
+  auto_warps) and 56 + 88 / 216 + 380 at D = 64; the operands kernel 812 (D 128, 8 warps)
+  and 36 (D 64). num_warps sets the pre-pass kernels' warps; None: each
   kernel's own, by head_dim (auto_warps). keep_inverse: the split variants keep Y from the
   forward for the VJP (one inverse kernel less there, for a [C, C] float32 residual per chunk
   and kv head); the fold variants form Y inside their kernels and ignore it. late_wk ("split2_*"
