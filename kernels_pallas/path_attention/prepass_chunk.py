@@ -260,7 +260,7 @@ def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p
   y, beta_r, X, W, K, WK = common
   mm, acc, hi = p.mm, p.acc, p.hi
   strict, lower, _ = _masks(beta_r.shape[-1])   # beta_r [1, C] (y may be a loader)
-  store = (lambda name, g, x: x) if put is None else (lambda name, g, x: put(name, g, x))
+  store = put or (lambda name, g, x: x)
   dw = dx = dwk = dk = dy = dbeta = None
   dqs = []
   for g, (q, dqh, dd) in enumerate(zip(qs, dqhs, dds)):
