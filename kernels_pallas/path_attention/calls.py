@@ -187,7 +187,7 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
         ops, precision=precision, backend=backend, bs=bs)
     args += [kb, pi]
     specs += [kv(kb), kv(pi)]
-    fine = calls_span.fine_precision(ops.q.dtype, precision, backend)
+    fine = calls_span.fine_precision(ops.q.dtype, precision, backend, bs.chain_products)
   out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]

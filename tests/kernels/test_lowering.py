@@ -57,7 +57,8 @@ def test_lowers_for_tpu(gate, fox, D):
     ("split2_hilo+bwd_spans3", True, 64, jnp.bfloat16, 2),
     ("split2_hilo+bwd_spans3", False, 128, jnp.bfloat16, 4),
     ("split+bwd_spans", True, 64, jnp.float32, 2),
-    ("split2_hilo+late_wk", True, 64, jnp.bfloat16, 2)])
+    ("split2_hilo+late_wk", True, 64, jnp.bfloat16, 2),
+    ("split2_hilo+chain_tf32", True, 128, jnp.bfloat16, 4)])   # spans by head_dim (form 3)
 def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
   """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
   built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""
@@ -69,11 +70,14 @@ def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
   seg = sd((B, T), jnp.int32)
   prepass, _, option = prepass.partition("+")
   fused = option == "dkv_in_dq"
+  chain = option == "chain_tf32"   # the span forward and backward at their auto forms
   bs = kp.BlockSizes(prepass=prepass, dq_pairs=pairs, dkv_in_dq=fused,
-                     dkv_span=2 if option.startswith(("dkv_span", "bwd_spans")) else 0,
-                     bwd_spans=int(option[9:] or 1) if option.startswith("bwd_spans") else 0,
+                     dkv_span=2 if chain or option.startswith(("dkv_span", "bwd_spans")) else 0,
+                     bwd_spans=(int(option[9:] or 1) if option.startswith("bwd_spans")
+                                else None if chain else 0),
                      bwd_lanes=0 if fused else None,   # (fused: with lanes, the harder layout)
-                     prepass_late_wk=option == "late_wk")
+                     prepass_late_wk=option == "late_wk",
+                     chain_products="tf32" if chain else "bf16x3")
   f = lambda *a: kp.path_attention(*a[:-1], segment_ids=a[-1], backend="gpu", block_sizes=bs)
   g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args))))
   for fn in (f, g):

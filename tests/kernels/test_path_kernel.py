@@ -412,11 +412,32 @@ def test_tf32_products_correlated_w(key, monkeypatch, w_mode, prepass):
   1.002e-2 emulated, 6.1e-3 exact; its worst over 191 draws 1.002x the allowed error, 0.80x with
   eight), while single-pass TF32 pre-pass products fail every draw at either row count
   (10-11x the allowed error, 30 draws; NOTES_kernel round 23)."""
+  _check_gpu_rounding(key, monkeypatch, w_mode=w_mode, T=64,
+                      block_sizes=kp.BlockSizes(block_q=16, block_k=16, prepass=prepass))
+
+
+@pytest.mark.slow   # an option, not a default (CI time)
+@pytest.mark.parametrize("w_mode", ["shared:0.01", "antiparallel"])
+def test_tf32_chain_products_correlated_w(key, monkeypatch, w_mode):
+  """BlockSizes.chain_products="tf32": the span forward's crossings and the span backward's
+  D x D chains in one TF32 pass, with the span forward on (it is off at this head_dim by
+  default) and three span boundaries (T = 128, chunk 16), under test_tf32_products_correlated_w's
+  criterion: the GPU's rounding may not add to the error of exact products."""
+  _check_gpu_rounding(key, monkeypatch, w_mode=w_mode, T=128,
+                      block_sizes=kp.BlockSizes(block_q=16, block_k=16, chain_products="tf32",
+                                                fwd_spans=True))
+
+
+def _check_gpu_rounding(key, monkeypatch, *, w_mode, T, block_sizes):
+  """The kernel at block_sizes with every float32 product rounded as the GPU rounds it
+  (_gpu_rounding_dot) against the same kernel with exact products, both against the float32
+  oracle on the same bf16 inputs (8 rows): each output within the bf16 tolerance or within
+  1.25x the exact products' error."""
   from kernels_pallas.path_attention import bwd_kernels, bwd_span, kernels, prepass_chunk
   case = PathKernelBase()
-  case.T = 64
+  case.T = T
   kw = dict(H=2, K=1, dtype=jnp.bfloat16, gate=False, segments=False, w_mode=w_mode, B=8,
-            block_sizes=kp.BlockSizes(block_q=16, block_k=16, prepass=prepass))
+            block_sizes=block_sizes)
   run, oracle, names = case._cases(key, **kw)
   ref = oracle()   # once: the same inputs below
   exact = [rel_rms(a, b) for a, b in zip(run(), ref)]
