@@ -188,13 +188,11 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
   def tile(size):
     keys = pl.ds(pl.multiple_of(m * C, C), size)
     last = m + size // C - 1   # the tile's last key chunk
+    # the tile's key-side vectors (fk, sk in, dfk out): a column [size, 1] (keys_major) or a row
+    key_at = (keys, slice(None)) if keys_major else (slice(None), keys)
     kc = dict(k=r["kb"][keys], v=r["v"][keys],
-              fk=[r["fk"][g, :, keys] if gate else None for g in range(G)],
-              sk=r["sk"][:, keys] if segments else None)
-
-    if keys_major:   # key-side vectors as columns
-      kc.update(fk=[r["fk"][g, keys, :] if gate else None for g in range(G)],
-                sk=r["sk"][keys, :] if segments else None)
+              fk=[r["fk"][(g,) + key_at] if gate else None for g in range(G)],
+              sk=r["sk"][key_at] if segments else None)
 
     def query(g, c, h):   # rows h R .. (h + 1) R of query chunk c
       t = pl.ds(h * rows, rows)
@@ -230,10 +228,7 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
     r["a"][keys] = a
     r["dv"][keys] = dv
     for g in range(G) if gate else ():
-      if keys_major:
-        r["dfk"][g, keys, :] = dfk[g]
-      else:
-        r["dfk"][g, :, keys] = col_total(dfk[g])
+      r["dfk"][(g,) + key_at] = dfk[g] if keys_major else col_total(dfk[g])
 
   if not pairs:
     tile(C)

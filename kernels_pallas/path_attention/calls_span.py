@@ -28,11 +28,12 @@ def fine_precision(dtype, precision, backend: str, products: str = "bf16x3"):
   """The precision of the span backward's products of aggregated D x D operators (Pi, the V and
   N chains; float32 operands): three bf16 passes (~16 mantissa bits) for 16-bit inputs, the
   inputs' own float32 precision otherwise; products="tf32" (BlockSizes.chain_products): the
-  kernels' own precision at every input dtype, one TF32 pass for 16-bit inputs on the GPU. An aggregate rounded to bf16 once carries that
-  rounding into everything it moves. Measured effect, small: mean relative RMS of dw / dbeta
-  over 8 seeds (interpret with the GPU's rounding, bf16, correlated w, T 64, chunk 16) 4.8e-3 /
-  4.4e-3 with bf16 operands, 4.7e-3 / 4.5e-3 with these, 4.6e-3 / 4.3e-3 with the boundary
-  kernel's walk in them too (not taken: ~3x its products), 4.5e-3 / 4.0e-3 for the sweep."""
+  kernels' own precision at every input dtype, one TF32 pass for 16-bit inputs on the GPU. An
+  aggregate rounded to bf16 once carries that rounding into everything it moves. Measured
+  effect, small: mean relative RMS of dw / dbeta over 8 seeds (interpret with the GPU's
+  rounding, bf16, correlated w, T 64, chunk 16) 4.8e-3 / 4.4e-3 with bf16 operands, 4.7e-3 /
+  4.5e-3 with these, 4.6e-3 / 4.3e-3 with the boundary kernel's walk in them too (not taken: ~3x
+  its products), 4.5e-3 / 4.0e-3 for the sweep."""
   if products == "tf32" or jnp.dtype(dtype).itemsize > 2:
     return precision
   return calls.bf16x3_precision(backend)
@@ -49,10 +50,9 @@ def _boundary(ops: Operands, *, span, nb, precision, backend, bs):
                # the span's block; the last span's chunks write nothing and map to block nb-1
                pl.BlockSpec((None, None, None, D, D), lambda *p: (
                    ids(*p)[0], ids(*p)[1], jnp.minimum(ids(*p)[2] // span, nb - 1), 0, 0))]
+  fine = fine_precision(ops.k.dtype, precision, backend, bs.chain_products)
   kernel = functools.partial(bwd_span.boundary_kernel, span=span, nb=nb, chunk_axis=axis,
-                             precision=precision,
-                             fine=fine_precision(ops.k.dtype, precision, backend,
-                                            bs.chain_products))
+                             precision=precision, fine=fine)
   return calls._call(kernel, grid, [full(ops.k), full(ops.e)], out_specs, [kb, pi], backend, bs,
                      bwd=True, stages=calls.flash_stages(bs, ops.k.dtype))(ops.k, ops.e)
 
@@ -97,10 +97,9 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   if f["gate"]:
     out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), jnp.float32))
   out_specs = [own(x) for x in out_shape]
+  fine = fine_precision(ops.q.dtype, precision, backend, bs.chain_products)
   kernel = functools.partial(bwd_span.far_dq_kernel, scale=scale, span=span, nb=nb,
-                             bounds=bounds, precision=precision, chunk_axis=axis,
-                             fine=fine_precision(ops.q.dtype, precision, backend,
-                                            bs.chain_products),
+                             bounds=bounds, precision=precision, chunk_axis=axis, fine=fine,
                              gate=f["gate"], segments=f["segments"], pairs=pairs)
   # 2C-row tiles take 8 warps (resource report at head_dim 64, bf16: 648 B of spills a thread
   # with 4, none with 8)
@@ -250,11 +249,10 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
                          lambda j, kh, b: (b, kh, j, 0, 0, 0))
   out_specs = [st_spec if name == "st" else grp(s) if name in ("q", "diag", "fq", "fk")
                else kvh(s) for name, s in zip(names, out_shape)]
+  fine = fine_precision(ops.q.dtype, precision, backend, bs.chain_products)
   kernel = functools.partial(bwd_span.span_kernel, scale=scale, span=span, nb=nb,
                              gate=f["gate"], segments=f["segments"], bounds=bounds,
-                             precision=precision, span_axis=0, pairs=pairs, kv=kv,
-                             fine=fine_precision(ops.q.dtype, precision, backend,
-                                            bs.chain_products))
+                             precision=precision, span_axis=0, pairs=pairs, kv=kv, fine=fine)
   aliases = {}
   if kv:
     aliases = {first: names.index("k"), first + 1: names.index("v")}
