@@ -190,8 +190,9 @@ def _block_sizes_of(spec):
   (far_dkv_keys_major), ndm / dm the dk/dv kernel's likewise (dkv_keys_major), fr32 the far
   dk/dv kernel's query rows a step (far_dkv_rows), fdw4 the far dq kernel's warps
   (far_dq_num_warps), ky the pre-pass keeps its inverse Y for its VJP (prepass_keep_inverse),
-  lw the pre-pass VJP's WK pullback in its inverse-VJP kernel (prepass_late_wk), ft the span
-  forward's and backward's D x D operator chains in one TF32 pass (chain_products "tf32"), gc
+  lw the pre-pass VJP's WK pullback in its inverse-VJP kernel (prepass_late_wk), ft / fx the span
+  forward's and backward's D x D operator chains in one TF32 pass / three bf16 passes
+  (chain_products "tf32" / "bf16x3"), gc
   / gm the gate's column sums carried / on the tensor cores
   (gate_colsum "carry" / "mma"),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
@@ -234,7 +235,8 @@ def _block_sizes_of(spec):
   changes.update({"far_dq_num_warps": fdw} if fdw else {})
   changes.update({"prepass_keep_inverse": True} if "ky" in spec else {})
   changes.update({"prepass_late_wk": True} if "lw" in spec else {})
-  changes.update({"chain_products": "tf32"} if "ft" in spec else {})
+  changes.update({"chain_products": "tf32"} if "ft" in spec else
+                 {"chain_products": "bf16x3"} if "fx" in spec else {})
   changes.update({"gate_colsum": "carry"} if "gc" in spec else
                  {"gate_colsum": "mma"} if "gm" in spec else {})
   changes.update({"prepass": pre[2]} if pre else {})

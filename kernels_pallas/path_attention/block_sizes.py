@@ -166,15 +166,19 @@ class BlockSizes:
                                  # 28.09 at 32,2048,32,64 (2026-11-26). The forward's own peak
                                  # grows by the packed states (4,16384,16,128: 2.88 -> 4.04
                                  # GiB), fwd+bwd's does not
-  chain_products: str = "bf16x3"  # the span forward's and backward's products of aggregated
-                                 # D x D operators (Pi crossings, the V and N chains; float32
-                                 # operands) with 16-bit inputs (calls_span.fine_precision):
-                                 # three bf16 passes, or "tf32", one pass (10 mantissa bits,
-                                 # truncated: more than bf16 operands, whose effect on the
-                                 # gradients was measured small). Resource report at
-                                 # 2,4096,2,2,128, bf16, spill stores a thread bf16x3 / tf32:
-                                 # forward 900 / 136, span kernel 1,400 / 1,160, far dq 180 / 0.
-                                 # Untimed
+  chain_products: str | None = None  # the span forward's and backward's products of
+                                 # aggregated D x D operators (Pi crossings, the V and N chains;
+                                 # float32 operands) with 16-bit inputs (calls_span.fine_precision):
+                                 # "bf16x3", three bf16 passes, or "tf32", one pass (10 mantissa
+                                 # bits, truncated: more than bf16 operands, whose effect on the
+                                 # gradients was measured small); None: "tf32" at head_dim <= 64,
+                                 # else "bf16x3" (calls.chain_products). H200, one call, fwd+bwd
+                                 # bf16x3 / tf32 (2026-11-26): 27.03 / 26.33 ms at 32,2048,32,64,
+                                 # 72.05 / 70.11 at 32,4096,32,64, 54.43 / 52.87 at 8,8192,32,64
+                                 # (far dq 231 -> 168 registers: a third program an SM); 22.47 /
+                                 # 23.65 at 8,4096,16,128, 102.42 / 104.76 at 4,16384,16,128
+                                 # although the spills fall there (resource report, spill stores
+                                 # a thread: forward 900 / 136, span kernel 1,400 / 1,160)
 
   def validate(self, head_dim: int) -> None:
     if self.block_q != self.block_k:
@@ -198,8 +202,9 @@ class BlockSizes:
                        f"block_q={self.block_q} of at least 8 (16 on the GPU)")
     if self.gate_colsum not in GATE_COLSUMS:
       raise ValueError(f"gate_colsum={self.gate_colsum!r} must be one of {GATE_COLSUMS}")
-    if self.chain_products not in CHAIN_PRODUCTS:
-      raise ValueError(f"chain_products={self.chain_products!r} must be one of {CHAIN_PRODUCTS}")
+    if self.chain_products not in (None,) + CHAIN_PRODUCTS:
+      raise ValueError(f"chain_products={self.chain_products!r} must be None (by head_dim) or "
+                       f"one of {CHAIN_PRODUCTS}")
     if self.bwd_spans not in (None, 0, 1, 2, 3):
       raise ValueError(f"bwd_spans={self.bwd_spans} must be None (auto), 0 (off), 1, 2 or 3")
     if self.dkv_span is not None and (self.dkv_span < 0 or self.dkv_span % 2):

@@ -187,7 +187,8 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
         ops, precision=precision, backend=backend, bs=bs)
     args += [kb, pi]
     specs += [kv(kb), kv(pi)]
-    fine = calls_span.fine_precision(ops.q.dtype, precision, backend, bs.chain_products)
+    fine = calls_span.fine_precision(ops.q.dtype, precision, backend,
+                                     chain_products(bs, head_dim=ops.q.shape[-1]))
   out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
@@ -293,6 +294,15 @@ def span_form(bs: BlockSizes, *, head_dim: int) -> int:
   if bs.bwd_spans is not None:
     return bs.bwd_spans
   return 3 if head_dim > 64 else 2
+
+
+def chain_products(bs: BlockSizes, *, head_dim: int) -> str:
+  """BlockSizes.chain_products, None resolved: one TF32 pass at head_dim <= 64, where it frees
+  the far dq kernel's registers for a third program an SM, else three bf16 passes (TF32 lost at
+  128 in both directions; block_sizes.py has the times)."""
+  if bs.chain_products is not None:
+    return bs.chain_products
+  return "tf32" if head_dim <= 64 else "bf16x3"
 
 
 # auto_span: the shortest even span with at most DKV_SPAN_BOUNDARIES boundaries, but no shorter

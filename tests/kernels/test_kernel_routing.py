@@ -96,12 +96,16 @@ def test_auto_span_bounds_boundaries_and_keeps_short_spans():
 def test_chain_products_precision():
   """BlockSizes.chain_products picks the span chains' precision for 16-bit inputs: three bf16
   passes, or "tf32", the kernels' own (None: one TF32 pass on the GPU); float32 inputs keep
-  theirs either way. A name outside CHAIN_PRODUCTS is refused."""
+  theirs either way; None resolves by head_dim. A name outside CHAIN_PRODUCTS is refused."""
   from kernels_pallas.path_attention import calls, calls_span
   x3 = calls.bf16x3_precision("gpu")
   assert calls_span.fine_precision(jnp.bfloat16, None, "gpu") == x3
   assert calls_span.fine_precision(jnp.bfloat16, None, "gpu", "tf32") is None
   assert calls_span.fine_precision(jnp.float32, "f32", "gpu", "bf16x3") == "f32"
   assert calls_span.fine_precision(jnp.float32, "f32", "gpu", "tf32") == "f32"
+  auto = kp.BlockSizes()
+  assert calls.chain_products(auto, head_dim=64) == "tf32"
+  assert calls.chain_products(auto, head_dim=128) == "bf16x3"
+  assert calls.chain_products(kp.BlockSizes(chain_products="bf16x3"), head_dim=64) == "bf16x3"
   with pytest.raises(ValueError, match="chain_products"):
     kp.BlockSizes(chain_products="bf16").validate(64)
