@@ -7,6 +7,12 @@ flash-linear-attention's Triton PaTH kernel (PyTorch, fla-core 0.6.0), at the an
   python experiments/benchmarks/path_kernel.py --part jax --cases 0,1,2,3,4
   python experiments/benchmarks/path_kernel.py --part jax --cases 3 --variants path,path@l1rc,path@pre!=split_bf16x3
   python experiments/benchmarks/path_kernel.py --part fla --cases 0,1,2,3,4
+  python experiments/benchmarks/path_kernel.py --part jax --cases 3 --variants cudnn,fox,jax_mha
+
+Variants of --part jax: cudnn (jax.nn.dot_product_attention), path, path_fox, fox (ours without
+transport), jax_mha (jax.experimental.pallas.ops.gpu.attention.mha: jax's own Pallas flash
+attention, a reference for what Pallas on Triton reaches); `name@tokens` changes BlockSizes
+(_block_sizes_of).
 
 Times: median ms of repeated runs after warm-up (JAX: wall clock around block_until_ready;
 torch: triton.testing.do_bench). Memory: JAX compiled memory_analysis (arguments + outputs +
@@ -258,6 +264,11 @@ def _prepass_as_requested(forced):
     prepass_kernel.usable_variant = saved
 
 
+def _jax_mha(q, k, v):
+  from jax.experimental.pallas.ops.gpu import attention
+  return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True)
+
+
 def part_jax(cases, variants, dtype="bfloat16"):
   import jax
   import jax.numpy as jnp
@@ -274,6 +285,9 @@ def part_jax(cases, variants, dtype="bfloat16"):
         "path_fox": (lambda q, k, v, w, beta, g: kp.path_attention(q, k, v, w, beta, g),
                      (q, k, v, w, beta, g)),
         "fox": (lambda q, k, v, g: kp.forgetting_attention(q, k, v, g), (q, k, v, g)),
+        # jax's own Pallas-Triton flash attention (no gate, no transport): tells a limit of
+        # Pallas on Triton from one of our kernels
+        "jax_mha": (lambda q, k, v: _jax_mha(q, k, v), (q, k, v)),
     }
     for name in variants:
       base, _, spec = name.partition("@")
