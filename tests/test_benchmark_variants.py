@@ -21,6 +21,8 @@ def test_tokens_change_the_defaults():
   assert _block_sizes_of("seqnp") == (kp.BlockSizes(bwd_spans=0, dq_pairs=False), False)
   assert _block_sizes_of("pre=split_bf16") == (kp.BlockSizes(prepass="split_bf16"), False)
   assert _block_sizes_of("pre!=split_bf16x3") == (kp.BlockSizes(prepass="split_bf16x3"), True)
+  assert _block_sizes_of("ft") == (kp.BlockSizes(chain_products="tf32"), False)
+  assert _block_sizes_of("fx") == (kp.BlockSizes(chain_products="bf16x3"), False)
 
 
 def test_forced_prepass_bypasses_the_routing_only_inside():
