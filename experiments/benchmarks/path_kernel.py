@@ -198,9 +198,8 @@ def _block_sizes_of(spec):
   (far_dq_num_warps), ky the pre-pass keeps its inverse Y for its VJP (prepass_keep_inverse),
   lw the pre-pass VJP's WK pullback in its inverse-VJP kernel (prepass_late_wk), ft / fx the span
   forward's and backward's D x D operator chains in one TF32 pass / three bf16 passes
-  (chain_products "tf32" / "bf16x3"), gc
-  / gm the gate's column sums carried / on the tensor cores
-  (gate_colsum "carry" / "mma"),
+  (chain_products "tf32" / "bf16x3"), gc / gm the gate's column sums carried / on the tensor
+  cores (gate_colsum "carry" / "mma"),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
   whether it builds and what it gains. E.g. path@l1rc is the seventh session's defaults."""
@@ -287,7 +286,7 @@ def part_jax(cases, variants, dtype="bfloat16"):
         "fox": (lambda q, k, v, g: kp.forgetting_attention(q, k, v, g), (q, k, v, g)),
         # jax's own Pallas-Triton flash attention (no gate, no transport): tells a limit of
         # Pallas on Triton from one of our kernels
-        "jax_mha": (lambda q, k, v: _jax_mha(q, k, v), (q, k, v)),
+        "jax_mha": (_jax_mha, (q, k, v)),
     }
     for name in variants:
       base, _, spec = name.partition("@")

@@ -187,8 +187,7 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
         ops, precision=precision, backend=backend, bs=bs)
     args += [kb, pi]
     specs += [kv(kb), kv(pi)]
-    fine = calls_span.fine_precision(ops.q.dtype, precision, backend,
-                                     chain_products(bs, head_dim=ops.q.shape[-1]))
+    fine = calls_span.chain_precision(ops.q, precision=precision, backend=backend, bs=bs)
   out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]

@@ -39,6 +39,13 @@ def fine_precision(dtype, precision, backend: str, products: str = "bf16x3"):
   return calls.bf16x3_precision(backend)
 
 
+def chain_precision(x, *, precision, backend: str, bs: calls.BlockSizes):
+  """fine_precision for a launch whose operand x ([..., D]) sets the dtype and head_dim, with
+  BlockSizes.chain_products resolved (calls.chain_products)."""
+  return fine_precision(x.dtype, precision, backend,
+                        calls.chain_products(bs, head_dim=x.shape[-1]))
+
+
 def _boundary(ops: Operands, *, span, nb, precision, backend, bs):
   """-> kb [B, K, n, C, D] (kernel dtype), pi [B, K, nb, D, D] float32."""
   B, K, n, C, D = ops.k.shape
@@ -50,8 +57,7 @@ def _boundary(ops: Operands, *, span, nb, precision, backend, bs):
                # the span's block; the last span's chunks write nothing and map to block nb-1
                pl.BlockSpec((None, None, None, D, D), lambda *p: (
                    ids(*p)[0], ids(*p)[1], jnp.minimum(ids(*p)[2] // span, nb - 1), 0, 0))]
-  fine = fine_precision(ops.k.dtype, precision, backend,
-                        calls.chain_products(bs, head_dim=ops.k.shape[-1]))
+  fine = chain_precision(ops.k, precision=precision, backend=backend, bs=bs)
   kernel = functools.partial(bwd_span.boundary_kernel, span=span, nb=nb, chunk_axis=axis,
                              precision=precision, fine=fine)
   return calls._call(kernel, grid, [full(ops.k), full(ops.e)], out_specs, [kb, pi], backend, bs,
@@ -98,8 +104,7 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   if f["gate"]:
     out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), jnp.float32))
   out_specs = [own(x) for x in out_shape]
-  fine = fine_precision(ops.q.dtype, precision, backend,
-                        calls.chain_products(bs, head_dim=ops.q.shape[-1]))
+  fine = chain_precision(ops.q, precision=precision, backend=backend, bs=bs)
   kernel = functools.partial(bwd_span.far_dq_kernel, scale=scale, span=span, nb=nb,
                              bounds=bounds, precision=precision, chunk_axis=axis, fine=fine,
                              gate=f["gate"], segments=f["segments"], pairs=pairs)
@@ -251,8 +256,7 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
                          lambda j, kh, b: (b, kh, j, 0, 0, 0))
   out_specs = [st_spec if name == "st" else grp(s) if name in ("q", "diag", "fq", "fk")
                else kvh(s) for name, s in zip(names, out_shape)]
-  fine = fine_precision(ops.q.dtype, precision, backend,
-                        calls.chain_products(bs, head_dim=ops.q.shape[-1]))
+  fine = chain_precision(ops.q, precision=precision, backend=backend, bs=bs)
   kernel = functools.partial(bwd_span.span_kernel, scale=scale, span=span, nb=nb,
                              gate=f["gate"], segments=f["segments"], bounds=bounds,
                              precision=precision, span_axis=0, pairs=pairs, kv=kv, fine=fine)

@@ -142,15 +142,8 @@ def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref
   if cfg.fold:
     dw2, dy = chunk_inverse_vjp(w, *_f32(bc_ref), y, dy, precision=cfg.inv_precision)
     dw = dw + dw2
-  _put_vjp((dqs, dk, dw, dy, dbr), (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref), cfg)
-
-
-def _put_vjp(grads, refs, cfg):
-  """The operands VJP's outputs: dq (G heads), dk, dw in their refs' dtypes, dy, dbeta_r."""
-  (dqs, dk, dw, dy, dbr), (dq_ref, dk_ref, dw_ref, dy_ref, dbr_ref) = grads, refs
-  for g in range(len(dqs)):
-    if dqs[g] is not None:   # None: stored already (chunk_operands_vjp_q's put)
-      _put_q(dq_ref, g, dqs[g], cfg)
+  for g in range(len(dqs)):   # dq (G heads), dk, dw in their refs' dtypes, dy, dbeta_r
+    _put_q(dq_ref, g, dqs[g], cfg)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dw_ref[...] = dw.astype(dw_ref.dtype)
   dy_ref[...] = dy
