@@ -11,8 +11,9 @@ flash-linear-attention's Triton PaTH kernel (PyTorch, fla-core 0.6.0), at the an
 
 Variants of --part jax: cudnn (jax.nn.dot_product_attention), path, path_fox, fox (ours without
 transport), jax_mha (jax.experimental.pallas.ops.gpu.attention.mha: jax's own Pallas flash
-attention, a reference for what Pallas on Triton reaches); `name@tokens` changes BlockSizes
-(_block_sizes_of).
+attention, a reference for what Pallas on Triton reaches), jax_mgpu (its Mosaic GPU flash
+attention, forward only where causal); cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal
+mask; `name@tokens` changes BlockSizes (_block_sizes_of).
 
 Times: median ms of repeated runs after warm-up (JAX: wall clock around block_until_ready;
 torch: triton.testing.do_bench). Memory: JAX compiled memory_analysis (arguments + outputs +
@@ -198,7 +199,8 @@ def _block_sizes_of(spec):
   (far_dq_num_warps), ky the pre-pass keeps its inverse Y for its VJP (prepass_keep_inverse),
   lw the pre-pass VJP's WK pullback in its inverse-VJP kernel (prepass_late_wk), ft / fx the span
   forward's and backward's D x D operator chains in one TF32 pass / three bf16 passes
-  (chain_products "tf32" / "bf16x3"), gc / gm the gate's column sums carried / on the tensor
+  (chain_products "tf32" / "bf16x3"), mfar the span forward's far keys on Mosaic GPU
+  (fwd_far "mosaic"), gc / gm the gate's column sums carried / on the tensor
   cores (gate_colsum "carry" / "mma"),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
@@ -244,6 +246,7 @@ def _block_sizes_of(spec):
                  {"chain_products": "bf16x3"} if "fx" in spec else {})
   changes.update({"gate_colsum": "carry"} if "gc" in spec else
                  {"gate_colsum": "mma"} if "gm" in spec else {})
+  changes.update({"fwd_far": "mosaic"} if "mfar" in spec else {})
   changes.update({"prepass": pre[2]} if pre else {})
   return dataclasses.replace(bs, **changes), bool(pre and pre[1])
 
@@ -263,9 +266,31 @@ def _prepass_as_requested(forced):
     prepass_kernel.usable_variant = saved
 
 
-def _jax_mha(q, k, v):
+def _jax_mha(q, k, v, causal=True):
   from jax.experimental.pallas.ops.gpu import attention
-  return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=True)
+  return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
+
+
+# jax's Mosaic GPU flash attention's tiles, tried in this order until one fits shared memory
+# (its backward needs all four backward blocks; jax 0.10-0.11 have no causal backward)
+MGPU_TILES = ((64, 128, 64, 128, 64, 128), (64, 64, 64, 64, 64, 64))
+
+
+def _jax_mgpu(q, k, v, causal=True):
+  """jax.experimental.pallas.ops.gpu.attention_mgpu (TMA, wgmma, warp specialisation): what
+  Pallas on Mosaic GPU reaches, beside _jax_mha's Pallas on Triton. The first of MGPU_TILES
+  that builds (its scale is 1/sqrt(D) inside)."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+  err = None
+  for bq, bkv, bq_dkv, bkv_dkv, bq_dq, bkv_dq in MGPU_TILES:
+    cfg = am.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=2, causal=causal,
+                          block_q_dkv=bq_dkv, block_kv_dkv=bkv_dkv, block_q_dq=bq_dq,
+                          block_kv_dq=bkv_dq)
+    try:
+      return am.attention(q, k, v, cfg)
+    except ValueError as e:   # shared memory: the next tiles
+      err = e
+  raise err
 
 
 def part_jax(cases, variants, dtype="bfloat16"):
@@ -277,6 +302,7 @@ def part_jax(cases, variants, dtype="bfloat16"):
     B, T, H, D = CASES[ci]
     q, k, v, w, beta, g, do = _inputs(B, T, H, D, dtype=jnp.dtype(dtype))
     res = {"case": ci, "B": B, "T": T, "H": H, "D": D, "dtype": dtype}
+    q16, k16, v16 = (x.astype(jnp.float16) for x in (q, k, v))
     fns = {
         "cudnn": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                implementation="cudnn"), (q, k, v)),
@@ -287,6 +313,15 @@ def part_jax(cases, variants, dtype="bfloat16"):
         # jax's own Pallas-Triton flash attention (no gate, no transport): tells a limit of
         # Pallas on Triton from one of our kernels
         "jax_mha": (_jax_mha, (q, k, v)),
+        # jax's own Pallas Mosaic GPU flash attention: what Pallas reaches without Triton
+        # (float16: its kernel's output dtype is fixed; the tensor cores' rate is bf16's)
+        "jax_mgpu": (_jax_mgpu, (q16, k16, v16)),
+        # "_nc": without the causal mask (jax_mgpu has no causal backward), the same FLOPs x2
+        "cudnn_nc": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                                  implementation="cudnn"),
+                     (q, k, v)),
+        "jax_mha_nc": (lambda q, k, v: _jax_mha(q, k, v, causal=False), (q, k, v)),
+        "jax_mgpu_nc": (lambda q, k, v: _jax_mgpu(q, k, v, causal=False), (q16, k16, v16)),
     }
     for name in variants:
       base, _, spec = name.partition("@")
@@ -304,11 +339,13 @@ def part_jax(cases, variants, dtype="bfloat16"):
         t0 = time.time()
         with _prepass_as_requested(forced):   # both traced (and compiled) inside
           f_ms = _median_ms(fwd, *args)
-          f_gib = _gib(fwd.lower(*args).compile())
-          fb_ms = _median_ms(fb, *args, n=5)
-          fb_gib = _gib(fb.lower(*args).compile())
-        res[name] = dict(fwd_ms=round(f_ms, 2), fwdbwd_ms=round(fb_ms, 2), fwd_gib=f_gib,
-                         fwdbwd_gib=fb_gib, wall_s=round(time.time() - t0, 1))
+          res[name] = dict(fwd_ms=round(f_ms, 2), fwd_gib=_gib(fwd.lower(*args).compile()))
+          try:   # a forward-only variant (jax_mgpu's causal backward) keeps its forward row
+            fb_ms = _median_ms(fb, *args, n=5)
+            res[name].update(fwdbwd_ms=round(fb_ms, 2), fwdbwd_gib=_gib(fb.lower(*args).compile()))
+          except Exception as e:
+            res[name]["fwdbwd"] = "ERR " + type(e).__name__ + ": " + str(e).splitlines()[0][:200]
+        res[name]["wall_s"] = round(time.time() - t0, 1)
       except Exception as e:  # record and go on
         res[name] = "ERR " + type(e).__name__ + ": " + str(e).splitlines()[0][:200]
       # each variant as it finishes: a call cut off by its time limit keeps the rows it timed

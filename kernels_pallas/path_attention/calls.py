@@ -180,6 +180,7 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
     args.append(ops.lo)
     specs.append(_full(ops.lo, ids, lambda h: 0))
   span = forward_span(ops, bs, backend)
+  far = far_launch(ops, bs, backend, span)
   fine = None
   if span:
     from kernels_pallas.path_attention import calls_span
@@ -188,18 +189,39 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
     args += [kb, pi]
     specs += [kv(kb), kv(pi)]
     fine = calls_span.chain_precision(ops.q, precision=precision, backend=backend, bs=bs)
-  out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
+  # with the far keys in a launch of their own, the near part's o stays float32 for the merge
+  out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), jnp.float32 if far else ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
   out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
-  if span:   # the query states at the span boundaries, packed: the kernel's own scratch
+  if span:   # the query states at the span boundaries, packed (the far launch reads them)
     out_shape.append(jax.ShapeDtypeStruct(
         (B, H, kernels.boundary_array_rows(n=n, span=span, C=C), D), ops.q.dtype))
     out_specs.append(_full(out_shape[-1], ids, lambda h: h))
   kernel = functools.partial(kernels.fwd_kernel, scale=scale, precision=precision,
                              chunk_axis=axis, reverse=True, bounds=bounds, span=span, fine=fine,
-                             **f)
-  return tuple(_call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False)(
-      *args)[:2])
+                             far=not far, **f)
+  outs = _call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=False)(*args)
+  if not far:
+    return tuple(outs[:2])
+  from kernels_pallas.path_attention import fwd_far_mosaic
+  far_fn = fwd_far_mosaic.far_forward if backend == "gpu" else fwd_far_mosaic.far_reference
+  o_far, lse_far = far_fn(ops, kb, outs[2], scale=scale, span=span)
+  return fwd_far_mosaic.merge_far(outs[0], outs[1], o_far, lse_far, dtype=ops.v.dtype)
+
+
+def far_launch(ops: Operands, bs: BlockSizes, backend: str, span: int) -> bool:
+  """Whether the span forward's far keys run as their own Mosaic GPU launch
+  (BlockSizes.fwd_far "mosaic", fwd_far_mosaic.py; the interpreter runs its jnp oracle there);
+  raises where it was asked for and cannot."""
+  if bs.fwd_far != "mosaic" or not span:
+    return False
+  from kernels_pallas.path_attention import fwd_far_mosaic
+  why = fwd_far_mosaic.supported(ops) if backend == "gpu" else None
+  if backend not in ("gpu", "interpret") or why:
+    raise ValueError(f"fwd_far='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
+                     f"and block 64 (got "
+                     f"backend {backend!r}{', ' + why if why else ''})")
+  return True
 
 
 def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):

@@ -130,7 +130,7 @@ def _diag(q, kc, vc, d_ref, fq, fk, sq, sk, *, scale, precision):
 
 
 def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, reverse,
-               bounds=False, span=0, fine=None):
+               bounds=False, span=0, fine=None, far=True):
   """refs: q [C,D], k, v [n,C,D], (e [n,D,D], diag [C,C]), (fq [C,1], fk [n,1,C]),
   (sq [C,1], sk [n,1,C]), (lo [n,1,1]), (kb [n,C,D], pi [nb,D,D] with `span`) -> o [C,D],
   lse [C,1], (with `span`: qb [R, D], the head's packed boundary states, scratch). The query
@@ -142,7 +142,9 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
   against kb_m = k^_m M_bm^T (bwd_span.boundary_kernel's keys moved to their span's end b):
   q^_c M_cm = qb^(b) M_bm. Between spans the state crosses the whole span at once,
   qb^(a) = qb^(b) Pi_J (float32, precision `fine`). Far steps take two products instead of
-  the walk's three (four at head_dim 128: the move is C x D x D)."""
+  the walk's three (four at head_dim 128: the move is C x D x D). far=False: the far keys are
+  left to another launch (fwd_far_mosaic.py), which reads the states stored here; o and lse are
+  then those of the near keys alone."""
   q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, lo_ref, (kb_ref, pi_ref), \
       outs = _unpack_fwd(refs, transport, gate, segments, bounds, spans=bool(span))
   o_ref, lse_ref, *qb_ref = outs
@@ -214,7 +216,8 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
 
       return lax.fori_loop(jnp.maximum(lo, J * span), (J + 1) * span, key, carry)
 
-    m_i, l_i, acc = lax.fori_loop(j0, jc, far_span, (m_i, l_i, acc))
+    if far:
+      m_i, l_i, acc = lax.fori_loop(j0, jc, far_span, (m_i, l_i, acc))
   o_ref[...] = (acc / l_i).astype(o_ref.dtype)
   lse_ref[...] = m_i + jnp.log(l_i)
 

@@ -91,6 +91,8 @@ def test_auto_span_bounds_boundaries_and_keeps_short_spans():
     kp.BlockSizes(far_dkv_rows=24).validate(64)
   with pytest.raises(ValueError, match="gate_colsum"):
     kp.BlockSizes(gate_colsum="carried").validate(64)
+  with pytest.raises(ValueError, match="fwd_far"):
+    kp.BlockSizes(fwd_far="cuda").validate(64)
 
 
 def test_chain_products_precision():

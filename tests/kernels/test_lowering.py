@@ -110,3 +110,29 @@ def test_mosaic_forward_lowers_for_gpu(D, gate_segments):
     f32 = [sd(a.shape, jnp.float32) for a in args[:5]]
     jax.jit(lambda *a: kp.path_attention(*a, backend="gpu", block_sizes=bs)).trace(
         *f32).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("D,gate_segments", [(64, True), (128, False)])
+def test_far_mosaic_forward_lowers_for_gpu(D, gate_segments):
+  """BlockSizes(fwd_far="mosaic"): the span forward's near kernel lowers through Triton and its
+  far keys through Mosaic GPU (fwd_far_mosaic.py) on a CPU host, inside jax.grad too;
+  TestGPU.test_far_mosaic_kernel_against_reference checks its values on the device."""
+  B, T, H, K = 1, 700, 4, 2   # n = 11, span 2: five boundaries
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
+          sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
+  if gate_segments:
+    args += [sd((B, T, H), jnp.float32), sd((B, T), jnp.int32)]   # log_forget, segment ids
+  bs = kp.BlockSizes(fwd_far="mosaic", fwd_spans=True, dkv_span=2)
+  split = lambda a: (a[:-1], a[-1]) if gate_segments else (a, None)
+  f = lambda *a: kp.path_attention(*split(a)[0], backend="gpu", block_sizes=bs,
+                                   segment_ids=split(a)[1])
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)),
+               argnums=tuple(range(len(args) - gate_segments)))
+  for fn in (f, g):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text
+  with pytest.raises(ValueError, match="fwd_far"):   # float32 has no Mosaic far kernel
+    f32 = [sd(a.shape, jnp.float32) for a in args[:5]]
+    jax.jit(lambda *a: kp.path_attention(*a, backend="gpu", block_sizes=bs)).trace(
+        *f32).lower(lowering_platforms=("cuda",))

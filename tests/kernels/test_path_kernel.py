@@ -185,6 +185,17 @@ class PathKernelBase:
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, T=7 * self.block - 12,
                 block_sizes=bs, segments=f"alternating:{2 * self.block}")
 
+  def test_far_mosaic_forward_bf16(self, key):
+    """BlockSizes(fwd_far="mosaic"): the span forward's far keys in a launch of their own
+    (fwd_far_mosaic.py; the interpreter runs its jnp oracle far_reference there), merged with
+    the near kernel's softmax: n = 7 (three boundaries, so the boundary states' two-slot ring
+    refills), gate, grouped heads, documents alternating every two chunks (rows whose far keys
+    are all masked)."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, fwd_spans=True,
+                       fwd_far="mosaic")
+    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, T=7 * self.block - 12,
+                block_sizes=bs, segments=f"alternating:{2 * self.block}")
+
   def test_path_plain_f32_deterministic(self, key):
     self._check(key, H=2, K=2, dtype=jnp.float32, gate=False, segments=False, determinism=True)
 
@@ -468,6 +479,46 @@ class TestGPU(PathKernelBase):
     self.D = D
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=gate_segments, segments=gate_segments,
                 T=520, block_sizes=kp.BlockSizes(fwd_kernel="mosaic"))
+
+  @pytest.mark.parametrize("D,gate_segments", [(64, True), (128, False), (128, True)])
+  def test_far_mosaic_kernel_against_reference(self, key, D, gate_segments):
+    """fwd_far_mosaic.far_forward (Mosaic GPU) against its jnp oracle far_reference on random
+    boundary states, moved keys and values: n = 9 chunks, span 2 (four boundaries: the states'
+    ring refills twice), grouped heads; with a gate and packed documents (rows with no far
+    key: o 0, lse -inf), output and lse."""
+    from kernels_pallas.path_attention import fwd_far_mosaic, prepass
+    from kernels_pallas.path_attention.kernels import boundary_array_rows
+    B, H, K, n, C, span = 2, 4, 2, 9, 64, 2
+    ks = jax.random.split(key, 7)
+    bf = jnp.bfloat16
+    v = jax.random.normal(ks[0], (B, K, n, C, D), bf)
+    kb = jax.random.normal(ks[1], (B, K, n, C, D), bf)
+    qb = jax.random.normal(ks[2], (B, H, boundary_array_rows(n=n, span=span, C=C), D), bf)
+    ops = prepass.Operands(q=jnp.zeros((B, H, n, C, D), bf), k=kb, v=v, e=None, diag=None,
+                           fq=None, fk=None, sq=None, sk=None)
+    if gate_segments:
+      f = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, H, n * C)) + 2), -1)
+      f = f.reshape(B, H, n, C)
+      seg = jnp.cumsum(jax.random.uniform(ks[4], (B, n * C)) < 3 / (n * C), -1)
+      seg = seg.astype(jnp.int32).reshape(B, 1, n, C)
+      ops = ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
+                         sk=seg[..., None, :])
+    got = jax.jit(lambda *a: fwd_far_mosaic.far_forward(*a, scale=D ** -0.5, span=span))(
+        ops, kb, qb)
+    ref = fwd_far_mosaic.far_reference(ops, kb, qb, scale=D ** -0.5, span=span)
+    for name, a, b in zip(("o", "lse"), got, ref):
+      none = jnp.isneginf(b)
+      assert bool(jnp.array_equal(jnp.isneginf(a), none)), f"{name}: -inf rows differ"
+      assert_rel_rms(jnp.where(none, 0.0, a), jnp.where(none, 0.0, b), 1e-2, name)
+
+  @pytest.mark.parametrize("D", [64, 128])
+  def test_far_mosaic_forward_head_dim_bf16(self, key, D):
+    """BlockSizes(fwd_far="mosaic") at the GPU's own tiles, head_dim 64 and 128: n = 9 chunks,
+    span 2, gate, grouped heads, packed documents; forward and every gradient against the
+    oracle."""
+    self.D = D
+    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520,
+                block_sizes=kp.BlockSizes(dkv_span=2, fwd_spans=True, fwd_far="mosaic"))
 
   def test_head_dim_128_pallas_prepass_bf16(self, key):
     """head_dim 128 with one query head per kv head: the default pre-pass ("split2_hilo", the
