@@ -24,6 +24,7 @@ def test_tokens_change_the_defaults():
   assert _block_sizes_of("ft") == (kp.BlockSizes(chain_products="tf32"), False)
   assert _block_sizes_of("fx") == (kp.BlockSizes(chain_products="bf16x3"), False)
   assert _block_sizes_of("mfar") == (kp.BlockSizes(fwd_far="mosaic"), False)
+  assert _block_sizes_of("tfar") == (kp.BlockSizes(fwd_far="triton"), False)
 
 
 def test_forced_prepass_bypasses_the_routing_only_inside():

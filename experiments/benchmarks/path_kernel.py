@@ -199,8 +199,8 @@ def _block_sizes_of(spec):
   (far_dq_num_warps), ky the pre-pass keeps its inverse Y for its VJP (prepass_keep_inverse),
   lw the pre-pass VJP's WK pullback in its inverse-VJP kernel (prepass_late_wk), ft / fx the span
   forward's and backward's D x D operator chains in one TF32 pass / three bf16 passes
-  (chain_products "tf32" / "bf16x3"), mfar the span forward's far keys on Mosaic GPU
-  (fwd_far "mosaic"), gc / gm the gate's column sums carried / on the tensor
+  (chain_products "tf32" / "bf16x3"), mfar / tfar the span forward's far keys on Mosaic GPU /
+  in the Triton kernel (fwd_far), gc / gm the gate's column sums carried / on the tensor
   cores (gate_colsum "carry" / "mma"),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
   prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
@@ -246,7 +246,8 @@ def _block_sizes_of(spec):
                  {"chain_products": "bf16x3"} if "fx" in spec else {})
   changes.update({"gate_colsum": "carry"} if "gc" in spec else
                  {"gate_colsum": "mma"} if "gm" in spec else {})
-  changes.update({"fwd_far": "mosaic"} if "mfar" in spec else {})
+  changes.update({"fwd_far": "mosaic"} if "mfar" in spec else
+                 {"fwd_far": "triton"} if "tfar" in spec else {})
   changes.update({"prepass": pre[2]} if pre else {})
   return dataclasses.replace(bs, **changes), bool(pre and pre[1])
 

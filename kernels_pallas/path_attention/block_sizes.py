@@ -166,16 +166,17 @@ class BlockSizes:
                                  # 28.09 at 32,2048,32,64 (2026-11-26). The forward's own peak
                                  # grows by the packed states (4,16384,16,128: 2.88 -> 4.04
                                  # GiB), fwd+bwd's does not
-  fwd_far: str = "triton"        # with the span forward (fwd_spans), the far keys (plain
+  fwd_far: str | None = None     # with the span forward (fwd_spans), the far keys (plain
                                  # attention against the boundary states) inside the Triton
-                                 # forward kernel, or "mosaic": a Mosaic GPU launch of their own
-                                 # (fwd_far_mosaic.py: TMA ring, wgmma), merged with the near
-                                 # kernel's softmax; bf16/f16, chunk 64. H200, 2026-11-26,
-                                 # per kernel, triton (near + far) / mosaic near + far: 3.01 /
-                                 # 1.32 + 1.51 ms at 8,4096,16,128, 18.80 / 5.14 + 12.22 at
-                                 # 4,16384,16,128; fwd+bwd within noise (22.66 / 22.58, 102.42 /
-                                 # 101.65): not the default. The far kernel runs at ~315 TFLOP/s
-                                 # at 4,16384,16,128, cuDNN's forward ~550
+                                 # forward kernel ("triton"), or a Mosaic GPU launch of their
+                                 # own ("mosaic", fwd_far_mosaic.py: two compute warpgroups and a
+                                 # copying one, TMA ring, wgmma) merged with the near kernel's
+                                 # softmax; bf16/f16, chunk 64. None: "mosaic" on the GPU where
+                                 # it takes the operands (calls.far_launch). H200, one call,
+                                 # 2026-11-26, forward (fwd+bwd) ms triton / mosaic: 26.03
+                                 # (103.06) / 20.08 (98.01) at 4,16384,16,128, 6.11 (23.16) /
+                                 # 5.64 (22.81) at 8,4096,16,128; the forward's own peak +0.25
+                                 # / +0.12 GiB (float32 partial outputs), fwd+bwd's the same
   chain_products: str | None = None  # the span forward's and backward's products of
                                  # aggregated D x D operators (Pi crossings, the V and N chains;
                                  # float32 operands) with 16-bit inputs (calls_span.fine_precision):
@@ -201,8 +202,8 @@ class BlockSizes:
       raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
     if self.fwd_kernel not in ("triton", "mosaic"):
       raise ValueError(f"fwd_kernel={self.fwd_kernel!r} must be 'triton' or 'mosaic'")
-    if self.fwd_far not in ("triton", "mosaic"):
-      raise ValueError(f"fwd_far={self.fwd_far!r} must be 'triton' or 'mosaic'")
+    if self.fwd_far not in (None, "triton", "mosaic"):
+      raise ValueError(f"fwd_far={self.fwd_far!r} must be None (auto), 'triton' or 'mosaic'")
     if self.prepass_num_warps not in (None, 1, 2, 4, 8, 16):
       raise ValueError(f"prepass_num_warps={self.prepass_num_warps} must be None (each "
                        "kernel's own), 1, 2, 4, 8 or 16")

@@ -211,12 +211,15 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
 
 def far_launch(ops: Operands, bs: BlockSizes, backend: str, span: int) -> bool:
   """Whether the span forward's far keys run as their own Mosaic GPU launch
-  (BlockSizes.fwd_far "mosaic", fwd_far_mosaic.py; the interpreter runs its jnp oracle there);
-  raises where it was asked for and cannot."""
-  if bs.fwd_far != "mosaic" or not span:
+  (BlockSizes.fwd_far "mosaic", fwd_far_mosaic.py; the interpreter runs its jnp oracle there;
+  None: on the GPU where the kernel takes the operands); raises where "mosaic" was asked for
+  and cannot."""
+  if not span or bs.fwd_far == "triton":
     return False
   from kernels_pallas.path_attention import fwd_far_mosaic
   why = fwd_far_mosaic.supported(ops) if backend == "gpu" else None
+  if bs.fwd_far is None:
+    return backend == "gpu" and why is None
   if backend not in ("gpu", "interpret") or why:
     raise ValueError(f"fwd_far='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
                      f"and block 64 (got "

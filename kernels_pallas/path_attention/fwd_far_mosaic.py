@@ -13,14 +13,26 @@ jax's own Mosaic GPU flash forward (ops/gpu/attention_mgpu.py) matched cuDNN's c
 there (1.38 against 1.39 ms at 8,4096,16,128). Far pairs are most of the causal triangle at
 long sequences (7 / 8 of it at 4,16384,16,128).
 
-One program per (query chunk c, query head, batch), one warpgroup, 64 query rows. Key chunks
-m = 0 .. jc span - 1 (jc = c // span, the spans left of c's) stream through a ring of `slots`
-shared-memory buffers filled by TMA, the copy of step i + slots issued as soon as step i's
-products have read its slot; the boundary states come through a two-slot ring too, the next
-span's issued while this one's keys run. Logits in log2 units, exp2 online softmax (as
-fwd_mosaic.py). A row whose far keys are all masked (packed documents starting inside c's span)
-ends with l = 0: o = 0 and lse = -inf, which merge_far weighs as nothing. Every far chunk pair
-is walked (no prepass.chunk_bounds skipping yet); a masked tile contributes exp2(-inf) = 0.
+One program per (two query chunks c, c + 1, query head, batch): c even and the span even, so
+both lie in one span and attend to the same far keys. Three warpgroups, as jax's own Mosaic GPU
+flash forward (ops/gpu/attention_mgpu.py) is organised: two compute warpgroups, one query chunk
+(64 rows) each, and a third that only issues the TMA copies of the key chunks m = 0 .. jc span
+- 1 (jc = c // span) into a ring of `slots` shared-memory buffers (warp specialisation). Each
+key chunk is read once for 128 query rows, and while one compute warpgroup takes its softmax the
+other can use the tensor cores. A slot is refilled once both compute warpgroups have arrived at
+its consumed barrier. Each compute warpgroup fetches its own boundary states through a two-slot
+ring, the next span's issued while this one's keys run. Logits in log2 units, exp2 online
+softmax (as fwd_mosaic.py). A row whose far keys are all masked (packed documents starting
+inside c's span) ends with l = 0: o = 0 and lse = -inf, which merge_far weighs as nothing. Every
+far chunk pair is walked (no prepass.chunk_bounds skipping yet); a masked tile contributes
+exp2(-inf) = 0. An odd n's last program runs chunk n - 1 on both compute warpgroups (the same
+values written twice).
+
+Measured (H200, 2026-11-26, the far kernel's ms at 8,4096,16,128 / 4,16384,16,128; the
+Triton forward's far loop is about 1.7 / 13.7 of its 3.01 / 18.80): this form 1.10 / 7.61
+(~505 TFLOP/s at the long shape, cuDNN's forward ~550); one warpgroup a program with a 2-slot
+ring 1.51 / 12.22, the same with two key chunks a step 1.84 / 12.53 (160 KiB of shared memory:
+one program an SM). The one-warpgroup form gave bitwise the same outputs.
 
 Scope: bf16 or f16, chunk 64, head_dim a multiple of 64 (supported). plgpu's wgmma does not run
 in interpret mode: lowering is tested on the CPU host, values by TestGPU on the device.
@@ -48,16 +60,14 @@ def supported(ops) -> str | None:
   return None
 
 
-def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2, wide: int = 1):
+def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
   """-> o [B, H, n, C, D] float32 (normalised over the far keys; 0 where a row has none),
   lse [B, H, n, C] float32 (natural log; -inf where none).
 
   ops: the pre-pass Operands (v, and the gate's fq / fk and the segment ids sq / sk where
   present); kb [B, K, n, C, D] the keys moved to their span's end; qb [B, H, R, D] the packed
-  boundary states (kernels.boundary_offset), written by the near kernel. wide: key chunks a
-  step (a span's chunk count is even, so 2 never crosses a span). H200, 2026-11-26, the
-  kernel's ms at 8,4096,16,128 / 4,16384,16,128: 1.51 / 12.22 with 1, 1.84 / 12.53 with 2
-  (160 KiB of shared memory at head_dim 128: one program an SM)."""
+  boundary states (kernels.boundary_offset), written by the near kernel. slots: the key ring's
+  depth."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental import pallas as pl
   B, H, n, C, D = ops.q.shape
@@ -67,159 +77,170 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2, wide: i
   gate, segments = ops.fq is not None, ops.sq is not None
   wgmma_layout = plgpu.Layout.WGMMA
   rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-
-  # name -> array; "head": this program's query chunk, once, as [B, heads, n, C(, D)];
-  # "ring": `wide` key chunks a step, W rows of [B, heads, n C(, D)] (chunks merged into time);
-  # qb's packed rows as [B, H, R / C, C, D] chunks.
-  W = wide * C
-  if span % wide:
-    raise ValueError(f"span {span} must be a multiple of wide={wide}")
+  pairs = (n + 1) // 2
   vec = lambda x: x.reshape(x.shape[:3] + (C,))
-  keys = lambda x: x.reshape(x.shape[:2] + (n * C,) + x.shape[4:])
   head = {}
-  ring = {"k": keys(kb), "v": keys(ops.v)}
+  ring = {"k": kb, "v": ops.v}
   if gate:
     head["fq"] = vec(ops.fq)
-    ring["fk"] = ops.fk.reshape(B, H, n * C)
+    ring["fk"] = vec(ops.fk)
   if segments:
     head["sq"] = vec(ops.sq)
-    ring["sk"] = ops.sk.reshape(B, 1, n * C)
+    ring["sk"] = vec(ops.sk)
   qbc = qb.reshape(B, H, qb.shape[2] // C, C, D)
-  per_query_head = {"fq", "fk"}   # the rest per kv head (segment ids: one)
+  per_query_head = {"fq", "fk"}
 
-  def body(refs, smem, bars):
-    c, h, b = lax.axis_index("c"), lax.axis_index("heads"), lax.axis_index("batch")
-    c = n - 1 - c   # the most far keys first (calls.chunk_grid's reverse)
+  def body(refs, smem, bars, consumed):
+    p, h, b = lax.axis_index("c"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    c0 = 2 * (pairs - 1 - p)   # the most far keys first
     kh = lax.div(h, jnp.array(G, h.dtype))
     head_of = lambda name: h if name in per_query_head else 0 if name in ("sq", "sk") else kh
-    jc = lax.div(c, jnp.array(span, c.dtype))
-    steps = jc * (span // wide)   # far key rows 0 .. steps W - 1
+    jc = lax.div(c0, jnp.array(span, c0.dtype))
+    steps = jc * span
 
-    def fetch(i):   # key rows i W .. (i + 1) W - 1 into ring slot i % slots
+    def fetch(i, names):
       slot = lax.rem(i, jnp.array(slots, i.dtype))
-      for name in ring:
-        plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), pl.ds(i * W, W)],
-                                smem[name].at[slot], bars[name].at[slot])
+      for name in names:
+        plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), i], smem[name].at[slot],
+                                bars[name].at[slot])
 
-    def fetch_state(j):   # qb^(s_j) of chunk c into state slot j % 2
-      row = kernels.boundary_offset(j, n=n, span=span) + c - (j + 1) * span
-      plgpu.copy_gmem_to_smem(refs["qb"].at[b, h, row], smem["qb"].at[lax.rem(j, 2)],
-                              bars["qb"].at[lax.rem(j, 2)])
+    key_side = [name for name in ring if name != "v"]   # read by the logits: k's barrier
 
-    for name in head:
-      plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), c], smem[name], bars[name])
-    for j in range(2):
-      pl.when(j < jc)(lambda j=j: fetch_state(jnp.int32(j)))
-    for i in range(slots):
-      pl.when(i < steps)(lambda i=i: fetch(jnp.int32(i)))
-    for name in head:
-      plgpu.barrier_wait(bars[name])
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      for i in range(slots):
+        pl.when(i < steps)(lambda i=i: fetch(jnp.int32(i), list(ring)))
 
-    rows = lambda x: lax.broadcast_in_dim(x, (C, W), [0])
-    cols = lambda x: lax.broadcast_in_dim(x, (C, W), [1])
-    load = lambda ref, layout: plgpu.load(ref, (), layout=layout)
-    fq = load(smem["fq"], rows_layout) if gate else None
-    sq = load(smem["sq"], rows_layout) if segments else None
-
-    def key(J, qslot):
-      def step(i, carry):
-        m_i, l_i, acc = carry
+      def refill(i, carry):
+        t = i + slots
         slot = lax.rem(i, jnp.array(slots, i.dtype))
-        at = lambda name: smem[name].at[slot] if name in smem else None
-        plgpu.barrier_wait(bars["k"].at[slot])
-        for name in ("fk", "sk"):
-          if name in ring:
+        plgpu.barrier_wait(consumed["k"].at[slot])
+        fetch(t, key_side)
+        plgpu.barrier_wait(consumed["v"].at[slot])
+        fetch(t, ["v"])
+        return carry
+
+      lax.fori_loop(0, jnp.maximum(steps - slots, 0), refill, 0)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      c = jnp.minimum(c0 + wg, n - 1)
+      state = lambda j: smem["qb"].at[wg, lax.rem(j, 2)]
+      state_bar = lambda j: bars["qb"].at[2 * wg + lax.rem(j, 2)]
+
+      def fetch_state(j):   # qb^(s_j) of chunk c into this warpgroup's state slot j % 2
+        row = kernels.boundary_offset(j, n=n, span=span) + c - (j + 1) * span
+        plgpu.copy_gmem_to_smem(refs["qb"].at[b, h, row], state(j), state_bar(j))
+
+      for name in head:
+        plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), c], smem[name].at[wg],
+                                bars[name].at[wg])
+      for j in range(2):
+        pl.when(j < jc)(lambda j=j: fetch_state(jnp.int32(j)))
+      for name in head:
+        plgpu.barrier_wait(bars[name].at[wg])
+
+      rows = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
+      cols = lambda x: lax.broadcast_in_dim(x, (C, C), [1])
+      load = lambda ref, layout: plgpu.load(ref, (), layout=layout)
+      fq = load(smem["fq"].at[wg], rows_layout) if gate else None
+      sq = load(smem["sq"].at[wg], rows_layout) if segments else None
+
+      def key(qt):
+        def step(i, carry):
+          m_i, l_i, acc = carry
+          slot = lax.rem(i, jnp.array(slots, i.dtype))
+          at = lambda name: smem[name].at[slot]
+          for name in key_side:
             plgpu.barrier_wait(bars[name].at[slot])
 
-        def qk(r):
-          plgpu.wgmma(r, smem["qb"].at[qslot], plgpu.transpose_ref(at("k"), (1, 0)))
-          return r[...]
+          def qk(r):
+            plgpu.wgmma(r, qt, plgpu.transpose_ref(at("k"), (1, 0)))
+            return r[...]
 
-        s = pl.run_scoped(qk, plgpu.ACC((C, W), f32)) * (scale * LOG2E)
-        if gate:
-          s = s + (rows(fq) - cols(load(at("fk"), cols_layout))) * LOG2E
-        if segments:
-          s = jnp.where(rows(sq) == cols(load(at("sk"), cols_layout)), s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        # a row with every far key so far masked keeps m = -inf: exp2 against 0 there
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s - rows(m_use))
-        l_i = l_i * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, (C, D), [0])
-        plgpu.barrier_wait(bars["v"].at[slot])
-        acc = pl.run_state(lambda r: plgpu.wgmma(r, p.astype(dt), at("v")))(plgpu.ACC.init(acc))
-        # both products reading this slot have completed (their results were read): refill
-        pl.when(i + slots < steps)(lambda: fetch(i + slots))
-        return m_new, l_i, acc
+          s = pl.run_scoped(qk, plgpu.ACC((C, C), f32)) * (scale * LOG2E)
+          if gate:
+            s = s + (rows(fq) - cols(load(at("fk"), cols_layout))) * LOG2E
+          if segments:
+            s = jnp.where(rows(sq) == cols(load(at("sk"), cols_layout)), s, -jnp.inf)
+          plgpu.barrier_arrive(consumed["k"].at[slot])   # k (and fk, sk) read
+          m_new = jnp.maximum(m_i, s.max(axis=1))
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m_i - m_use)
+          p_ = jnp.exp2(s - rows(m_use))
+          l_i = l_i * alpha + p_.sum(axis=1)
+          acc = acc * lax.broadcast_in_dim(alpha, (C, D), [0])
+          plgpu.barrier_wait(bars["v"].at[slot])
+          acc = pl.run_state(lambda r: plgpu.wgmma(r, p_.astype(dt), at("v")))(
+              plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(consumed["v"].at[slot])
+          return m_new, l_i, acc
 
-      return step
+        return step
 
-    def far_span(J, carry):
-      qslot = lax.rem(J, 2)
-      plgpu.barrier_wait(bars["qb"].at[qslot])
-      per = span // wide
-      carry = lax.fori_loop(J * per, (J + 1) * per, key(J, qslot), carry)
-      pl.when(J + 2 < jc)(lambda: fetch_state(J + 2))   # its slot's last reader is done
-      return carry
+      def far_span(J, carry):
+        plgpu.barrier_wait(state_bar(J))
+        carry = lax.fori_loop(J * span, (J + 1) * span, key(state(J)), carry)
+        pl.when(J + 2 < jc)(lambda: fetch_state(J + 2))
+        return carry
 
-    m_i = plgpu.layout_cast(jnp.full((C,), -jnp.inf, f32), rows_layout)
-    l_i = plgpu.layout_cast(jnp.zeros((C,), f32), rows_layout)
-    acc = plgpu.layout_cast(jnp.zeros((C, D), f32), wgmma_layout)
-    return lax.fori_loop(0, jc, far_span, (m_i, l_i, acc))
+      m_i = plgpu.layout_cast(jnp.full((C,), -jnp.inf, f32), rows_layout)
+      l_i = plgpu.layout_cast(jnp.zeros((C,), f32), rows_layout)
+      acc = plgpu.layout_cast(jnp.zeros((C, D), f32), wgmma_layout)
+      m_i, l_i, acc = lax.fori_loop(0, jc, far_span, (m_i, l_i, acc))
+      none = l_i == 0.0
+      o_smem, lse_smem = smem["o"].at[wg], smem["lse"].at[wg]
+      o_smem[...] = acc / lax.broadcast_in_dim(jnp.where(none, 1.0, l_i), (C, D), [0])
+      lse_smem[...] = jnp.where(none, -jnp.inf,
+                                m_i + jnp.log2(jnp.where(none, 1.0, l_i))) * (1.0 / LOG2E)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, refs["o"].at[b, h, c])
+      plgpu.copy_smem_to_gmem(lse_smem, refs["lse"].at[b, h, c])
+      plgpu.wait_smem_to_gmem(0)
 
-  def store(refs, m_i, l_i, acc, o_smem, lse_smem):
-    c, h, b = n - 1 - lax.axis_index("c"), lax.axis_index("heads"), lax.axis_index("batch")
-    none = l_i == 0.0
-    o_smem[...] = acc / lax.broadcast_in_dim(jnp.where(none, 1.0, l_i), (C, D), [0])
-    lse_smem[...] = jnp.where(none, -jnp.inf, m_i + jnp.log2(jnp.where(none, 1.0, l_i))) * (
-        1.0 / LOG2E)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, refs["o"].at[b, h, c])
-    plgpu.copy_smem_to_gmem(lse_smem, refs["lse"].at[b, h, c])
-    plgpu.wait_smem_to_gmem(0)
-
-  def tile(dtype, *shape):   # a [.., C, D] operand tile as wgmma reads it (128-byte swizzle)
+  def tile(dtype, *shape):
     cols = 128 // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
                                                 plgpu.SwizzleTransform(128)))
-
-  def scratch_of(x, ring_slots=None):
-    shape = x.shape[3:] if ring_slots is None else (ring_slots, W) + x.shape[3:]
-    if len(shape) == (1 if ring_slots is None else 2):   # a vector: no tiling
-      return plgpu.SMEM(shape, x.dtype)
-    return tile(x.dtype, *shape)
 
   names_in = list(head) + list(ring) + ["qb"]
   arrays = {**head, **ring, "qb": qbc}
 
   def entry(*refs_flat):
     refs = dict(zip(names_in + ["o", "lse"], refs_flat))
-    smem_types = {name: scratch_of(head[name]) for name in head}
-    smem_types.update({name: scratch_of(ring[name], slots) for name in ring})
-    smem_types["qb"] = tile(dt, 2, C, D)
+    smem_types = {name: plgpu.SMEM((2, C), head[name].dtype) for name in head}
+    for name, x in ring.items():
+      smem_types[name] = (plgpu.SMEM((slots, C), x.dtype) if x.ndim == 4
+                          else tile(x.dtype, slots, C, D))
+    smem_types["qb"] = tile(dt, 2, 2, C, D)
+    smem_types["o"] = tile(f32, 2, C, D)
+    smem_types["lse"] = plgpu.SMEM((2, C), f32)
     bar_types = {name: plgpu.Barrier(num_barriers=slots) for name in ring}
-    bar_types["qb"] = plgpu.Barrier(num_barriers=2)
-    bar_types.update({name: plgpu.Barrier() for name in head})
+    bar_types["qb"] = plgpu.Barrier(num_barriers=4)
+    bar_types.update({name: plgpu.Barrier(num_barriers=2) for name in head})
+    consumed_types = {name: plgpu.Barrier(num_arrivals=2, num_barriers=slots)
+                      for name in ("k", "v")}
     smem_names, bar_names = list(smem_types), list(bar_types)
 
     def scoped(*scratch):
-      smem = dict(zip(smem_names, scratch[:len(smem_names)]))
-      bars = dict(zip(bar_names, scratch[len(smem_names):]))
-      return body(refs, smem, bars)
+      k = len(smem_names)
+      smem = dict(zip(smem_names, scratch[:k]))
+      bars = dict(zip(bar_names, scratch[k:k + len(bar_names)]))
+      consumed = dict(zip(consumed_types, scratch[k + len(bar_names):]))
+      body(refs, smem, bars, consumed)
 
-    # The float32 output tile takes the walk's buffers once the walk is done (a scope after
-    # its scope): 96 KiB of shared memory a program at head_dim 128 instead of 128, two
-    # programs an SM instead of one.
-    out = pl.run_scoped(scoped, *smem_types.values(), *bar_types.values())
-    pl.run_scoped(lambda o_smem, lse_smem: store(refs, *out, o_smem, lse_smem),
-                  tile(f32, C, D), plgpu.SMEM((C,), f32))
+    pl.run_scoped(scoped, *smem_types.values(), *bar_types.values(),
+                  *consumed_types.values(), collective_axes="wg")
 
   o, lse = plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct((B, H, n, C, D), f32),
                 jax.ShapeDtypeStruct((B, H, n, C), f32)),
-      grid=(n, H, B), grid_names=("c", "heads", "batch"),
+      grid=(pairs, H, B), grid_names=("c", "heads", "batch"),
+      num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*(arrays[name] for name in names_in))
   return o, lse

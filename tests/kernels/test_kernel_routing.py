@@ -111,3 +111,24 @@ def test_chain_products_precision():
   assert calls.chain_products(kp.BlockSizes(chain_products="bf16x3"), head_dim=64) == "bf16x3"
   with pytest.raises(ValueError, match="chain_products"):
     kp.BlockSizes(chain_products="bf16").validate(64)
+
+
+def test_far_launch_by_default():
+  """BlockSizes.fwd_far None: the span forward's far keys go to the Mosaic GPU launch on the GPU
+  where it takes the operands (bf16 / f16, chunk 64), else stay in the Triton kernel; the
+  interpreter runs the launch's jnp oracle only when asked; "mosaic" where it cannot raises."""
+  from kernels_pallas.path_attention import calls, prepass
+  def ops(dtype, C=64):
+    x = jnp.zeros((1, 2, 4, C, 128), dtype)
+    return prepass.Operands(q=x, k=x, v=x, e=None, diag=None, fq=None, fk=None, sq=None, sk=None)
+  auto, mosaic, triton = kp.BlockSizes(), kp.BlockSizes(fwd_far="mosaic"), kp.BlockSizes(
+      fwd_far="triton")
+  assert calls.far_launch(ops(jnp.bfloat16), auto, "gpu", span=2)
+  assert not calls.far_launch(ops(jnp.bfloat16), auto, "gpu", span=0)   # no span forward
+  assert not calls.far_launch(ops(jnp.float32), auto, "gpu", span=2)
+  assert not calls.far_launch(ops(jnp.bfloat16, C=32), auto, "gpu", span=2)
+  assert not calls.far_launch(ops(jnp.bfloat16), auto, "interpret", span=2)
+  assert not calls.far_launch(ops(jnp.bfloat16), triton, "gpu", span=2)
+  assert calls.far_launch(ops(jnp.bfloat16, C=16), mosaic, "interpret", span=2)
+  with pytest.raises(ValueError, match="fwd_far"):
+    calls.far_launch(ops(jnp.float32), mosaic, "gpu", span=2)
