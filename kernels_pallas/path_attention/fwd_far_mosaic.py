@@ -77,6 +77,8 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
   gate, segments = ops.fq is not None, ops.sq is not None
   wgmma_layout = plgpu.Layout.WGMMA
   rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  if span % 2:   # chunks c, c + 1 (c even) must share a span, i.e. their far keys
+    raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
   pairs = (n + 1) // 2
   vec = lambda x: x.reshape(x.shape[:3] + (C,))
   head = {}
