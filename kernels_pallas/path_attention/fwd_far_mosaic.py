@@ -25,7 +25,10 @@ ring, the next span's issued while this one's keys run. Logits in log2 units, ex
 softmax (as fwd_mosaic.py). A row whose far keys are all masked (packed documents starting
 inside c's span) ends with l = 0: o = 0 and lse = -inf, which merge_far weighs as nothing. Every
 far chunk pair is walked (no prepass.chunk_bounds skipping yet); a masked tile contributes
-exp2(-inf) = 0. An odd n's last program runs chunk n - 1 on both compute warpgroups (the same
+exp2(-inf) = 0. The near kernel stores no state for the spans wholly left of chunk c's
+documents (kernels.fwd_kernel's j0), so those rows of qb are whatever the buffer held; every
+key of those spans is masked for every row of c, and the mask's where() replaces whatever their
+products gave (NaN included) with -inf. An odd n's last program runs chunk n - 1 on both compute warpgroups (the same
 values written twice).
 
 Measured (H200, 2026-11-26, the far kernel's ms at 8,4096,16,128 / 4,16384,16,128; the
