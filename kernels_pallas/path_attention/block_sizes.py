@@ -172,7 +172,9 @@ class BlockSizes:
                                  # own ("mosaic", fwd_far_mosaic.py: two compute warpgroups and a
                                  # copying one, TMA ring, wgmma) merged with the near kernel's
                                  # softmax; bf16/f16, chunk 64. None: "mosaic" on the GPU where
-                                 # it takes the operands (calls.far_launch). H200, one call,
+                                 # it takes the operands, without packed documents (the Triton
+                                 # kernel skips the spans left of a chunk's documents; the
+                                 # Mosaic one walks them masked) (calls.far_launch). H200, one call,
                                  # 2026-11-26, forward (fwd+bwd) ms triton / mosaic: 26.03
                                  # (103.06) / 20.08 (98.01) at 4,16384,16,128, 6.11 (23.16) /
                                  # 5.64 (22.81) at 8,4096,16,128; the forward's own peak +0.25

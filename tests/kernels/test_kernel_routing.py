@@ -115,12 +115,15 @@ def test_chain_products_precision():
 
 def test_far_launch_by_default():
   """BlockSizes.fwd_far None: the span forward's far keys go to the Mosaic GPU launch on the GPU
-  where it takes the operands (bf16 / f16, chunk 64), else stay in the Triton kernel; the
-  interpreter runs the launch's jnp oracle only when asked; "mosaic" where it cannot raises."""
+  where it takes the operands (bf16 / f16, chunk 64) and no packed documents ask for chunk
+  skipping, else stay in the Triton kernel; the interpreter runs the launch's jnp oracle only
+  when asked; "mosaic" where it cannot raises."""
   from kernels_pallas.path_attention import calls, prepass
-  def ops(dtype, C=64):
+  def ops(dtype, C=64, documents=False):
     x = jnp.zeros((1, 2, 4, C, 128), dtype)
-    return prepass.Operands(q=x, k=x, v=x, e=None, diag=None, fq=None, fk=None, sq=None, sk=None)
+    lo = jnp.zeros((1, 1, 4, 1, 1), jnp.int32) if documents else None
+    return prepass.Operands(q=x, k=x, v=x, e=None, diag=None, fq=None, fk=None, sq=None, sk=None,
+                            lo=lo)
   auto, mosaic, triton = kp.BlockSizes(), kp.BlockSizes(fwd_far="mosaic"), kp.BlockSizes(
       fwd_far="triton")
   assert calls.far_launch(ops(jnp.bfloat16), auto, "gpu", span=2)
@@ -128,6 +131,8 @@ def test_far_launch_by_default():
   assert not calls.far_launch(ops(jnp.float32), auto, "gpu", span=2)
   assert not calls.far_launch(ops(jnp.bfloat16, C=32), auto, "gpu", span=2)
   assert not calls.far_launch(ops(jnp.bfloat16), auto, "interpret", span=2)
+  assert not calls.far_launch(ops(jnp.bfloat16, documents=True), auto, "gpu", span=2)
+  assert calls.far_launch(ops(jnp.bfloat16, documents=True), mosaic, "gpu", span=2)
   assert not calls.far_launch(ops(jnp.bfloat16), triton, "gpu", span=2)
   assert calls.far_launch(ops(jnp.bfloat16, C=16), mosaic, "interpret", span=2)
   with pytest.raises(ValueError, match="fwd_far"):
