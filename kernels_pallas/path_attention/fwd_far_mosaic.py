@@ -42,15 +42,12 @@ in interpret mode: lowering is tested on the CPU host, values by TestGPU on the 
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
-
-LOG2E = math.log2(math.e)
+from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
 
 
 def supported(ops) -> str | None:
@@ -79,7 +76,7 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
   f32 = jnp.float32
   gate, segments = ops.fq is not None, ops.sq is not None
   wgmma_layout = plgpu.Layout.WGMMA
-  rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)
   if span % 2:   # chunks c, c + 1 (c even) must share a span, i.e. their far keys
     raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
   pairs = (n + 1) // 2
@@ -149,7 +146,6 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
         plgpu.barrier_wait(bars[name].at[wg])
 
       rows = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
-      cols = lambda x: lax.broadcast_in_dim(x, (C, C), [1])
       load = lambda ref, layout: plgpu.load(ref, (), layout=layout)
       fq = load(smem["fq"].at[wg], rows_layout) if gate else None
       sq = load(smem["sq"].at[wg], rows_layout) if segments else None
@@ -166,11 +162,9 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
             plgpu.wgmma(r, qt, plgpu.transpose_ref(at("k"), (1, 0)))
             return r[...]
 
-          s = pl.run_scoped(qk, plgpu.ACC((C, C), f32)) * (scale * LOG2E)
-          if gate:
-            s = s + (rows(fq) - cols(load(at("fk"), cols_layout))) * LOG2E
-          if segments:
-            s = jnp.where(rows(sq) == cols(load(at("sk"), cols_layout)), s, -jnp.inf)
+          s = gate_and_mask(pl.run_scoped(qk, plgpu.ACC((C, C), f32)) * (scale * LOG2E),
+                            fq=fq, fk_ref=at("fk") if gate else None, sq=sq,
+                            sk_ref=at("sk") if segments else None)
           plgpu.barrier_arrive(consumed["k"].at[slot])   # k (and fk, sk) read
           m_new = jnp.maximum(m_i, s.max(axis=1))
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -206,11 +200,6 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
       plgpu.copy_smem_to_gmem(lse_smem, refs["lse"].at[b, h, c])
       plgpu.wait_smem_to_gmem(0)
 
-  def tile(dtype, *shape):
-    cols = 128 // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
-                                                plgpu.SwizzleTransform(128)))
-
   names_in = list(head) + list(ring) + ["qb"]
   arrays = {**head, **ring, "qb": qbc}
 
@@ -219,9 +208,9 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
     smem_types = {name: plgpu.SMEM((2, C), head[name].dtype) for name in head}
     for name, x in ring.items():
       smem_types[name] = (plgpu.SMEM((slots, C), x.dtype) if x.ndim == 4
-                          else tile(x.dtype, slots, C, D))
-    smem_types["qb"] = tile(dt, 2, 2, C, D)
-    smem_types["o"] = tile(f32, 2, C, D)
+                          else smem_tile(x.dtype, slots, C, D))
+    smem_types["qb"] = smem_tile(dt, 2, 2, C, D)
+    smem_types["o"] = smem_tile(f32, 2, C, D)
     smem_types["lse"] = plgpu.SMEM((2, C), f32)
     bar_types = {name: plgpu.Barrier(num_barriers=slots) for name in ring}
     bar_types["qb"] = plgpu.Barrier(num_barriers=4)

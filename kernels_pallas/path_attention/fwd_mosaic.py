@@ -26,6 +26,32 @@ from jax.experimental import pallas as pl
 LOG2E = math.log2(math.e)
 
 
+def smem_tile(dtype, *shape):
+  """A shared-memory [.., rows, cols] tile laid out as wgmma reads it: 128-byte swizzle, tiles of
+  8 rows by 128 bytes."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  cols = 128 // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
+                                              plgpu.SwizzleTransform(128)))
+
+
+def gate_and_mask(s, *, fq=None, fk_ref=None, sq=None, sk_ref=None, ok=None):
+  """Logits s [R, S] (wgmma layout, already in log2 units) plus the gate, masked to -inf where
+  `ok` is False or the segment ids differ: fq, sq the query rows' gate sums and ids [R] (row
+  layout, loaded once per program); fk_ref, sk_ref the key chunk's [S] in shared memory, loaded
+  here as column vectors. None where the feature is off."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  cols_layout = plgpu.Layout.WGMMA.reduce(0)
+  rows = lambda x: lax.broadcast_in_dim(x, s.shape, [0])
+  cols = lambda x: lax.broadcast_in_dim(x, s.shape, [1])
+  if fq is not None:
+    s = s + (rows(fq) - cols(plgpu.load(fk_ref, (), layout=cols_layout))) * LOG2E
+  if sq is not None:
+    same = rows(sq) == cols(plgpu.load(sk_ref, (), layout=cols_layout))
+    ok = same if ok is None else ok & same
+  return s if ok is None else jnp.where(ok, s, -jnp.inf)
+
+
 def supported(ops, bs) -> str | None:
   """None if the Mosaic forward takes these operands, else why not (calls.forward's fallback)."""
   C, D = ops.q.shape[3], ops.q.shape[4]
@@ -52,7 +78,7 @@ def forward(ops, *, scale: float, slots: int = 2):
   f32 = jnp.float32
   gate, segments = ops.fq is not None, ops.sq is not None
   wgmma_layout = plgpu.Layout.WGMMA
-  rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)
 
   # name -> (array, index of the chunk this program reads: "head" the query / kv head's
   # query-side chunk, "ring" the walk's key chunk). Vectors are [B, heads, n, C].
@@ -88,25 +114,15 @@ def forward(ops, *, scale: float, slots: int = 2):
       plgpu.barrier_wait(bars[name])
 
     rows = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
-    cols = lambda x: lax.broadcast_in_dim(x, (C, C), [1])
     load = lambda ref, layout: plgpu.load(ref, (), layout=layout)
     fq = load(smem["fq"], rows_layout) if gate else None
     sq = load(smem["sq"], rows_layout) if segments else None
 
-    def gate_and_mask(s, fk_ref, sk_ref, ok=None):
-      """Logits in log2 units (s already is) plus the gate, masked to -inf."""
-      if gate:
-        s = s + (rows(fq) - cols(load(fk_ref, cols_layout))) * LOG2E
-      if segments:
-        same = rows(sq) == cols(load(sk_ref, cols_layout))
-        ok = same if ok is None else ok & same
-      return s if ok is None else jnp.where(ok, s, -jnp.inf)
-
     # Diagonal chunk: every row sees itself, so the running max is finite from here on.
     row = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=wgmma_layout)
     col = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=wgmma_layout)
-    s = gate_and_mask(load(smem["d"], wgmma_layout).astype(f32) * LOG2E, smem.get("fkd"),
-                      smem.get("skd"), row >= col)
+    s = gate_and_mask(load(smem["d"], wgmma_layout).astype(f32) * LOG2E, fq=fq,
+                      fk_ref=smem.get("fkd"), sq=sq, sk_ref=smem.get("skd"), ok=row >= col)
     m_i = s.max(axis=1)
     p = jnp.exp2(s - rows(m_i))
     l_i = p.sum(axis=1)
@@ -131,8 +147,8 @@ def forward(ops, *, scale: float, slots: int = 2):
         plgpu.wgmma(r, qt16, plgpu.transpose_ref(at("k"), (1, 0)))
         return r[...]
 
-      s = gate_and_mask(pl.run_scoped(qk, plgpu.ACC((C, C), f32)) * (scale * LOG2E), at("fk"),
-                        at("sk"))
+      s = gate_and_mask(pl.run_scoped(qk, plgpu.ACC((C, C), f32)) * (scale * LOG2E), fq=fq,
+                        fk_ref=at("fk"), sq=sq, sk_ref=at("sk"))
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
       p = jnp.exp2(s - rows(m_new))
@@ -155,15 +171,11 @@ def forward(ops, *, scale: float, slots: int = 2):
     plgpu.copy_smem_to_gmem(smem["lse"], refs["lse"].at[b, h, c])
     plgpu.wait_smem_to_gmem(0)
 
-  def tile(*shape):
-    return plgpu.SMEM(shape, dt, transforms=(plgpu.TilingTransform((8, 64)),
-                                             plgpu.SwizzleTransform(128)))
-
   def scratch_of(name, x, ring_slots=None):
     shape = x.shape[3:] if ring_slots is None else (ring_slots,) + x.shape[3:]
     if x.ndim == 4:  # a [C] vector: no tiling
       return plgpu.SMEM(shape, x.dtype)
-    return tile(*shape)
+    return smem_tile(dt, *shape)
 
   names_in = list(head) + [name for name in ring if name not in head]
   arrays = {**head, **ring}
