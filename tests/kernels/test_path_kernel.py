@@ -13,7 +13,7 @@ from kernels_pallas.path_attention import calls
 from posenc_jax import householder
 from posenc_jax import unipotent
 from tests.kernels.transport_inputs import transport_vectors
-from tests.util import assert_rel_rms, rel_rms
+from tests.util import assert_rel_rms
 
 
 def _segments(key, B, T, mode):
@@ -373,97 +373,6 @@ class TestInterpret(PathKernelBase):
     """n = 3: one query-chunk pair and the odd last chunk alone."""
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True,
                 block_sizes=kp.BlockSizes(block_q=16, block_k=16))
-
-
-def _gpu_rounding_dot(dot):
-  """`dot` with float32 operands rounded as the GPU's Triton lowering rounds them: at the default
-  precision they enter the tensor cores as TF32, which read the top 10 of the 23 mantissa bits
-  (truncation); at BF16_BF16_F32_X3 as a bf16 hi / lo split of each operand, three products
-  (the lowering's own split). The CPU's dot ignores both (exact float32). Three-pass TF32 keeps
-  ~1e-6 relative error, exact enough here; bf16 operands are exact as there."""
-  x3 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
-  as_bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
-
-  def tf32(x):
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFE000)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-  def emulated(a, b, *, ta=False, tb=False, precision=None):
-    if a.dtype != jnp.float32 or b.dtype != jnp.float32:
-      return dot(a, b, ta=ta, tb=tb, precision=precision)
-    if precision is None:
-      return dot(tf32(a), tf32(b), ta=ta, tb=tb)
-    if precision == x3:
-      ah, bh = as_bf16(a), as_bf16(b)
-      al, bl = as_bf16(a - ah), as_bf16(b - bh)
-      hi = jax.lax.Precision.HIGHEST
-      return (dot(al, bh, ta=ta, tb=tb, precision=hi) + dot(ah, bl, ta=ta, tb=tb, precision=hi)
-              + dot(ah, bh, ta=ta, tb=tb, precision=hi))
-    return dot(a, b, ta=ta, tb=tb, precision=precision)
-  return emulated
-
-
-@pytest.mark.parametrize("w_mode,prepass", [
-    ("shared:0.01", "split"), ("antiparallel", "split"), ("antiparallel", "split2_hilo")] + [
-    pytest.param(*case, marks=pytest.mark.slow)   # variants that are not a default (CI time)
-    for case in (("shared:0.01", "split_bf16x3"), ("shared:0.01", "split_hilo"),
-                 ("antiparallel", "split_hilo"))])
-def test_tf32_products_correlated_w(key, monkeypatch, w_mode, prepass):
-  """The interpreter with every float32 product rounded as the GPU rounds it, on the bf16 inputs
-  whose transport is ill-conditioned (neighbouring w nearly parallel or antiparallel, beta = 2),
-  against the same kernel with exact float32 products on the same inputs: the GPU's rounding
-  may not add to the error. Single-pass TF32 pre-pass products failed this (dw 1.6e-2 / 2.3e-2
-  here, ~4x the exact products' error; 4.7e-2 on the H100 at the GPU's chunk 64) while the
-  exact-float32 interpret tests passed.
-
-  Why against the exact kernel and not only the bf16 tolerance: the exact kernel's own error
-  here is the bf16 operands' (q^, k^, E, the in-chunk logits), and on these inputs it reaches
-  1e-2 for some draws (dbeta 1.008e-2 at 1 seed in 60, with and without the emulation alike,
-  NOTES_kernel round 20), which made the old criterion fail CI by chance. Each output must stay
-  within the bf16 tolerance or within 1.25x the exact products' error. Eight rows, as in
-  test_path_correlated_w: with two, antiparallel / split2_hilo still failed 1 draw in 608 (dbeta
-  1.002e-2 emulated, 6.1e-3 exact; its worst over 191 draws 1.002x the allowed error, 0.80x with
-  eight), while single-pass TF32 pre-pass products fail every draw at either row count
-  (10-11x the allowed error, 30 draws; NOTES_kernel round 23)."""
-  _check_gpu_rounding(key, monkeypatch, w_mode=w_mode, T=64,
-                      block_sizes=kp.BlockSizes(block_q=16, block_k=16, prepass=prepass))
-
-
-@pytest.mark.slow   # the span forward with TF32 chains is no default (CI time); the backward's
-                    # TF32 chains, the default at this head_dim, are in the test above (span 2)
-@pytest.mark.parametrize("w_mode", ["shared:0.01", "antiparallel"])
-def test_tf32_chain_products_correlated_w(key, monkeypatch, w_mode):
-  """BlockSizes.chain_products="tf32": the span forward's crossings and the span backward's
-  D x D chains in one TF32 pass, with the span forward on (it is off at this head_dim by
-  default) and three span boundaries (T = 128, chunk 16), under test_tf32_products_correlated_w's
-  criterion: the GPU's rounding may not add to the error of exact products."""
-  _check_gpu_rounding(key, monkeypatch, w_mode=w_mode, T=128,
-                      block_sizes=kp.BlockSizes(block_q=16, block_k=16, chain_products="tf32",
-                                                fwd_spans=True))
-
-
-def _check_gpu_rounding(key, monkeypatch, *, w_mode, T, block_sizes):
-  """The kernel at block_sizes with every float32 product rounded as the GPU rounds it
-  (_gpu_rounding_dot) against the same kernel with exact products, both against the float32
-  oracle on the same bf16 inputs (8 rows): each output within the bf16 tolerance or within
-  1.25x the exact products' error."""
-  from kernels_pallas.path_attention import bwd_kernels, bwd_span, kernels, prepass_chunk
-  case = PathKernelBase()
-  case.T = T
-  kw = dict(H=2, K=1, dtype=jnp.bfloat16, gate=False, segments=False, w_mode=w_mode, B=8,
-            block_sizes=block_sizes)
-  run, oracle, names = case._cases(key, **kw)
-  ref = oracle()   # once: the same inputs below
-  exact = [rel_rms(a, b) for a, b in zip(run(), ref)]
-  emulated = _gpu_rounding_dot(kernels.dot)
-  for module in (kernels, bwd_kernels, bwd_span, prepass_chunk):
-    monkeypatch.setattr(module, "dot", emulated)
-  run, _, _ = case._cases(key, **kw)   # traced anew: every kernel product rounded
-  tol = case.tol[jnp.bfloat16]
-  for name, a, b, floor in zip(names, run(), ref, exact):
-    err = rel_rms(a, b)
-    assert err <= max(tol, 1.25 * floor), (
-        f"{name}: {err:.3e} with the GPU's rounding, {floor:.3e} with exact products")
 
 
 @pytest.mark.gpu
