@@ -18,7 +18,7 @@ depends on the differences between neighbouring w (~eps), which a rounding of w 
 relatively by (rounding / eps). Single-pass TF32 (the GPU's default for float32 operands: the
 tensor cores read the top 10 mantissa bits, i.e. truncate), the default until 2026-11-23, failed
 the GPU tests at w_t = normalize(a + 0.01 n_t), beta = 2 (dw 4.7e-2 relative RMS, H100);
-test_path_kernel.py::test_tf32_products_correlated_w emulates that truncation in the interpreter
+test_gpu_rounding.py::test_tf32_products_correlated_w emulates that truncation in the interpreter
 and shows where: the operands' products (dw 8.7e-2 at C = D = 64, T = 256), not the inverse
 (already float32-accurate) nor the attention kernels (4.4e-3 with TF32 everywhere else).
 """
