@@ -463,13 +463,16 @@ class TestGPU(PathKernelBase):
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 class TestGPUTraining:
-  """What a researcher runs: the 12-layer llama-style bf16 model (d_model 768, 12 heads x 64)
-  on the packed code corpus at T = 2048 through the project's train step, 20 steps."""
+  """What a researcher runs: the 12-layer llama-style bf16 model (d_model 768, 12 heads x 64, or
+  6 x 128 where the span forward runs, its far keys asked onto the Mosaic launch: packed
+  documents keep them on Triton by default) on the packed code corpus at T = 2048 through the
+  project's train step, 20 steps."""
 
   steps = 20
 
-  @pytest.mark.parametrize("encoding", ["path", "path_fox"])
-  def test_bf16_model_trains(self, encoding):
+  @pytest.mark.parametrize("encoding,head_dim,implementation", [
+      ("path", 64, None), ("path_fox", 64, None), ("path", 128, "pallas:fwd_far=mosaic")])
+  def test_bf16_model_trains(self, encoding, head_dim, implementation):
     import numpy as np
     from experiments import data, sharding, train
     from experiments.configs import base
@@ -478,7 +481,8 @@ class TestGPUTraining:
     c.data.task, c.data.seq_len = "text", 2048
     c.train.update(steps=200, batch_size=8, learning_rate=1e-3, warmup_steps=5)
     mcfg = model_lib.ModelConfig(vocab_size=data.vocab_size(c.data), encoding=encoding,
-                                 num_layers=12, d_model=768, num_heads=12, head_dim=64,
+                                 num_layers=12, d_model=768, num_heads=768 // head_dim,
+                                 head_dim=head_dim, implementation=implementation,
                                  dtype="bfloat16")
     mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
     trainer = train.Trainer(mcfg, c.train, mesh)
