@@ -179,6 +179,13 @@ class BlockSizes:
                                  # (103.06) / 20.08 (98.01) at 4,16384,16,128, 6.11 (23.16) /
                                  # 5.64 (22.81) at 8,4096,16,128; the forward's own peak +0.25
                                  # / +0.12 GiB (float32 partial outputs), fwd+bwd's the same
+  far_dq: str | None = None      # the span backward's far dq walk inside the Triton far dq
+                                 # kernel ("triton", bwd_span.far_dq_kernel) or, after a Triton
+                                 # launch that only stores the boundary states, as a Mosaic GPU
+                                 # launch ("mosaic", bwd_far_mosaic.py: the far forward's three
+                                 # warpgroups, the A chain's Pi products in three bf16 passes);
+                                 # bf16/f16, chunk 64. None: "mosaic" where fwd_far's default
+                                 # takes it (calls_span.far_dq_launch)
   chain_products: str | None = None  # the span forward's and backward's products of
                                  # aggregated D x D operators (Pi crossings, the V and N chains;
                                  # float32 operands) with 16-bit inputs (calls_span.fine_precision):
@@ -204,6 +211,8 @@ class BlockSizes:
       raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
     if self.fwd_kernel not in ("triton", "mosaic"):
       raise ValueError(f"fwd_kernel={self.fwd_kernel!r} must be 'triton' or 'mosaic'")
+    if self.far_dq not in (None, "triton", "mosaic"):
+      raise ValueError(f"far_dq={self.far_dq!r} must be None (auto), 'triton' or 'mosaic'")
     if self.fwd_far not in (None, "triton", "mosaic"):
       raise ValueError(f"fwd_far={self.fwd_far!r} must be None (auto), 'triton' or 'mosaic'")
     if self.prepass_num_warps not in (None, 1, 2, 4, 8, 16):

@@ -95,19 +95,7 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
 
     @pl.when(jc > 0)
     def _():
-      q = r["q"][rows]
-      s = pair_state(q, r["e"][c], precision=precision)[0] if size > C else q.astype(f32)
-      move = lambda i, s: s - dot(s.astype(dt), r["e"][c - 1 - i], precision=precision)
-      s = lax.fori_loop(0, c - jc * span, move, s)   # to c's span start
-      r["qb"][packed(jc - 1)] = s.astype(dt)
-
-      def down(i, s):   # qb^(s_j) = qb^(s_{j+1}) Pi_{j+1}, j = jc-2 .. 0
-        j = jc - 2 - i
-        s = dot(s, r["pi"][j + 1], precision=fine)
-        r["qb"][packed(j)] = s.astype(dt)
-        return s
-
-      lax.fori_loop(0, jc - 1, down, s)
+      boundary_states(r, c, size, span=span, packed=packed, precision=precision, fine=fine)
       qc = dict(do=r["do"][rows], lse=r["lse"][rows], delta=r["delta"][rows],
                 fq=r["fq"][rows] if gate else None, sq=r["sq"][rows] if segments else None)
       lo = 0
@@ -149,6 +137,53 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
       @pl.when(jc == 0)
       def _():
         r["dfq"][rows] = jnp.zeros((size, 1), f32)
+
+  if not pairs:
+    tile(C)
+  else:
+    pl.when(c + 1 < n)(lambda: tile(2 * C))
+    pl.when(c + 1 >= n)(lambda: tile(C))   # the odd last chunk
+
+
+def boundary_states(r, c, size, *, span, packed, precision, fine):
+  """Store query tile c's (`size` rows: one chunk, or chunks c, c + 1) states at the boundaries
+  below it, qb^(s_j) = q^_c P_{c-1} ... P_{s_j}, j = jc-1 .. 0 (jc = c // span > 0), into
+  r["qb"] at packed(j): the walk to c's span start with the chunk operators E, then the span
+  operators Pi down (products with Pi at `fine`)."""
+  C = r["q"].shape[0] // r["e"].shape[0]   # q^ has its chunks merged into time
+  dt = r["q"].dtype
+  f32 = jnp.float32
+  jc = lax.div(c, span)
+  q = r["q"][pl.ds(pl.multiple_of(c * C, C), size)]
+  s = pair_state(q, r["e"][c], precision=precision)[0] if size > C else q.astype(f32)
+  move = lambda i, s: s - dot(s.astype(dt), r["e"][c - 1 - i], precision=precision)
+  s = lax.fori_loop(0, c - jc * span, move, s)   # to c's span start
+  r["qb"][packed(jc - 1)] = s.astype(dt)
+
+  def down(i, s):   # qb^(s_j) = qb^(s_{j+1}) Pi_{j+1}, j = jc-2 .. 0
+    j = jc - 2 - i
+    s = dot(s, r["pi"][j + 1], precision=fine)
+    r["qb"][packed(j)] = s.astype(dt)
+    return s
+
+  lax.fori_loop(0, jc - 1, down, s)
+
+
+def far_states_kernel(*refs, span, precision, fine, chunk_axis, pairs):
+  """Program (query tile, query head, batch), tiles as far_dq_kernel's. In: q^ [n*C, D] (chunks
+  merged into time), E [n, D, D], pi [nb, D, D]. Out: qb [R, D] packed, this tile's states at
+  the boundaries below it (boundary_states), for a far dq launch that takes them as an input
+  (bwd_far_mosaic.far_dq). The first span's tiles write nothing."""
+  r = _unpack(refs, [("q", True), ("e", True), ("pi", True), ("qb", True)])
+  n, _, D = r["e"].shape
+  C = r["q"].shape[0] // n
+  tiles = (n + 1) // 2 if pairs else n
+  c = chunk_id(tiles, axis=chunk_axis, reverse=True) * (2 if pairs else 1)
+
+  def tile(size):
+    packed = lambda j: boundary_rows(j, c, size, n=n, span=span, C=C)
+    pl.when(lax.div(c, span) > 0)(lambda: boundary_states(
+        r, c, size, span=span, packed=packed, precision=precision, fine=fine))
 
   if not pairs:
     tile(C)

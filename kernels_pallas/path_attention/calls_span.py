@@ -116,6 +116,45 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   return tuple(outs[:2]) + tuple(x.reshape(B, H, n, C, 1) for x in outs[2:])
 
 
+def _far_states(ops: Operands, pi, *, span, precision, backend, bs):
+  """-> qb [B, H, R, D] (kernel dtype; packed): bwd_span.far_states_kernel, the far dq launch's
+  first half when the walk runs elsewhere (bwd_far_mosaic.far_dq). Tiles as _far_dq's."""
+  B, H, n, C, D = ops.q.shape
+  G = H // ops.k.shape[1]
+  pairs = D > 64 if bs.far_dq_pairs is None else bs.far_dq_pairs
+  grid, ids, axis = calls.chunk_grid(B, H, (n + 1) // 2 if pairs else n, backend, reverse=True)
+  own = lambda x: calls._full(x, ids, lambda h: h)
+  kv = lambda x: calls._full(x, ids, lambda h: h // G)
+  args = [calls._merged(ops.q), ops.e, pi]
+  states = jax.ShapeDtypeStruct((B, H, kernels.boundary_array_rows(n=n, span=span, C=C), D),
+                                ops.q.dtype)
+  fine = chain_precision(ops.q, precision=precision, backend=backend, bs=bs)
+  kernel = functools.partial(bwd_span.far_states_kernel, span=span, precision=precision,
+                             fine=fine, chunk_axis=axis, pairs=pairs)
+  warps = bs.far_dq_num_warps or bs.dq_num_warps or (8 if pairs else None)
+  return calls._call(kernel, grid, [own(args[0]), kv(ops.e), kv(pi)], [own(states)], [states],
+                     backend, bs, bwd=True, stages=calls.flash_stages(bs, ops.q.dtype),
+                     warps=warps)(*args)[0]
+
+
+def far_dq_launch(ops: Operands, bs: calls.BlockSizes, backend: str) -> bool:
+  """Whether the span backward's far dq walk runs as its own Mosaic GPU launch
+  (BlockSizes.far_dq "mosaic", bwd_far_mosaic.py; the interpreter runs its jnp oracle there);
+  None: as the far forward (calls.far_launch): on the GPU where the kernel takes the operands,
+  without packed documents (the Triton far dq skips the spans left of a chunk's documents, the
+  Mosaic one walks them masked). Raises where "mosaic" was asked for and cannot."""
+  if bs.far_dq == "triton":
+    return False
+  from kernels_pallas.path_attention import fwd_far_mosaic
+  why = fwd_far_mosaic.supported(ops) if backend == "gpu" else None
+  if bs.far_dq is None:
+    return backend == "gpu" and why is None and not calls._bounds(ops, backend)
+  if backend not in ("gpu", "interpret") or why:
+    raise ValueError(f"far_dq='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
+                     f"and block 64 (got backend {backend!r}{', ' + why if why else ''})")
+  return True
+
+
 def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, backend, bs):
   """-> a, dv [B, K, n, C, D] float32 (far tiles), (dfk [B, H, n, 1, C] float32). Key chunks
   two at a time with BlockSizes.far_dkv_pairs (bwd_span.far_dkv_kernel)."""
@@ -213,7 +252,15 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   nsp = nb + 1
   kw = dict(precision=precision, backend=backend, bs=bs)
   kb, pi = boundary if boundary is not None else _boundary(ops, span=span, nb=nb, **kw)
-  qb, a, *dfq_far = _far_dq(ops, do, lse, delta, kb, pi, scale=scale, span=span, nb=nb, **kw)
+  if far_dq_launch(ops, bs, backend):
+    from kernels_pallas.path_attention import bwd_far_mosaic
+    qb = _far_states(ops, pi, span=span, **kw)
+    walk = bwd_far_mosaic.far_dq if backend == "gpu" else bwd_far_mosaic.far_dq_reference
+    a, dfq = walk(ops, do, lse, delta, kb, qb, pi, scale=scale, span=span)
+    dfq_far = [dfq] if f["gate"] else []
+  else:
+    qb, a, *dfq_far = _far_dq(ops, do, lse, delta, kb, pi, scale=scale, span=span, nb=nb,
+                              **kw)
   kv = bs.bwd_spans == 1   # near dk, dv from the span kernel's states; 2, 3: the dk/dv kernel's
   if bs.bwd_spans != 2:
     afar, dvfar, *dfk_far = _far_dkv(ops, do, lse, delta, kb, qb, scale=scale, span=span, **kw)

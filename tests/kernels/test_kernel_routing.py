@@ -137,3 +137,28 @@ def test_far_launch_by_default():
   assert calls.far_launch(ops(jnp.bfloat16, C=16), mosaic, "interpret", span=2)
   with pytest.raises(ValueError, match="fwd_far"):
     calls.far_launch(ops(jnp.float32), mosaic, "gpu", span=2)
+
+
+def test_far_dq_launch_by_default():
+  """BlockSizes.far_dq None: the span backward's far dq walk goes to the Mosaic GPU launch on the
+  GPU where it takes the operands (bf16 / f16, chunk 64) without packed documents, else stays in
+  the Triton far dq kernel; the interpreter runs the launch's jnp oracle only when asked;
+  "mosaic" where it cannot raises."""
+  from kernels_pallas.path_attention import calls_span, prepass
+  def ops(dtype, C=64, documents=False):
+    x = jnp.zeros((1, 2, 4, C, 128), dtype)
+    lo = jnp.zeros((1, 1, 4, 1, 1), jnp.int32) if documents else None
+    return prepass.Operands(q=x, k=x, v=x, e=None, diag=None, fq=None, fk=None, sq=None, sk=None,
+                            lo=lo)
+  auto, mosaic, triton = (kp.BlockSizes(far_dq=x) for x in (None, "mosaic", "triton"))
+  launch = calls_span.far_dq_launch
+  assert launch(ops(jnp.bfloat16), auto, "gpu")
+  assert not launch(ops(jnp.float32), auto, "gpu")
+  assert not launch(ops(jnp.bfloat16, C=32), auto, "gpu")
+  assert not launch(ops(jnp.bfloat16), auto, "interpret")
+  assert not launch(ops(jnp.bfloat16, documents=True), auto, "gpu")
+  assert launch(ops(jnp.bfloat16, documents=True), mosaic, "gpu")
+  assert not launch(ops(jnp.bfloat16), triton, "gpu")
+  assert launch(ops(jnp.float32, C=16), mosaic, "interpret")
+  with pytest.raises(ValueError, match="far_dq"):
+    launch(ops(jnp.float32), mosaic, "gpu")

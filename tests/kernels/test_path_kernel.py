@@ -273,6 +273,19 @@ class TestInterpret(PathKernelBase):
   overrides below move cases that repeat one of them to -m slow. TestGPU runs every case."""
   backend = "interpret"
 
+  @pytest.mark.parametrize("pairs", [True, False])
+  def test_far_dq_mosaic_f32(self, key, pairs):
+    """BlockSizes(far_dq="mosaic"): the span backward's boundary states from a launch of their
+    own (bwd_span.far_states_kernel), the far walk and the A chain in another (bwd_far_mosaic.py;
+    the interpreter runs its jnp oracle far_dq_reference there): n = 7 (three boundaries),
+    gate, grouped heads, documents alternating every two chunks (wholly masked far tiles),
+    query chunks in pairs or alone; float32, deterministic. Interpreter only: on the GPU
+    the Mosaic launch takes 16-bit inputs (TestGPU.test_far_dq_mosaic_head_dim_bf16)."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, far_dq="mosaic",
+                       far_dq_pairs=pairs)
+    self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, T=7 * self.block - 12,
+                block_sizes=bs, segments=f"alternating:{2 * self.block}", determinism=True)
+
   # The shared:0.01 bf16 case keeps this code path (no gate, no segments, one kv head);
   # test_tf32_products_correlated_w runs shared:0.01 and antiparallel with the GPU's TF32
   # rounding emulated, and test_chunk_inverse_correlated_w holds the inverse to float64 for
@@ -421,6 +434,52 @@ class TestGPU(PathKernelBase):
       none = jnp.isneginf(b)
       assert bool(jnp.array_equal(jnp.isneginf(a), none)), f"{name}: -inf rows differ"
       assert_rel_rms(jnp.where(none, 0.0, a), jnp.where(none, 0.0, b), 1e-2, name)
+
+  @pytest.mark.parametrize("D,gate_segments", [(64, False), (64, True), (128, False),
+                                               (128, True)])
+  def test_far_dq_mosaic_kernel_against_reference(self, key, D, gate_segments):
+    """bwd_far_mosaic.far_dq (Mosaic GPU) against its jnp oracle far_dq_reference on random
+    boundary states, moved keys, values, dO, lse, delta and span operators: n = 9 chunks (odd:
+    the last program's second warpgroup repeats chunk 8), span 2 (four boundaries: the state
+    buffer and the Pi halves refill three times), grouped heads; with a gate and packed
+    documents; A at every boundary and dfq."""
+    from kernels_pallas.path_attention import bwd_far_mosaic, prepass
+    from kernels_pallas.path_attention.kernels import boundary_array_rows
+    B, H, K, n, C, span = 2, 4, 2, 9, 64, 2
+    nb = (n - 1) // span
+    ks = jax.random.split(key, 10)
+    bf = jnp.bfloat16
+    v = jax.random.normal(ks[0], (B, K, n, C, D), bf)
+    kb = jax.random.normal(ks[1], (B, K, n, C, D), bf)
+    qb = jax.random.normal(ks[2], (B, H, boundary_array_rows(n=n, span=span, C=C), D), bf)
+    do = jax.random.normal(ks[5], (B, H, n, C, D), bf)
+    lse = 6.0 + jax.random.normal(ks[6], (B, H, n, C, 1))
+    delta = jax.random.normal(ks[7], (B, H, n, C, 1))
+    pi = (jnp.eye(D) + jax.random.normal(ks[8], (B, K, nb, D, D)) * D ** -0.5) * 0.7
+    ops = prepass.Operands(q=jnp.zeros((B, H, n, C, D), bf), k=kb, v=v, e=None, diag=None,
+                           fq=None, fk=None, sq=None, sk=None)
+    if gate_segments:
+      f = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, H, n * C)) + 2), -1)
+      f = f.reshape(B, H, n, C)
+      seg = jnp.cumsum(jax.random.uniform(ks[4], (B, n * C)) < 3 / (n * C), -1)
+      seg = seg.astype(jnp.int32).reshape(B, 1, n, C)
+      ops = ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
+                         sk=seg[..., None, :])
+    args = (ops, do, lse, delta, kb, qb, pi)
+    got = jax.jit(lambda *a: bwd_far_mosaic.far_dq(*a, scale=D ** -0.5, span=span))(*args)
+    ref = bwd_far_mosaic.far_dq_reference(*args, scale=D ** -0.5, span=span)
+    assert_rel_rms(got[0].astype(jnp.float32), ref[0].astype(jnp.float32), 1e-2, "A")
+    if gate_segments:
+      assert_rel_rms(got[1], ref[1], 1e-2, "dfq")
+
+  @pytest.mark.parametrize("D", [64, 128])
+  def test_far_dq_mosaic_head_dim_bf16(self, key, D):
+    """BlockSizes(far_dq="mosaic") at the GPU's own tiles, head_dim 64 and 128: n = 9 chunks,
+    span 2, gate, grouped heads, packed documents; forward and every gradient against the
+    oracle."""
+    self.D = D
+    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520,
+                block_sizes=kp.BlockSizes(dkv_span=2, far_dq="mosaic"))
 
   @pytest.mark.parametrize("D", [64, 128])
   def test_far_mosaic_forward_head_dim_bf16(self, key, D):

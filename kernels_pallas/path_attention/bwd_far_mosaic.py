@@ -1,0 +1,331 @@
+"""The span backward's far dq as a Mosaic GPU kernel (TMA, wgmma): BlockSizes(far_dq="mosaic").
+
+In the span-parallel backward (bwd_span.py) a query chunk c meets the key chunks of every
+earlier span J as plain attention: its boundary state qb_c^(J) against the keys moved to that
+span's end, kb_m. Its adjoint at the boundaries obeys the chain
+A_c^(J) = A_c^(J-1) Pi_J^T + scale sum_{m in J} dS_cm kb_m (A_c^(-1) = 0), and the gate's query
+side takes dfq_c = sum of dS_cm over the far keys. bwd_span.far_dq_kernel (Triton) does the
+states, the chain and the walk in one program; here the states come from
+bwd_span.far_states_kernel first and this launch does the walk and the chain.
+
+Why: at head_dim 128 the Triton far dq ran its three products a pair at ~325 TFLOP/s (H200,
+4,16384,16,128, 17.9 ms of a 98 ms fwd+bwd), where the Mosaic far forward (fwd_far_mosaic.py)
+runs its two at ~505.
+
+Structure, as fwd_far_mosaic.far_forward: one program per (two query chunks c, c + 1, query
+head, batch); two compute warpgroups, one query chunk each, and a third that only issues TMA
+copies: the key ring (kb, v, and the gate's fk / segment ids sk) and the span operators Pi_J,
+which both compute warpgroups share (same kv head, same spans). A step is flash attention's dq
+step in log2 units: s = qb kb^T and dP = dO v^T issued together, p = exp2(s - lse), dS =
+p (dP - delta), acc += scale dS kb. At span J's start the accumulator becomes acc Pi_J^T in
+three bf16 passes (hi hi + lo hi + hi lo of bf16 halves of acc and of Pi^T: the Triton kernel's
+"bf16x3" chain product; its "tf32" form at head_dim 64 is less exact than this one); at the
+span's end it is A^(J), stored to the packed A (kernels.boundary_offset) in the kernel dtype.
+dO enters the products from registers at head_dim 128 (loaded once through the A staging
+tile; shared memory at 64, see do_smem), the state from a one-slot shared-memory buffer per
+warpgroup, refilled with the next span's state as soon as
+the span's last logits have been read. Shared memory at head_dim 128, bf16: 192 KiB (key and
+value rings 64, states 32, staging 32, Pi halves 64).
+
+Every far chunk pair is walked (no chunk-bound skipping, as the far forward); a masked tile has
+p = exp2(-inf) = 0 and adds nothing. An odd n's last program runs chunk n - 1 on both compute
+warpgroups (the same values written twice).
+
+Scope: bf16 or f16, chunk 64, head_dim a multiple of 64 (fwd_far_mosaic.supported). plgpu's
+wgmma does not run in interpret mode: the interpreter runs far_dq_reference in its place,
+lowering is tested on the CPU host, values by TestGPU on the device.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels_pallas.path_attention import kernels
+from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
+
+HALVES = ("pi_hi", "pi_lo")   # the span operators' bf16 halves (pi_halves)
+
+
+def pi_halves(pi, dtype):
+  """pi [B, K, nb, D, D] float32 -> its hi and lo halves in `dtype` (pi ~ hi + lo to ~16
+  mantissa bits with bf16), two arrays: a TMA copy of [2, D, D] tiles strides over more
+  dimensions than it can at head_dim 128."""
+  hi = pi.astype(dtype)
+  return hi, (pi - hi.astype(jnp.float32)).astype(dtype)
+
+
+def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: int = 2):
+  """-> A [B, H, R, D] (kernel dtype; packed as qb), dfq [B, H, n, C, 1] float32 (None without
+  a gate): far_dq_reference's.
+
+  ops: the pre-pass Operands (v, and the gate's fq / fk and the segment ids sq / sk where
+  present); do [B, H, n, C, D]; lse, delta [B, H, n, C, 1] float32 (natural log); kb
+  [B, K, n, C, D] the keys moved to their span's end; qb [B, H, R, D] the packed boundary states;
+  pi [B, K, nb, D, D] float32 the span operators. slots: the key ring's depth."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental import pallas as pl
+  B, H, n, C, D = ops.q.shape
+  G = H // ops.k.shape[1]
+  dt = ops.q.dtype
+  f32 = jnp.float32
+  gate, segments = ops.fq is not None, ops.sq is not None
+  wgmma_layout = plgpu.Layout.WGMMA
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)
+  if span % 2:   # chunks c, c + 1 (c even) must share a span, i.e. their far keys
+    raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
+  pairs = (n + 1) // 2
+  vec = lambda x: x.reshape(x.shape[:3] + (C,))
+  head = {"do": do, "lse": vec(lse), "delta": vec(delta)}
+  ring = {"k": kb, "v": ops.v}
+  if gate:
+    head["fq"] = vec(ops.fq)
+    ring["fk"] = vec(ops.fk)
+  if segments:
+    head["sq"] = vec(ops.sq)
+    ring["sk"] = vec(ops.sk)
+  nrows = qb.shape[2] // C
+  qbc = qb.reshape(B, H, nrows, C, D)
+  per_query_head = {"do", "lse", "delta", "fq", "fk"}
+  # dO as the dP product's A operand: from shared memory at head_dim 64 (as the logits' state;
+  # from registers with B transposed the products came out wrong there, H200 2026-11-26); from
+  # registers at 128, where its own buffer would not fit beside the rest (224 KiB + vectors)
+  do_smem = D <= 64
+
+  def body(refs, smem, bars, consumed):
+    p, h, b = lax.axis_index("c"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    c0 = 2 * (pairs - 1 - p)   # the most far keys first
+    kh = lax.div(h, jnp.array(G, h.dtype))
+    head_of = lambda name: h if name in per_query_head else 0 if name in ("sq", "sk") else kh
+    jc = lax.div(c0, jnp.array(span, c0.dtype))
+    steps = jc * span
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def fetch(t, names):
+        slot = lax.rem(t, jnp.array(slots, t.dtype))
+        for name in names:
+          plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), t], smem[name].at[slot],
+                                  bars[name].at[slot])
+
+      def fetch_pi(J):
+        for name in HALVES:
+          plgpu.copy_gmem_to_smem(refs[name].at[b, kh, J], smem[name], bars[name])
+
+      def next_pi(t):   # Pi_J (J >= 1) goes in halfway through span J - 1, once Pi_{J-1} is used
+        J = lax.div(t, jnp.array(span, t.dtype)) + 1
+
+        @pl.when((lax.rem(t, jnp.array(span, t.dtype)) == span // 2) & (J < jc))
+        def _():
+          plgpu.barrier_wait(consumed["pi"])
+          fetch_pi(J)
+
+      pl.when(jc > 0)(lambda: fetch_pi(jnp.int32(0)))
+      for i in range(slots):
+        t = jnp.int32(i)
+
+        @pl.when(t < steps)
+        def _(t=t):
+          next_pi(t)
+          fetch(t, list(ring))
+
+      def refill(i, carry):
+        t = i + slots
+        slot = lax.rem(i, jnp.array(slots, i.dtype))
+        next_pi(t)
+        plgpu.barrier_wait(consumed["k"].at[slot])
+        fetch(t, [name for name in ring if name != "v"])
+        plgpu.barrier_wait(consumed["v"].at[slot])
+        fetch(t, ["v"])
+        return carry
+
+      lax.fori_loop(0, jnp.maximum(steps - slots, 0), refill, 0)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      c = jnp.minimum(c0 + wg, n - 1)
+      state, state_bar = smem["qb"].at[wg], bars["qb"].at[wg]
+      out = smem["out"].at[wg]   # each A^(J) on its way out (and dO first, if it goes to registers)
+      do_at = smem["do"].at[wg] if do_smem else out
+
+      def row_of(J):   # chunk c's row of boundary J in the packed layout
+        return kernels.boundary_offset(J, n=n, span=span) + c - (J + 1) * span
+
+      def fetch_state(J):
+        plgpu.copy_gmem_to_smem(refs["qb"].at[b, h, row_of(J)], state, state_bar)
+
+      plgpu.copy_gmem_to_smem(refs["do"].at[b, h, c], do_at, bars["do"].at[wg])
+      vectors = [name for name in head if name != "do"]
+      for name in vectors:
+        plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), c], smem[name].at[wg],
+                                bars[name].at[wg])
+      pl.when(jc > 0)(lambda: fetch_state(jnp.int32(0)))
+      for name in head:
+        plgpu.barrier_wait(bars[name].at[wg])
+      load = lambda ref, layout: plgpu.load(ref, (), layout=layout)
+      do16 = do_at if do_smem else load(out, wgmma_layout)
+      lse2 = load(smem["lse"].at[wg], rows_layout) * LOG2E
+      delta_ = load(smem["delta"].at[wg], rows_layout)
+      fq = load(smem["fq"].at[wg], rows_layout) if gate else None
+      sq = load(smem["sq"].at[wg], rows_layout) if segments else None
+      rows = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
+      zeros = lambda *shape: plgpu.layout_cast(jnp.zeros(shape, f32), wgmma_layout)
+
+      def step(J):
+        last = (J + 1) * span - 1
+
+        def run(i, carry):
+          acc, dfq = carry
+          slot = lax.rem(i, jnp.array(slots, i.dtype))
+          at = lambda name: smem[name].at[slot]
+          for name in ring:
+            plgpu.barrier_wait(bars[name].at[slot])
+
+          def logits_and_dp(refs_):   # both issued before either is waited for
+            rs, rd = refs_
+            plgpu.wgmma(rs, state, plgpu.transpose_ref(at("k"), (1, 0)))
+            plgpu.wgmma(rd, do16, plgpu.transpose_ref(at("v"), (1, 0)))
+
+          s, dp = pl.run_state(logits_and_dp)((plgpu.ACC.init(zeros(C, C)),
+                                              plgpu.ACC.init(zeros(C, C))))
+          plgpu.barrier_arrive(consumed["v"].at[slot])
+          # the span's last logits are read: the state buffer takes the next span's
+          pl.when((i == last) & (J + 1 < jc))(lambda: fetch_state(J + 1))
+          s = gate_and_mask(s * (scale * LOG2E), fq=fq, fk_ref=at("fk") if gate else None,
+                            sq=sq, sk_ref=at("sk") if segments else None)
+          ds = jnp.exp2(s - rows(lse2)) * (dp - rows(delta_))
+          if gate:
+            dfq = dfq + ds.sum(axis=1)
+          acc = pl.run_state(lambda r: plgpu.wgmma(r, (ds * scale).astype(dt), at("k")))(
+              plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(consumed["k"].at[slot])
+          return acc, dfq
+
+        return run
+
+      def far_span(J, carry):
+        acc, dfq = carry
+        # A^(J-1) Pi_J^T, three bf16 passes (Pi_0 meets a zero accumulator: no branch)
+        for name in HALVES:
+          plgpu.barrier_wait(bars[name])
+        hi = acc.astype(dt)
+        lo = (acc - hi.astype(f32)).astype(dt)
+        pi_hi, pi_lo = (smem[name] for name in HALVES)   # Pi_J^T's halves, as stored
+
+        def chain(r):
+          plgpu.wgmma(r, lo, pi_hi)
+          plgpu.wgmma(r, hi, pi_lo)
+          plgpu.wgmma(r, hi, pi_hi)
+
+        acc = pl.run_state(chain)(plgpu.ACC.init(zeros(C, D)))
+        plgpu.barrier_arrive(consumed["pi"])
+        plgpu.barrier_wait(state_bar)
+        acc, dfq = lax.fori_loop(J * span, (J + 1) * span, step(J), (acc, dfq))
+        plgpu.wait_smem_to_gmem(0)   # the previous A^(J-1) has left the staging tile
+        out[...] = acc.astype(dt)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, refs["a"].at[b, h, row_of(J)])
+        return acc, dfq
+
+      dfq = plgpu.layout_cast(jnp.zeros((C,), f32), rows_layout)
+      _, dfq = lax.fori_loop(0, jc, far_span, (zeros(C, D), dfq))
+      if gate:
+        smem["dfq"].at[wg][...] = dfq
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem["dfq"].at[wg], refs["dfq"].at[b, h, c])
+      plgpu.wait_smem_to_gmem(0)
+
+  names_in = list(head) + list(ring) + ["qb", *HALVES]
+  # Pi^T, so that the chain's B operand is read as stored: with B transposed and A from
+  # registers the products came out wrong at head_dim 64 (H200, 2026-11-26)
+  arrays = {**head, **ring, "qb": qbc,
+            **dict(zip(HALVES, pi_halves(jnp.swapaxes(pi, -1, -2), dt)))}
+  names_out = ["a"] + (["dfq"] if gate else [])
+
+  def entry(*refs_flat):
+    refs = dict(zip(names_in + names_out, refs_flat))
+    smem_types = {name: plgpu.SMEM((2, C), x.dtype) for name, x in head.items() if name != "do"}
+    for name, x in ring.items():
+      smem_types[name] = (plgpu.SMEM((slots, C), x.dtype) if x.ndim == 4
+                          else smem_tile(x.dtype, slots, C, D))
+    smem_types["qb"] = smem_tile(dt, 2, C, D)
+    smem_types["out"] = smem_tile(dt, 2, C, D)
+    if do_smem:
+      smem_types["do"] = smem_tile(dt, 2, C, D)
+    smem_types.update({name: smem_tile(dt, D, D) for name in HALVES})
+    if gate:
+      smem_types["dfq"] = plgpu.SMEM((2, C), f32)
+    bar_types = {name: plgpu.Barrier(num_barriers=slots) for name in ring}
+    bar_types.update({name: plgpu.Barrier(num_barriers=2) for name in head})
+    bar_types["qb"] = plgpu.Barrier(num_barriers=2)
+    bar_types.update({name: plgpu.Barrier(num_barriers=1) for name in HALVES})
+    consumed_types = {name: plgpu.Barrier(num_arrivals=2, num_barriers=slots)
+                      for name in ("k", "v")}
+    consumed_types["pi"] = plgpu.Barrier(num_arrivals=2, num_barriers=1)
+    smem_names, bar_names = list(smem_types), list(bar_types)
+
+    def scoped(*scratch):
+      k = len(smem_names)
+      smem = dict(zip(smem_names, scratch[:k]))
+      bars = dict(zip(bar_names, scratch[k:k + len(bar_names)]))
+      consumed = dict(zip(consumed_types, scratch[k + len(bar_names):]))
+      body(refs, smem, bars, consumed)
+
+    pl.run_scoped(scoped, *smem_types.values(), *bar_types.values(),
+                  *consumed_types.values(), collective_axes="wg")
+
+  out_type = [jax.ShapeDtypeStruct((B, H, nrows, C, D), dt)]
+  if gate:
+    out_type.append(jax.ShapeDtypeStruct((B, H, n, C), f32))
+  outs = plgpu.kernel(
+      entry, out_type=tuple(out_type),
+      grid=(pairs, H, B), grid_names=("c", "heads", "batch"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*(arrays[name] for name in names_in))
+  a = outs[0].reshape(qb.shape)
+  return a, (outs[1][..., None] if gate else None)
+
+
+def far_dq_reference(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int):
+  """far_dq's oracle in plain jnp (float32 products of the stored 16-bit states, keys and dO):
+  the same (A, dfq). Rows of A that no chunk writes (none: every block's rows are some c >= s_J)
+  stay zero. The interpreter runs it in far_dq's place; TestGPU compares the kernel with it."""
+  B, H, n, C, D = ops.q.shape
+  G = H // ops.k.shape[1]
+  f32 = jnp.float32
+  hp = lax.Precision.HIGHEST
+  rep = lambda x: jnp.repeat(x, G, axis=1).astype(f32)
+  kbh, vh, pih = rep(kb), rep(ops.v), rep(pi)
+  qbc = qb.reshape(B, H, qb.shape[2] // C, C, D).astype(f32)
+  do32 = do.astype(f32)
+  a = jnp.zeros(qbc.shape, f32)
+  dfqs = []
+  for c in range(n):
+    adj = jnp.zeros((B, H, C, D), f32)
+    dfq = jnp.zeros((B, H, C), f32)
+    for J in range(c // span):
+      keys = slice(J * span, (J + 1) * span)
+      row = kernels.boundary_offset(J, n=n, span=span) + c - (J + 1) * span
+      kj = kbh[:, :, keys].reshape(B, H, span * C, D)
+      s = scale * jnp.einsum("bhqd,bhkd->bhqk", qbc[:, :, row], kj, precision=hp)
+      if ops.fq is not None:
+        s = s + ops.fq[:, :, c] - ops.fk[:, :, keys].reshape(B, H, 1, span * C)
+      if ops.sq is not None:
+        same = ops.sq[:, :, c] == ops.sk[:, :, keys].reshape(B, 1, 1, span * C)
+        s = jnp.where(same, s, -jnp.inf)
+      p = jnp.exp(s - lse[:, :, c])
+      dp = jnp.einsum("bhqd,bhkd->bhqk", do32[:, :, c], vh[:, :, keys].reshape(B, H, span * C, D),
+                      precision=hp)
+      ds = p * (dp - delta[:, :, c])
+      dfq = dfq + ds.sum(-1)
+      adj = (jnp.einsum("bhqd,bhed->bhqe", adj, pih[:, :, J], precision=hp)
+             + scale * jnp.einsum("bhqk,bhkd->bhqd", ds, kj, precision=hp))
+      a = a.at[:, :, row].set(adj)
+    dfqs.append(dfq)
+  dfq = jnp.stack(dfqs, axis=2)[..., None] if ops.fq is not None else None
+  return a.reshape(qb.shape).astype(qb.dtype), dfq
