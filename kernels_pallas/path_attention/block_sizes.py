@@ -186,6 +186,12 @@ class BlockSizes:
                                  # warpgroups, the A chain's Pi products in three bf16 passes);
                                  # bf16/f16, chunk 64. None: "mosaic" where fwd_far's default
                                  # takes it (calls_span.far_dq_launch)
+  far_dkv: str | None = None     # the span backward's far dk/dv walk (bwd_spans 1 and 3) in the
+                                 # Triton far dk/dv kernel ("triton", bwd_span.far_dkv_kernel)
+                                 # or as a Mosaic GPU launch ("mosaic", bwd_far_mosaic.far_dkv:
+                                 # key chunks m, m + 1 on two compute warpgroups, the far query
+                                 # items streamed by a third); bf16/f16, chunk 64. None: as
+                                 # far_dq (calls_span.mosaic_launch)
   chain_products: str | None = None  # the span forward's and backward's products of
                                  # aggregated D x D operators (Pi crossings, the V and N chains;
                                  # float32 operands) with 16-bit inputs (calls_span.fine_precision):
@@ -211,8 +217,10 @@ class BlockSizes:
       raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
     if self.fwd_kernel not in ("triton", "mosaic"):
       raise ValueError(f"fwd_kernel={self.fwd_kernel!r} must be 'triton' or 'mosaic'")
-    if self.far_dq not in (None, "triton", "mosaic"):
-      raise ValueError(f"far_dq={self.far_dq!r} must be None (auto), 'triton' or 'mosaic'")
+    for field in ("far_dq", "far_dkv"):
+      if getattr(self, field) not in (None, "triton", "mosaic"):
+        raise ValueError(f"{field}={getattr(self, field)!r} must be None (auto), 'triton' or "
+                         "'mosaic'")
     if self.fwd_far not in (None, "triton", "mosaic"):
       raise ValueError(f"fwd_far={self.fwd_far!r} must be None (auto), 'triton' or 'mosaic'")
     if self.prepass_num_warps not in (None, 1, 2, 4, 8, 16):

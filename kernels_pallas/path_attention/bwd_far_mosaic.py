@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
+from kernels_pallas.path_attention.fwd_far_mosaic import gate_vectors, launch, slot_types
 from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
 
 HALVES = ("pi_hi", "pi_lo")   # the span operators' bf16 halves (pi_halves)
@@ -78,12 +79,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
   vec = lambda x: x.reshape(x.shape[:3] + (C,))
   head = {"do": do, "lse": vec(lse), "delta": vec(delta)}
   ring = {"k": kb, "v": ops.v}
-  if gate:
-    head["fq"] = vec(ops.fq)
-    ring["fk"] = vec(ops.fk)
-  if segments:
-    head["sq"] = vec(ops.sq)
-    ring["sk"] = vec(ops.sk)
+  gate_vectors(ops, C, query_side=head, key_side=ring)
   nrows = qb.shape[2] // C
   qbc = qb.reshape(B, H, nrows, C, D)
   per_query_head = {"do", "lse", "delta", "fq", "fk"}
@@ -239,54 +235,32 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
         plgpu.copy_smem_to_gmem(smem["dfq"].at[wg], refs["dfq"].at[b, h, c])
       plgpu.wait_smem_to_gmem(0)
 
-  names_in = list(head) + list(ring) + ["qb", *HALVES]
+  smem_types = {name: plgpu.SMEM((2, C), x.dtype) for name, x in head.items() if name != "do"}
+  smem_types.update(slot_types(ring, slots, C, D))
+  smem_types["qb"] = smem_tile(dt, 2, C, D)
+  smem_types["out"] = smem_tile(dt, 2, C, D)
+  if do_smem:
+    smem_types["do"] = smem_tile(dt, 2, C, D)
+  smem_types.update({name: smem_tile(dt, D, D) for name in HALVES})
+  if gate:
+    smem_types["dfq"] = plgpu.SMEM((2, C), f32)
+  bar_types = {name: plgpu.Barrier(num_barriers=slots) for name in ring}
+  bar_types.update({name: plgpu.Barrier(num_barriers=2) for name in head})
+  bar_types["qb"] = plgpu.Barrier(num_barriers=2)
+  bar_types.update({name: plgpu.Barrier(num_barriers=1) for name in HALVES})
+  consumed_types = {name: plgpu.Barrier(num_arrivals=2, num_barriers=slots)
+                    for name in ("k", "v")}
+  consumed_types["pi"] = plgpu.Barrier(num_arrivals=2, num_barriers=1)
   # Pi^T, so that the chain's B operand is read as stored: with B transposed and A from
   # registers the products came out wrong at head_dim 64 (H200, 2026-11-26)
   arrays = {**head, **ring, "qb": qbc,
             **dict(zip(HALVES, pi_halves(jnp.swapaxes(pi, -1, -2), dt)))}
-  names_out = ["a"] + (["dfq"] if gate else [])
-
-  def entry(*refs_flat):
-    refs = dict(zip(names_in + names_out, refs_flat))
-    smem_types = {name: plgpu.SMEM((2, C), x.dtype) for name, x in head.items() if name != "do"}
-    for name, x in ring.items():
-      smem_types[name] = (plgpu.SMEM((slots, C), x.dtype) if x.ndim == 4
-                          else smem_tile(x.dtype, slots, C, D))
-    smem_types["qb"] = smem_tile(dt, 2, C, D)
-    smem_types["out"] = smem_tile(dt, 2, C, D)
-    if do_smem:
-      smem_types["do"] = smem_tile(dt, 2, C, D)
-    smem_types.update({name: smem_tile(dt, D, D) for name in HALVES})
-    if gate:
-      smem_types["dfq"] = plgpu.SMEM((2, C), f32)
-    bar_types = {name: plgpu.Barrier(num_barriers=slots) for name in ring}
-    bar_types.update({name: plgpu.Barrier(num_barriers=2) for name in head})
-    bar_types["qb"] = plgpu.Barrier(num_barriers=2)
-    bar_types.update({name: plgpu.Barrier(num_barriers=1) for name in HALVES})
-    consumed_types = {name: plgpu.Barrier(num_arrivals=2, num_barriers=slots)
-                      for name in ("k", "v")}
-    consumed_types["pi"] = plgpu.Barrier(num_arrivals=2, num_barriers=1)
-    smem_names, bar_names = list(smem_types), list(bar_types)
-
-    def scoped(*scratch):
-      k = len(smem_names)
-      smem = dict(zip(smem_names, scratch[:k]))
-      bars = dict(zip(bar_names, scratch[k:k + len(bar_names)]))
-      consumed = dict(zip(consumed_types, scratch[k + len(bar_names):]))
-      body(refs, smem, bars, consumed)
-
-    pl.run_scoped(scoped, *smem_types.values(), *bar_types.values(),
-                  *consumed_types.values(), collective_axes="wg")
-
-  out_type = [jax.ShapeDtypeStruct((B, H, nrows, C, D), dt)]
+  out_type = dict(a=jax.ShapeDtypeStruct((B, H, nrows, C, D), dt))
   if gate:
-    out_type.append(jax.ShapeDtypeStruct((B, H, n, C), f32))
-  outs = plgpu.kernel(
-      entry, out_type=tuple(out_type),
-      grid=(pairs, H, B), grid_names=("c", "heads", "batch"),
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(*(arrays[name] for name in names_in))
+    out_type["dfq"] = jax.ShapeDtypeStruct((B, H, n, C), f32)
+  outs = launch(body, arrays, out_type, smem_types=smem_types, bar_types=bar_types,
+                consumed_types=consumed_types, grid=(pairs, H, B),
+                grid_names=("c", "heads", "batch"))
   a = outs[0].reshape(qb.shape)
   return a, (outs[1][..., None] if gate else None)
 
@@ -329,3 +303,208 @@ def far_dq_reference(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int
     dfqs.append(dfq)
   dfq = jnp.stack(dfqs, axis=2)[..., None] if ops.fq is not None else None
   return a.reshape(qb.shape).astype(qb.dtype), dfq
+
+
+def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int = 2):
+  """-> a, dv [B, K, n, C, D] float32, dfk [B, H, n, 1, C] float32 (None without a gate):
+  bwd_span.far_dkv_kernel's, the far query chunks' shares of each key chunk's gradients:
+  a_m = scale sum dS_cm^T qb_c^(b), dv_m = sum p_cm^T dO_c, dfk_m = -colsum dS_cm over the
+  query chunks c >= b (b the end of m's span) and the group's heads; zero for the last span's
+  chunks. far_dkv_reference is the oracle.
+
+  One program per (two key chunks m, m + 1 of one span, kv head, batch), the far dq's
+  structure mirrored: each compute warpgroup keeps its key chunk's kb, v (and fk of every head
+  of the group, sk) in shared memory, and the copying warpgroup streams the far query items
+  (c, head) through a `slots`-deep ring: qb_c^(b), dO, lse, delta (fq, sq). Tiles are key-major
+  ([keys, queries], as bwd_span.far_dkv_kernel's keys_major): l^T = kb qb^T and dP^T = v dO^T
+  issued together, then dv += p^T dO and a += scale dS^T qb issued together; dfk's sums run
+  along a tile's rows. Shared memory at head_dim 128, bf16: ~193 KiB (keys 64, ring 64, the
+  float32 output tile 64)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental import pallas as pl
+  B, H, n, C, D = ops.q.shape
+  K = ops.k.shape[1]
+  G = H // K
+  dt = ops.q.dtype
+  f32 = jnp.float32
+  gate, segments = ops.fq is not None, ops.sq is not None
+  wgmma_layout = plgpu.Layout.WGMMA
+  rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  if span % 2:   # key chunks m, m + 1 (m even) must share a span, i.e. their far queries
+    raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
+  pairs = (n + 1) // 2
+  vec = lambda x: x.reshape(x.shape[:3] + (C,))
+  ring = {"qb": qb.reshape(B, H, qb.shape[2] // C, C, D), "do": do, "lse": vec(lse),
+          "delta": vec(delta)}
+  keys = {"k": kb, "v": ops.v}
+  gate_vectors(ops, C, query_side=ring, key_side=keys)
+  per_query_head = {"qb", "do", "lse", "delta", "fq", "fk"}
+
+  def body(refs, smem, bars, consumed):
+    p, kh, b = lax.axis_index("m"), lax.axis_index("heads"), lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    m0 = 2 * p   # the earliest key chunks (the most far queries) first
+    j = lax.div(m0, jnp.array(span, m0.dtype))
+    first = (j + 1) * span   # the first far query chunk
+    chunks = jnp.maximum(n - first, 0)
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def fetch(t):   # item t: query chunk first + t // G of head kh G + t % G
+        slot = lax.rem(t, jnp.array(slots, t.dtype))
+        i, g = lax.div(t, jnp.array(G, t.dtype)), lax.rem(t, jnp.array(G, t.dtype))
+        h = kh * G + g
+        for name in ring:
+          at = ((b, h, kernels.boundary_offset(j, n=n, span=span) + i) if name == "qb" else
+                (b, 0 if name == "sq" else h, first + i))
+          plgpu.copy_gmem_to_smem(refs[name].at[at], smem[name].at[slot], bars[name].at[slot])
+
+      steps = chunks * G
+      for i in range(slots):
+        pl.when(i < steps)(lambda i=i: fetch(jnp.int32(i)))
+
+      def refill(i, carry):
+        plgpu.barrier_wait(consumed["ring"].at[lax.rem(i, jnp.array(slots, i.dtype))])
+        fetch(i + slots)
+        return carry
+
+      lax.fori_loop(0, jnp.maximum(steps - slots, 0), refill, 0)
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      m = jnp.minimum(m0 + wg, n - 1)
+      for name in keys:
+        if name == "fk":   # every head of the group
+          for g in range(G):
+            plgpu.copy_gmem_to_smem(refs[name].at[b, kh * G + g, m], smem[name].at[wg, g],
+                                    bars[name].at[wg * G + g])
+        else:
+          plgpu.copy_gmem_to_smem(refs[name].at[b, 0 if name == "sk" else kh, m],
+                                  smem[name].at[wg], bars[name].at[wg])
+      for name in keys:
+        if name == "fk":
+          for g in range(G):
+            plgpu.barrier_wait(bars[name].at[wg * G + g])
+        else:
+          plgpu.barrier_wait(bars[name].at[wg])
+      k_at, v_at = smem["k"].at[wg], smem["v"].at[wg]
+      load = lambda ref, layout: plgpu.load(ref, (), layout=layout)
+      fk = [load(smem["fk"].at[wg, g], rows_layout) for g in range(G)] if gate else None
+      sk = load(smem["sk"].at[wg], rows_layout) if segments else None
+      rows = lambda x: lax.broadcast_in_dim(x, (C, C), [0])
+      cols = lambda x: lax.broadcast_in_dim(x, (C, C), [1])
+      zeros = lambda *shape: plgpu.layout_cast(jnp.zeros(shape, f32), wgmma_layout)
+
+      def query_chunk(i, carry):
+        a, dv, dfk = carry
+        dfk = list(dfk)
+        for g in range(G):
+          t = i * G + g
+          slot = lax.rem(t, jnp.array(slots, t.dtype))
+          at = lambda name: smem[name].at[slot]
+          for name in ring:
+            plgpu.barrier_wait(bars[name].at[slot])
+
+          def logits_and_dp(refs_):   # both issued before either is waited for
+            rs, rd = refs_
+            plgpu.wgmma(rs, k_at, plgpu.transpose_ref(at("qb"), (1, 0)))
+            plgpu.wgmma(rd, v_at, plgpu.transpose_ref(at("do"), (1, 0)))
+
+          st, dpt = pl.run_state(logits_and_dp)((plgpu.ACC.init(zeros(C, C)),
+                                                plgpu.ACC.init(zeros(C, C))))
+          st = st * (scale * LOG2E)
+          if gate:
+            st = st + (cols(load(at("fq"), cols_layout)) - rows(fk[g])) * LOG2E
+          if segments:
+            st = jnp.where(rows(sk) == cols(load(at("sq"), cols_layout)), st, -jnp.inf)
+          pt = jnp.exp2(st - cols(load(at("lse"), cols_layout) * LOG2E))
+          dst = pt * (dpt - cols(load(at("delta"), cols_layout)))
+          if gate:
+            dfk[g] = dfk[g] - dst.sum(axis=1)
+
+          def grads(refs_):
+            rv, ra = refs_
+            plgpu.wgmma(rv, pt.astype(dt), at("do"))
+            plgpu.wgmma(ra, (dst * scale).astype(dt), at("qb"))
+
+          dv, a = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(a)))
+          plgpu.barrier_arrive(consumed["ring"].at[slot])
+        return a, dv, tuple(dfk)
+
+      dfk = tuple(plgpu.layout_cast(jnp.zeros((C,), f32), rows_layout)
+                  for _ in range(G if gate else 0))
+      a, dv, dfk = lax.fori_loop(0, chunks, query_chunk, (zeros(C, D), zeros(C, D), dfk))
+      out = smem["out"].at[wg]
+      for name, x in (("a", a), ("dv", dv)):
+        out[...] = x
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, refs[name].at[b, kh, m])
+        plgpu.wait_smem_to_gmem(0)
+      for g in range(G if gate else 0):
+        smem["dfk"].at[wg, g][...] = dfk[g]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem["dfk"].at[wg, g], refs["dfk"].at[b, kh * G + g, m])
+      plgpu.wait_smem_to_gmem(0)
+
+  smem_types = slot_types(ring, slots, C, D)
+  for name, x in keys.items():
+    smem_types[name] = (plgpu.SMEM((2, G, C), x.dtype) if name == "fk" else
+                        plgpu.SMEM((2, C), x.dtype) if x.ndim == 4 else smem_tile(dt, 2, C, D))
+  smem_types["out"] = smem_tile(f32, 2, C, D)
+  if gate:
+    smem_types["dfk"] = plgpu.SMEM((2, G, C), f32)
+  bar_types = {name: plgpu.Barrier(num_barriers=slots) for name in ring}
+  bar_types.update({name: plgpu.Barrier(num_barriers=2 * G if name == "fk" else 2)
+                    for name in keys})
+  consumed_types = {"ring": plgpu.Barrier(num_arrivals=2, num_barriers=slots)}
+  out_type = dict(a=jax.ShapeDtypeStruct((B, K, n, C, D), f32),
+                  dv=jax.ShapeDtypeStruct((B, K, n, C, D), f32))
+  if gate:
+    out_type["dfk"] = jax.ShapeDtypeStruct((B, H, n, C), f32)
+  outs = launch(body, {**ring, **keys}, out_type, smem_types=smem_types, bar_types=bar_types,
+                consumed_types=consumed_types, grid=(pairs, K, B),
+                grid_names=("m", "heads", "batch"))
+  return outs[0], outs[1], (outs[2].reshape(B, H, n, 1, C) if gate else None)
+
+
+def far_dkv_reference(ops, do, lse, delta, kb, qb, *, scale: float, span: int):
+  """far_dkv's oracle in plain jnp (float32 products of the stored 16-bit operands): the same
+  (a, dv, dfk). The interpreter runs it in far_dkv's place; TestGPU compares the kernel with
+  it."""
+  B, H, n, C, D = ops.q.shape
+  K = ops.k.shape[1]
+  G = H // K
+  f32 = jnp.float32
+  hp = lax.Precision.HIGHEST
+  a = jnp.zeros((B, K, n, C, D), f32)
+  dv = jnp.zeros((B, K, n, C, D), f32)
+  dfk = jnp.zeros((B, H, n, C), f32)
+  heads = lambda x: x.reshape(B, K, G, *x.shape[2:])   # [B, H, ..] -> [B, K, G, ..]
+  for j in range((n - 1) // span):
+    first = (j + 1) * span
+    rows = slice(kernels.boundary_offset(j, n=n, span=span) * C,
+                 kernels.boundary_offset(j + 1, n=n, span=span) * C)
+    ks = slice(j * span, first)
+    kj = kb[:, :, ks].reshape(B, K, span * C, D).astype(f32)
+    vj = ops.v[:, :, ks].reshape(B, K, span * C, D).astype(f32)
+    qj = heads(qb[:, :, rows]).astype(f32)                       # [B, K, G, Q, D]
+    doj = heads(do[:, :, first:].reshape(B, H, -1, D)).astype(f32)
+    col = lambda x: heads(x[:, :, first:].reshape(B, H, 1, -1))   # a query-side row vector
+    st = scale * jnp.einsum("bkmd,bkgqd->bkgmq", kj, qj, precision=hp)
+    if ops.fq is not None:
+      st = st + col(ops.fq) - heads(ops.fk[:, :, ks].reshape(B, H, -1, 1))
+    if ops.sq is not None:
+      same = (ops.sk[:, :, ks].reshape(B, 1, 1, -1, 1)
+              == ops.sq[:, :, first:].reshape(B, 1, 1, 1, -1))
+      st = jnp.where(same, st, -jnp.inf)
+    pt = jnp.exp(st - col(lse))
+    dst = pt * (jnp.einsum("bkmd,bkgqd->bkgmq", vj, doj, precision=hp) - col(delta))
+    dv = dv.at[:, :, ks].set(jnp.einsum("bkgmq,bkgqd->bkmd", pt, doj, precision=hp)
+                             .reshape(B, K, span, C, D))
+    a = a.at[:, :, ks].set(scale * jnp.einsum("bkgmq,bkgqd->bkmd", dst, qj, precision=hp)
+                           .reshape(B, K, span, C, D))
+    dfk = dfk.at[:, :, ks].set(-dst.sum(-1).reshape(B, H, span, C))
+  return a, dv, (dfk.reshape(B, H, n, 1, C) if ops.fq is not None else None)

@@ -137,27 +137,35 @@ def _far_states(ops: Operands, pi, *, span, precision, backend, bs):
                      warps=warps)(*args)[0]
 
 
-def far_dq_launch(ops: Operands, bs: calls.BlockSizes, backend: str) -> bool:
-  """Whether the span backward's far dq walk runs as its own Mosaic GPU launch
-  (BlockSizes.far_dq "mosaic", bwd_far_mosaic.py; the interpreter runs its jnp oracle there);
-  None: as the far forward (calls.far_launch): on the GPU where the kernel takes the operands,
-  without packed documents (the Triton far dq skips the spans left of a chunk's documents, the
-  Mosaic one walks them masked). Raises where "mosaic" was asked for and cannot."""
-  if bs.far_dq == "triton":
+def mosaic_launch(ops: Operands, bs: calls.BlockSizes, backend: str, field: str) -> bool:
+  """Whether the span backward's far walk named by `field` (BlockSizes.far_dq: the far dq walk
+  and A chain; BlockSizes.far_dkv: the far dk/dv walk) runs as its own Mosaic GPU launch
+  (bwd_far_mosaic.py; the interpreter runs its jnp oracle there); None: as the far forward
+  (calls.far_launch), on the GPU where the kernel takes the operands, without packed documents
+  (the Triton kernels skip the spans outside a chunk's documents, the Mosaic ones walk them
+  masked). Raises where "mosaic" was asked for and cannot."""
+  choice = getattr(bs, field)
+  if choice == "triton":
     return False
   from kernels_pallas.path_attention import fwd_far_mosaic
   why = fwd_far_mosaic.supported(ops) if backend == "gpu" else None
-  if bs.far_dq is None:
+  if choice is None:
     return backend == "gpu" and why is None and not calls._bounds(ops, backend)
   if backend not in ("gpu", "interpret") or why:
-    raise ValueError(f"far_dq='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
+    raise ValueError(f"{field}='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
                      f"and block 64 (got backend {backend!r}{', ' + why if why else ''})")
   return True
 
 
 def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, backend, bs):
   """-> a, dv [B, K, n, C, D] float32 (far tiles), (dfk [B, H, n, 1, C] float32). Key chunks
-  two at a time with BlockSizes.far_dkv_pairs (bwd_span.far_dkv_kernel)."""
+  two at a time with BlockSizes.far_dkv_pairs (bwd_span.far_dkv_kernel), or the Mosaic GPU
+  launch (BlockSizes.far_dkv, mosaic_launch)."""
+  if mosaic_launch(ops, bs, backend, "far_dkv"):
+    from kernels_pallas.path_attention import bwd_far_mosaic
+    walk = bwd_far_mosaic.far_dkv if backend == "gpu" else bwd_far_mosaic.far_dkv_reference
+    a, dv, dfk = walk(ops, do, lse, delta, kb, qb, scale=scale, span=span)
+    return (a, dv) + ((dfk,) if dfk is not None else ())
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   G = H // K
@@ -252,7 +260,7 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   nsp = nb + 1
   kw = dict(precision=precision, backend=backend, bs=bs)
   kb, pi = boundary if boundary is not None else _boundary(ops, span=span, nb=nb, **kw)
-  if far_dq_launch(ops, bs, backend):
+  if mosaic_launch(ops, bs, backend, "far_dq"):
     from kernels_pallas.path_attention import bwd_far_mosaic
     qb = _far_states(ops, pi, span=span, **kw)
     walk = bwd_far_mosaic.far_dq if backend == "gpu" else bwd_far_mosaic.far_dq_reference

@@ -60,6 +60,55 @@ def supported(ops) -> str | None:
   return None
 
 
+def gate_vectors(ops, C, *, query_side, key_side):
+  """The gate sums and segment ids as [B, heads, n, C] vectors, into two dicts: `query_side`
+  gets fq, sq and `key_side` fk, sk (where present)."""
+  vec = lambda x: x.reshape(x.shape[:3] + (C,))
+  if ops.fq is not None:
+    query_side["fq"] = vec(ops.fq)
+    key_side["fk"] = vec(ops.fk)
+  if ops.sq is not None:
+    query_side["sq"] = vec(ops.sq)
+    key_side["sk"] = vec(ops.sk)
+
+
+def slot_types(arrays, slots, C, D):
+  """Shared-memory rings of `slots` chunks for the [B, heads, n, C(, D)] arrays (name -> type):
+  a [C] vector plain, a [C, D] tile as wgmma reads it (smem_tile)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return {name: (plgpu.SMEM((slots, C), x.dtype) if x.ndim == 4
+                 else smem_tile(x.dtype, slots, C, D)) for name, x in arrays.items()}
+
+
+def launch(body, arrays, out_type, *, smem_types, bar_types, consumed_types, grid, grid_names):
+  """plgpu.kernel of body(refs, smem, bars, consumed) with three warpgroups (axis "wg": two
+  compute, one copying) over `grid`: refs maps the names of `arrays` (inputs, in order) and of
+  `out_type` (a dict of output shapes) to their GMEM refs, smem / bars / consumed the names of
+  the scratch dicts to their allocations (consumed: the compute warpgroups' arrivals). -> the
+  outputs, in out_type's order."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental import pallas as pl
+  names = list(arrays) + list(out_type)
+  scratch = [smem_types, bar_types, consumed_types]
+
+  def entry(*refs_flat):
+    def scoped(*allocs):
+      split, i = [], 0
+      for kind in scratch:
+        split.append(dict(zip(kind, allocs[i:i + len(kind)])))
+        i += len(kind)
+      body(dict(zip(names, refs_flat)), *split)
+
+    pl.run_scoped(scoped, *(t for kind in scratch for t in kind.values()),
+                  collective_axes="wg")
+
+  return plgpu.kernel(
+      entry, out_type=tuple(out_type.values()), grid=grid, grid_names=grid_names,
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(*arrays.values())
+
+
 def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
   """-> o [B, H, n, C, D] float32 (normalised over the far keys; 0 where a row has none),
   lse [B, H, n, C] float32 (natural log; -inf where none).
@@ -80,15 +129,9 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
   if span % 2:   # chunks c, c + 1 (c even) must share a span, i.e. their far keys
     raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
   pairs = (n + 1) // 2
-  vec = lambda x: x.reshape(x.shape[:3] + (C,))
   head = {}
   ring = {"k": kb, "v": ops.v}
-  if gate:
-    head["fq"] = vec(ops.fq)
-    ring["fk"] = vec(ops.fk)
-  if segments:
-    head["sq"] = vec(ops.sq)
-    ring["sk"] = vec(ops.sk)
+  gate_vectors(ops, C, query_side=head, key_side=ring)
   qbc = qb.reshape(B, H, qb.shape[2] // C, C, D)
   per_query_head = {"fq", "fk"}
 
@@ -200,43 +243,21 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
       plgpu.copy_smem_to_gmem(lse_smem, refs["lse"].at[b, h, c])
       plgpu.wait_smem_to_gmem(0)
 
-  names_in = list(head) + list(ring) + ["qb"]
-  arrays = {**head, **ring, "qb": qbc}
-
-  def entry(*refs_flat):
-    refs = dict(zip(names_in + ["o", "lse"], refs_flat))
-    smem_types = {name: plgpu.SMEM((2, C), head[name].dtype) for name in head}
-    for name, x in ring.items():
-      smem_types[name] = (plgpu.SMEM((slots, C), x.dtype) if x.ndim == 4
-                          else smem_tile(x.dtype, slots, C, D))
-    smem_types["qb"] = smem_tile(dt, 2, 2, C, D)
-    smem_types["o"] = smem_tile(f32, 2, C, D)
-    smem_types["lse"] = plgpu.SMEM((2, C), f32)
-    bar_types = {name: plgpu.Barrier(num_barriers=slots) for name in ring}
-    bar_types["qb"] = plgpu.Barrier(num_barriers=4)
-    bar_types.update({name: plgpu.Barrier(num_barriers=2) for name in head})
-    consumed_types = {name: plgpu.Barrier(num_arrivals=2, num_barriers=slots)
-                      for name in ("k", "v")}
-    smem_names, bar_names = list(smem_types), list(bar_types)
-
-    def scoped(*scratch):
-      k = len(smem_names)
-      smem = dict(zip(smem_names, scratch[:k]))
-      bars = dict(zip(bar_names, scratch[k:k + len(bar_names)]))
-      consumed = dict(zip(consumed_types, scratch[k + len(bar_names):]))
-      body(refs, smem, bars, consumed)
-
-    pl.run_scoped(scoped, *smem_types.values(), *bar_types.values(),
-                  *consumed_types.values(), collective_axes="wg")
-
-  o, lse = plgpu.kernel(
-      entry,
-      out_type=(jax.ShapeDtypeStruct((B, H, n, C, D), f32),
-                jax.ShapeDtypeStruct((B, H, n, C), f32)),
-      grid=(pairs, H, B), grid_names=("c", "heads", "batch"),
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(*(arrays[name] for name in names_in))
+  smem_types = {name: plgpu.SMEM((2, C), head[name].dtype) for name in head}
+  smem_types.update(slot_types(ring, slots, C, D))
+  smem_types["qb"] = smem_tile(dt, 2, 2, C, D)
+  smem_types["o"] = smem_tile(f32, 2, C, D)
+  smem_types["lse"] = plgpu.SMEM((2, C), f32)
+  bar_types = {name: plgpu.Barrier(num_barriers=slots) for name in ring}
+  bar_types["qb"] = plgpu.Barrier(num_barriers=4)
+  bar_types.update({name: plgpu.Barrier(num_barriers=2) for name in head})
+  consumed_types = {name: plgpu.Barrier(num_arrivals=2, num_barriers=slots)
+                    for name in ("k", "v")}
+  o, lse = launch(body, {**head, **ring, "qb": qbc},
+                  dict(o=jax.ShapeDtypeStruct((B, H, n, C, D), f32),
+                       lse=jax.ShapeDtypeStruct((B, H, n, C), f32)),
+                  smem_types=smem_types, bar_types=bar_types, consumed_types=consumed_types,
+                  grid=(pairs, H, B), grid_names=("c", "heads", "batch"))
   return o, lse
 
 

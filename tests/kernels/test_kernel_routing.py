@@ -139,10 +139,11 @@ def test_far_launch_by_default():
     calls.far_launch(ops(jnp.float32), mosaic, "gpu", span=2)
 
 
-def test_far_dq_launch_by_default():
-  """BlockSizes.far_dq None: the span backward's far dq walk goes to the Mosaic GPU launch on the
-  GPU where it takes the operands (bf16 / f16, chunk 64) without packed documents, else stays in
-  the Triton far dq kernel; the interpreter runs the launch's jnp oracle only when asked;
+@pytest.mark.parametrize("field", ["far_dq", "far_dkv"])
+def test_far_backward_launch_by_default(field):
+  """BlockSizes.far_dq / far_dkv None: the span backward's far walk goes to the Mosaic GPU launch
+  on the GPU where it takes the operands (bf16 / f16, chunk 64) without packed documents, else
+  stays in the Triton kernel; the interpreter runs the launch's jnp oracle only when asked;
   "mosaic" where it cannot raises."""
   from kernels_pallas.path_attention import calls_span, prepass
   def ops(dtype, C=64, documents=False):
@@ -150,8 +151,8 @@ def test_far_dq_launch_by_default():
     lo = jnp.zeros((1, 1, 4, 1, 1), jnp.int32) if documents else None
     return prepass.Operands(q=x, k=x, v=x, e=None, diag=None, fq=None, fk=None, sq=None, sk=None,
                             lo=lo)
-  auto, mosaic, triton = (kp.BlockSizes(far_dq=x) for x in (None, "mosaic", "triton"))
-  launch = calls_span.far_dq_launch
+  auto, mosaic, triton = (kp.BlockSizes(**{field: x}) for x in (None, "mosaic", "triton"))
+  launch = lambda *a: calls_span.mosaic_launch(*a, field)
   assert launch(ops(jnp.bfloat16), auto, "gpu")
   assert not launch(ops(jnp.float32), auto, "gpu")
   assert not launch(ops(jnp.bfloat16, C=32), auto, "gpu")
@@ -160,5 +161,5 @@ def test_far_dq_launch_by_default():
   assert launch(ops(jnp.bfloat16, documents=True), mosaic, "gpu")
   assert not launch(ops(jnp.bfloat16), triton, "gpu")
   assert launch(ops(jnp.float32, C=16), mosaic, "interpret")
-  with pytest.raises(ValueError, match="far_dq"):
+  with pytest.raises(ValueError, match=field):
     launch(ops(jnp.float32), mosaic, "gpu")

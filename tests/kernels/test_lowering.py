@@ -139,24 +139,26 @@ def test_far_mosaic_forward_lowers_for_gpu(D, gate_segments):
 
 
 @pytest.mark.parametrize("D,gate_segments", [(64, True), (128, False), (128, True)])
-def test_far_dq_mosaic_lowers_for_gpu(D, gate_segments):
-  """BlockSizes(far_dq="mosaic"): the span backward's boundary states through Triton and its far
-  dq walk through Mosaic GPU (bwd_far_mosaic.py) on a CPU host, inside jax.grad;
-  TestGPU.test_far_dq_mosaic_kernel_against_reference checks its values on the device."""
+def test_far_backward_mosaic_lowers_for_gpu(D, gate_segments):
+  """BlockSizes(far_dq="mosaic", far_dkv="mosaic"): the span backward's boundary states through
+  Triton and its far dq and far dk/dv walks through Mosaic GPU (bwd_far_mosaic.py) on a CPU
+  host, inside jax.grad; TestGPU's *_mosaic_kernel_against_reference check their values on the
+  device."""
   B, T, H, K = 1, 700, 4, 2   # n = 11, span 2: five boundaries
   sd = jax.ShapeDtypeStruct
   args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
           sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
   if gate_segments:
     args += [sd((B, T, H), jnp.float32), sd((B, T), jnp.int32)]   # log_forget, segment ids
-  bs = kp.BlockSizes(far_dq="mosaic", dkv_span=2, fwd_far="triton")
+  bs = kp.BlockSizes(far_dq="mosaic", far_dkv="mosaic", bwd_spans=3, dkv_span=2,
+                     fwd_far="triton")
   split = lambda a: (a[:-1], a[-1]) if gate_segments else (a, None)
   f = lambda *a: kp.path_attention(*split(a)[0], backend="gpu", block_sizes=bs,
                                    segment_ids=split(a)[1])
   g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)),
                argnums=tuple(range(len(args) - gate_segments)))
   text = jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text
+  assert text.count("custom_call @mosaic_gpu") == 2 and "__gpu$xla.gpu.triton" in text
   with pytest.raises(ValueError, match="far_dq"):   # float32 has no Mosaic far dq
     f32 = [sd(a.shape, jnp.float32) for a in args[:5]]
     jax.jit(jax.grad(lambda *a: jnp.sum(kp.path_attention(*a, backend="gpu", block_sizes=bs)),

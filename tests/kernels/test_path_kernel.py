@@ -273,16 +273,19 @@ class TestInterpret(PathKernelBase):
   overrides below move cases that repeat one of them to -m slow. TestGPU runs every case."""
   backend = "interpret"
 
-  @pytest.mark.parametrize("pairs", [True, False])
-  def test_far_dq_mosaic_f32(self, key, pairs):
+  @pytest.mark.parametrize("pairs,walk", [(True, "far_dq"), (False, "far_dq"),
+                                          (True, "far_dkv")])
+  def test_far_backward_mosaic_f32(self, key, pairs, walk):
     """BlockSizes(far_dq="mosaic"): the span backward's boundary states from a launch of their
-    own (bwd_span.far_states_kernel), the far walk and the A chain in another (bwd_far_mosaic.py;
-    the interpreter runs its jnp oracle far_dq_reference there): n = 7 (three boundaries),
-    gate, grouped heads, documents alternating every two chunks (wholly masked far tiles),
-    query chunks in pairs or alone; float32, deterministic. Interpreter only: on the GPU
-    the Mosaic launch takes 16-bit inputs (TestGPU.test_far_dq_mosaic_head_dim_bf16)."""
-    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, far_dq="mosaic",
-                       far_dq_pairs=pairs)
+    own (bwd_span.far_states_kernel), the far dq walk and the A chain in another; or
+    BlockSizes(far_dkv="mosaic"): the far dk/dv walk as its own launch (bwd_far_mosaic.py; the
+    interpreter runs the jnp oracles far_dq_reference / far_dkv_reference there). bwd_spans 3,
+    n = 7 (three boundaries), gate, grouped heads, documents alternating every two chunks
+    (wholly masked far tiles), query chunks in pairs or alone; float32, deterministic.
+    Interpreter only: on the GPU the Mosaic launches take 16-bit inputs
+    (TestGPU.test_far_backward_mosaic_head_dim_bf16)."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, bwd_spans=3,
+                       far_dq_pairs=pairs, **{walk: "mosaic"})
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, T=7 * self.block - 12,
                 block_sizes=bs, segments=f"alternating:{2 * self.block}", determinism=True)
 
@@ -435,15 +438,13 @@ class TestGPU(PathKernelBase):
       assert bool(jnp.array_equal(jnp.isneginf(a), none)), f"{name}: -inf rows differ"
       assert_rel_rms(jnp.where(none, 0.0, a), jnp.where(none, 0.0, b), 1e-2, name)
 
-  @pytest.mark.parametrize("D,gate_segments", [(64, False), (64, True), (128, False),
-                                               (128, True)])
-  def test_far_dq_mosaic_kernel_against_reference(self, key, D, gate_segments):
-    """bwd_far_mosaic.far_dq (Mosaic GPU) against its jnp oracle far_dq_reference on random
-    boundary states, moved keys, values, dO, lse, delta and span operators: n = 9 chunks (odd:
-    the last program's second warpgroup repeats chunk 8), span 2 (four boundaries: the state
-    buffer and the Pi halves refill three times), grouped heads; with a gate and packed
-    documents; A at every boundary and dfq."""
-    from kernels_pallas.path_attention import bwd_far_mosaic, prepass
+  @staticmethod
+  def _far_backward_inputs(key, D, gate_segments):
+    """Random operands of the span backward's far launches (bwd_far_mosaic.py): n = 9 chunks
+    (odd: the last program's second warpgroup repeats chunk 8), span 2 (four boundaries),
+    grouped heads, bf16 boundary states, moved keys, values and dO, lse, delta and span
+    operators; with a gate and packed documents. -> (ops, do, lse, delta, kb, qb, pi), span."""
+    from kernels_pallas.path_attention import prepass
     from kernels_pallas.path_attention.kernels import boundary_array_rows
     B, H, K, n, C, span = 2, 4, 2, 9, 64, 2
     nb = (n - 1) // span
@@ -465,21 +466,45 @@ class TestGPU(PathKernelBase):
       seg = seg.astype(jnp.int32).reshape(B, 1, n, C)
       ops = ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
                          sk=seg[..., None, :])
-    args = (ops, do, lse, delta, kb, qb, pi)
+    return (ops, do, lse, delta, kb, qb, pi), span
+
+  @pytest.mark.parametrize("D,gate_segments", [(64, False), (64, True), (128, False),
+                                               (128, True)])
+  def test_far_dq_mosaic_kernel_against_reference(self, key, D, gate_segments):
+    """bwd_far_mosaic.far_dq (Mosaic GPU) against its jnp oracle far_dq_reference
+    (_far_backward_inputs: the state buffer and the Pi halves refill three times); A at every
+    boundary and dfq."""
+    from kernels_pallas.path_attention import bwd_far_mosaic
+    args, span = self._far_backward_inputs(key, D, gate_segments)
     got = jax.jit(lambda *a: bwd_far_mosaic.far_dq(*a, scale=D ** -0.5, span=span))(*args)
     ref = bwd_far_mosaic.far_dq_reference(*args, scale=D ** -0.5, span=span)
     assert_rel_rms(got[0].astype(jnp.float32), ref[0].astype(jnp.float32), 1e-2, "A")
     if gate_segments:
       assert_rel_rms(got[1], ref[1], 1e-2, "dfq")
 
-  @pytest.mark.parametrize("D", [64, 128])
-  def test_far_dq_mosaic_head_dim_bf16(self, key, D):
-    """BlockSizes(far_dq="mosaic") at the GPU's own tiles, head_dim 64 and 128: n = 9 chunks,
-    span 2, gate, grouped heads, packed documents; forward and every gradient against the
-    oracle."""
+  @pytest.mark.parametrize("D,gate_segments", [(64, True), (128, False), (128, True)])
+  def test_far_dkv_mosaic_kernel_against_reference(self, key, D, gate_segments):
+    """bwd_far_mosaic.far_dkv (Mosaic GPU) against its jnp oracle far_dkv_reference
+    (_far_backward_inputs: two query heads a kv head, so each far query chunk is two ring
+    items); a, dv and dfk of every key chunk (zero in the last span)."""
+    from kernels_pallas.path_attention import bwd_far_mosaic
+    args, span = self._far_backward_inputs(key, D, gate_segments)
+    args = args[:6]
+    got = jax.jit(lambda *a: bwd_far_mosaic.far_dkv(*a, scale=D ** -0.5, span=span))(*args)
+    ref = bwd_far_mosaic.far_dkv_reference(*args, scale=D ** -0.5, span=span)
+    for name, x, y in zip(("a", "dv", "dfk"), got, ref):
+      if y is not None:
+        assert_rel_rms(x, y, 1e-2, name)
+
+  @pytest.mark.parametrize("D,walk", [(64, "far_dq"), (128, "far_dq"), (64, "far_dkv"),
+                                      (128, "far_dkv")])
+  def test_far_backward_mosaic_head_dim_bf16(self, key, D, walk):
+    """BlockSizes(far_dq="mosaic") or BlockSizes(far_dkv="mosaic") (with the far dk/dv launch
+    of bwd_spans 3) at the GPU's own tiles, head_dim 64 and 128: n = 9 chunks, span 2, gate,
+    grouped heads, packed documents; forward and every gradient against the oracle."""
     self.D = D
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520,
-                block_sizes=kp.BlockSizes(dkv_span=2, far_dq="mosaic"))
+                block_sizes=kp.BlockSizes(dkv_span=2, bwd_spans=3, **{walk: "mosaic"}))
 
   @pytest.mark.parametrize("D", [64, 128])
   def test_far_mosaic_forward_head_dim_bf16(self, key, D):
