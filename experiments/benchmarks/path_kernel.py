@@ -300,7 +300,9 @@ def _jax_mgpu(q, k, v, causal=True):
   raise err
 
 
-def part_jax(cases, variants, dtype="bfloat16"):
+def part_jax(cases, variants, dtype="bfloat16", docs=0):
+  """docs > 0: the PaTH variants take packed documents of `docs` tokens (segment ids), the
+  training data's layout; the other variants run as without."""
   import jax
   import jax.numpy as jnp
   import kernels_pallas as kp
@@ -308,15 +310,18 @@ def part_jax(cases, variants, dtype="bfloat16"):
   for ci in cases:
     B, T, H, D = CASES[ci]
     q, k, v, w, beta, g, do = _inputs(B, T, H, D, dtype=jnp.dtype(dtype))
-    res = {"case": ci, "B": B, "T": T, "H": H, "D": D, "dtype": dtype}
+    res = {"case": ci, "B": B, "T": T, "H": H, "D": D, "dtype": dtype,
+           **({"docs": docs} if docs else {})}
+    segs = (jnp.arange(T) // docs).astype(jnp.int32)[None].repeat(B, 0) if docs else None
+    path = lambda *a, bs=None: kp.path_attention(*a, block_sizes=bs, segment_ids=segs)
     # float16 copies only for jax_mgpu (three more q-sized arrays held through every variant)
     q16, k16, v16 = ((x.astype(jnp.float16) for x in (q, k, v))
                      if any(name.startswith("jax_mgpu") for name in variants) else (q, k, v))
     fns = {
         "cudnn": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                implementation="cudnn"), (q, k, v)),
-        "path": (lambda q, k, v, w, beta: kp.path_attention(q, k, v, w, beta), (q, k, v, w, beta)),
-        "path_fox": (lambda q, k, v, w, beta, g: kp.path_attention(q, k, v, w, beta, g),
+        "path": (lambda q, k, v, w, beta: path(q, k, v, w, beta), (q, k, v, w, beta)),
+        "path_fox": (lambda q, k, v, w, beta, g: path(q, k, v, w, beta, g),
                      (q, k, v, w, beta, g)),
         "fox": (lambda q, k, v, g: kp.forgetting_attention(q, k, v, g), (q, k, v, g)),
         # jax's own Pallas-Triton flash attention (no gate, no transport): tells a limit of
@@ -338,9 +343,9 @@ def part_jax(cases, variants, dtype="bfloat16"):
       bs, forced = _block_sizes_of(spec) if spec else (None, False)
       if bs is not None:
         fn = (lambda f0, bs: lambda *a: f0(*a, bs))(
-            {"path": lambda q, k, v, w, beta, bs: kp.path_attention(q, k, v, w, beta, block_sizes=bs),
-             "path_fox": lambda q, k, v, w, beta, g, bs: kp.path_attention(q, k, v, w, beta, g,
-                                                                             block_sizes=bs)}[base], bs)
+            {"path": lambda q, k, v, w, beta, bs: path(q, k, v, w, beta, bs=bs),
+             "path_fox": lambda q, k, v, w, beta, g, bs: path(q, k, v, w, beta, g, bs=bs)}[base],
+            bs)
       try:
         fwd = jax.jit(fn)
         fb = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
@@ -420,6 +425,8 @@ def main():
   p.add_argument("--variants", default="cudnn,path,path_fox")
   p.add_argument("--prepass", default=None, help="check: the bf16 rows' pre-pass variant")
   p.add_argument("--dtype", default="bfloat16", help="jax: input dtype (cudnn needs bf16)")
+  p.add_argument("--docs", type=int, default=0,
+                 help="jax: packed documents of this many tokens for the PaTH variants")
   p.add_argument("--shape", default="4,2048,12,64", help="correlated: B,T,H,D")
   a = p.parse_args()
   cases = [int(c) for c in a.cases.split(",") if c]
@@ -428,7 +435,7 @@ def main():
   elif a.part == "correlated":
     rows = part_correlated(a.prepass, *(int(x) for x in a.shape.split(",")))
   elif a.part == "jax":
-    rows = part_jax(cases, a.variants.split(","), a.dtype)
+    rows = part_jax(cases, a.variants.split(","), a.dtype, docs=a.docs)
   else:
     rows = part_fla(cases, gate="path_fox" in a.variants.split(","))
   with open(os.path.join(OUT, f"path_kernel_{a.part}.json"), "w") as f:

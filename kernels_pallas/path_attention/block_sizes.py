@@ -172,9 +172,9 @@ class BlockSizes:
                                  # own ("mosaic", fwd_far_mosaic.py: two compute warpgroups and a
                                  # copying one, TMA ring, wgmma) merged with the near kernel's
                                  # softmax; bf16/f16, chunk 64. None: "mosaic" on the GPU where
-                                 # it takes the operands, without packed documents (the Triton
-                                 # kernel skips the spans left of a chunk's documents; the
-                                 # Mosaic one walks them masked) (calls.far_launch). H200, one call,
+                                 # it takes the operands, packed documents too (both skip the
+                                 # spans left of a chunk's documents) (calls.far_launch). H200,
+                                 # one call,
                                  # 2026-11-26, forward (fwd+bwd) ms triton / mosaic: 26.03
                                  # (103.06) / 20.08 (98.01) at 4,16384,16,128, 6.11 (23.16) /
                                  # 5.64 (22.81) at 8,4096,16,128; the forward's own peak +0.25
@@ -185,13 +185,19 @@ class BlockSizes:
                                  # launch ("mosaic", bwd_far_mosaic.py: the far forward's three
                                  # warpgroups, the A chain's Pi products in three bf16 passes);
                                  # bf16/f16, chunk 64. None: "mosaic" where fwd_far's default
-                                 # takes it (calls_span.far_dq_launch)
+                                 # takes it (calls_span.mosaic_launch). H200, fwd+bwd, Triton /
+                                 # Mosaic, one call each (2026-11-26): 97.88 / 93.77 ms at
+                                 # 4,16384,16,128, 22.27 / 21.25 at 8,4096,16,128, 53.22 / 52.17
+                                 # at 8,8192,32,64, 26.62 / 26.64 at 32,2048,32,64
   far_dkv: str | None = None     # the span backward's far dk/dv walk (bwd_spans 1 and 3) in the
                                  # Triton far dk/dv kernel ("triton", bwd_span.far_dkv_kernel)
                                  # or as a Mosaic GPU launch ("mosaic", bwd_far_mosaic.far_dkv:
                                  # key chunks m, m + 1 on two compute warpgroups, the far query
                                  # items streamed by a third); bf16/f16, chunk 64. None: as
-                                 # far_dq (calls_span.mosaic_launch)
+                                 # far_dq (calls_span.mosaic_launch). H200, fwd+bwd, Triton /
+                                 # Mosaic, one call (2026-11-26): 93.42 / 90.72 ms at
+                                 # 4,16384,16,128, 21.39 / 20.60 at 8,4096,16,128; with
+                                 # bwd_spans 3 at 32,2048,32,64 26.29 against form 2's 26.25
   chain_products: str | None = None  # the span forward's and backward's products of
                                  # aggregated D x D operators (Pi crossings, the V and N chains;
                                  # float32 operands) with 16-bit inputs (calls_span.fine_precision):

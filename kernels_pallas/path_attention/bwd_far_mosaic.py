@@ -27,9 +27,12 @@ warpgroup, refilled with the next span's state as soon as
 the span's last logits have been read. Shared memory at head_dim 128, bf16: 192 KiB (key and
 value rings 64, states 32, staging 32, Pi halves 64).
 
-Every far chunk pair is walked (no chunk-bound skipping, as the far forward); a masked tile has
-p = exp2(-inf) = 0 and adds nothing. An odd n's last program runs chunk n - 1 on both compute
-warpgroups (the same values written twice).
+With packed documents the walks skip the chunk pairs wholly outside them, as the Triton
+kernels do (prepass.chunk_bounds, read as scalars from GMEM): far dq starts at the span of the
+earliest key its pair's documents reach (fwd_far_mosaic.first_span) and stores A^(J) = 0 for
+the spans before it; far dk/dv stops after the last query chunk its pair's documents reach. A
+masked tile inside a walk has p = exp2(-inf) = 0 and adds nothing. An odd n's last program
+runs chunk n - 1 on both compute warpgroups (the same values written twice).
 
 Scope: bf16 or f16, chunk 64, head_dim a multiple of 64 (fwd_far_mosaic.supported). plgpu's
 wgmma does not run in interpret mode: the interpreter runs far_dq_reference in its place,
@@ -42,7 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
-from kernels_pallas.path_attention.fwd_far_mosaic import gate_vectors, launch, slot_types
+from kernels_pallas.path_attention.fwd_far_mosaic import (first_span, gate_vectors, launch,
+                                                            slot_types)
 from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
 
 HALVES = ("pi_hi", "pi_lo")   # the span operators' bf16 halves (pi_halves)
@@ -95,7 +99,8 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
     kh = lax.div(h, jnp.array(G, h.dtype))
     head_of = lambda name: h if name in per_query_head else 0 if name in ("sq", "sk") else kh
     jc = lax.div(c0, jnp.array(span, c0.dtype))
-    steps = jc * span
+    j0 = first_span(refs, b=b, c0=c0, n=n, span=span, jc=jc)
+    start, steps = j0 * span, jc * span   # the far key chunks walked: start .. steps - 1
 
     @pl.when(wg == 2)
     def _memory():
@@ -119,16 +124,16 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
           plgpu.barrier_wait(consumed["pi"])
           fetch_pi(J)
 
-      pl.when(jc > 0)(lambda: fetch_pi(jnp.int32(0)))
+      pl.when(j0 < jc)(lambda: fetch_pi(j0))
       for i in range(slots):
-        t = jnp.int32(i)
+        t = start + i
 
         @pl.when(t < steps)
         def _(t=t):
           next_pi(t)
           fetch(t, list(ring))
 
-      def refill(i, carry):
+      def refill(i, carry):   # key chunk i + slots into the slot key chunk i leaves
         t = i + slots
         slot = lax.rem(i, jnp.array(slots, i.dtype))
         next_pi(t)
@@ -138,7 +143,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
         fetch(t, ["v"])
         return carry
 
-      lax.fori_loop(0, jnp.maximum(steps - slots, 0), refill, 0)
+      lax.fori_loop(start, jnp.maximum(steps - slots, start), refill, 0)
 
     @pl.when(wg < 2)
     def _compute():
@@ -159,7 +164,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
       for name in vectors:
         plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), c], smem[name].at[wg],
                                 bars[name].at[wg])
-      pl.when(jc > 0)(lambda: fetch_state(jnp.int32(0)))
+      pl.when(j0 < jc)(lambda: fetch_state(j0))
       for name in head:
         plgpu.barrier_wait(bars[name].at[wg])
       load = lambda ref, layout: plgpu.load(ref, (), layout=layout)
@@ -227,8 +232,17 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
         plgpu.copy_smem_to_gmem(out, refs["a"].at[b, h, row_of(J)])
         return acc, dfq
 
+      # The spans before j0 hold only masked keys for both chunks: A^(J) = 0 there
+      @pl.when(j0 > 0)
+      def _():
+        out[...] = zeros(C, D).astype(dt)   # (dO has left `out` for registers by now)
+        plgpu.commit_smem()
+        @pl.loop(0, j0)
+        def _(J):
+          plgpu.copy_smem_to_gmem(out, refs["a"].at[b, h, row_of(J)])
+
       dfq = plgpu.layout_cast(jnp.zeros((C,), f32), rows_layout)
-      _, dfq = lax.fori_loop(0, jc, far_span, (zeros(C, D), dfq))
+      _, dfq = lax.fori_loop(j0, jc, far_span, (zeros(C, D), dfq))
       if gate:
         smem["dfq"].at[wg][...] = dfq
         plgpu.commit_smem()
@@ -254,7 +268,8 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
   # Pi^T, so that the chain's B operand is read as stored: with B transposed and A from
   # registers the products came out wrong at head_dim 64 (H200, 2026-11-26)
   arrays = {**head, **ring, "qb": qbc,
-            **dict(zip(HALVES, pi_halves(jnp.swapaxes(pi, -1, -2), dt)))}
+            **dict(zip(HALVES, pi_halves(jnp.swapaxes(pi, -1, -2), dt))),
+            **({} if ops.lo is None else {"lo": ops.lo})}
   out_type = dict(a=jax.ShapeDtypeStruct((B, H, nrows, C, D), dt))
   if gate:
     out_type["dfq"] = jax.ShapeDtypeStruct((B, H, n, C), f32)
@@ -346,7 +361,11 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
     m0 = 2 * p   # the earliest key chunks (the most far queries) first
     j = lax.div(m0, jnp.array(span, m0.dtype))
     first = (j + 1) * span   # the first far query chunk
-    chunks = jnp.maximum(n - first, 0)
+    end = n   # past the last: with packed documents, past the last the pair's documents reach
+    if "hi" in refs:
+      end = jnp.minimum(jnp.maximum(refs["hi"][b, 0, m0, 0, 0],
+                                    refs["hi"][b, 0, jnp.minimum(m0 + 1, n - 1), 0, 0]) + 1, n)
+    chunks = jnp.maximum(end - first, 0)
 
     @pl.when(wg == 2)
     def _memory():
@@ -464,7 +483,8 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
                   dv=jax.ShapeDtypeStruct((B, K, n, C, D), f32))
   if gate:
     out_type["dfk"] = jax.ShapeDtypeStruct((B, H, n, C), f32)
-  outs = launch(body, {**ring, **keys}, out_type, smem_types=smem_types, bar_types=bar_types,
+  bounds = {} if ops.lo is None else {"hi": ops.hi}
+  outs = launch(body, {**ring, **keys, **bounds}, out_type, smem_types=smem_types, bar_types=bar_types,
                 consumed_types=consumed_types, grid=(pairs, K, B),
                 grid_names=("m", "heads", "batch"))
   return outs[0], outs[1], (outs[2].reshape(B, H, n, 1, C) if gate else None)

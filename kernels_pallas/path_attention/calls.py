@@ -212,16 +212,14 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
 def far_launch(ops: Operands, bs: BlockSizes, backend: str, span: int) -> bool:
   """Whether the span forward's far keys run as their own Mosaic GPU launch
   (BlockSizes.fwd_far "mosaic", fwd_far_mosaic.py; the interpreter runs its jnp oracle there;
-  None: on the GPU where the kernel takes the operands, without packed documents); raises
-  where "mosaic" was asked for and cannot. Packed documents stay on the Triton kernel by
-  default: it skips the far spans left of a chunk's documents (chunk bounds, _bounds), which
-  the Mosaic kernel walks masked (correct, but with many short documents most of its work)."""
+  None: on the GPU where the kernel takes the operands; with packed documents both kernels skip
+  the far spans left of a chunk's documents); raises where "mosaic" was asked for and cannot."""
   if not span or bs.fwd_far == "triton":
     return False
   from kernels_pallas.path_attention import fwd_far_mosaic
   why = fwd_far_mosaic.supported(ops) if backend == "gpu" else None
   if bs.fwd_far is None:
-    return backend == "gpu" and why is None and not _bounds(ops, backend)
+    return backend == "gpu" and why is None
   if backend not in ("gpu", "interpret") or why:
     raise ValueError(f"fwd_far='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
                      f"and block 64 (got "

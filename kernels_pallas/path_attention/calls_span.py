@@ -141,16 +141,15 @@ def mosaic_launch(ops: Operands, bs: calls.BlockSizes, backend: str, field: str)
   """Whether the span backward's far walk named by `field` (BlockSizes.far_dq: the far dq walk
   and A chain; BlockSizes.far_dkv: the far dk/dv walk) runs as its own Mosaic GPU launch
   (bwd_far_mosaic.py; the interpreter runs its jnp oracle there); None: as the far forward
-  (calls.far_launch), on the GPU where the kernel takes the operands, without packed documents
-  (the Triton kernels skip the spans outside a chunk's documents, the Mosaic ones walk them
-  masked). Raises where "mosaic" was asked for and cannot."""
+  (calls.far_launch), on the GPU where the kernel takes the operands. Raises where "mosaic" was
+  asked for and cannot."""
   choice = getattr(bs, field)
   if choice == "triton":
     return False
   from kernels_pallas.path_attention import fwd_far_mosaic
   why = fwd_far_mosaic.supported(ops) if backend == "gpu" else None
   if choice is None:
-    return backend == "gpu" and why is None and not calls._bounds(ops, backend)
+    return backend == "gpu" and why is None
   if backend not in ("gpu", "interpret") or why:
     raise ValueError(f"{field}='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
                      f"and block 64 (got backend {backend!r}{', ' + why if why else ''})")

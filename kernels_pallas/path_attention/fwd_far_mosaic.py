@@ -23,13 +23,15 @@ other can use the tensor cores. A slot is refilled once both compute warpgroups 
 its consumed barrier. Each compute warpgroup fetches its own boundary states through a two-slot
 ring, the next span's issued while this one's keys run. Logits in log2 units, exp2 online
 softmax (as fwd_mosaic.py). A row whose far keys are all masked (packed documents starting
-inside c's span) ends with l = 0: o = 0 and lse = -inf, which merge_far weighs as nothing. Every
-far chunk pair is walked (no prepass.chunk_bounds skipping yet); a masked tile contributes
-exp2(-inf) = 0. The near kernel stores no state for the spans wholly left of chunk c's
-documents (kernels.fwd_kernel's j0), so those rows of qb are whatever the buffer held; every
-key of those spans is masked for every row of c, and the mask's where() replaces whatever their
-products gave (NaN included) with -inf. An odd n's last program runs chunk n - 1 on both compute warpgroups (the same
-values written twice).
+inside c's span) ends with l = 0: o = 0 and lse = -inf, which merge_far weighs as nothing. With
+packed documents the walk starts at the span of the earliest key chunk the pair's documents
+reach (first_span: prepass.chunk_bounds' lo, read as scalars from GMEM), as the Triton kernel
+skips; a masked tile inside the walk contributes exp2(-inf) = 0. The near kernel stores no state
+for the spans wholly left of chunk c's documents (kernels.fwd_kernel's j0), so for the second
+chunk of a pair those rows of qb can be whatever the buffer held; every key of those spans is
+masked for every row of that chunk, and the mask's where() replaces whatever their products
+gave (NaN included) with -inf. An odd n's last program runs chunk n - 1 on both compute
+warpgroups (the same values written twice).
 
 Measured (H200, 2026-11-26, the far kernel's ms at 8,4096,16,128 / 4,16384,16,128; the
 Triton forward's far loop is about 1.7 / 13.7 of its 3.01 / 18.80): this form 1.10 / 7.61
@@ -78,6 +80,17 @@ def slot_types(arrays, slots, C, D):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   return {name: (plgpu.SMEM((slots, C), x.dtype) if x.ndim == 4
                  else smem_tile(x.dtype, slots, C, D)) for name, x in arrays.items()}
+
+
+def first_span(refs, *, b, c0, n, span, jc):
+  """The first far span a program of query chunks c0, c0 + 1 walks: with packed documents
+  (refs has "lo", prepass.chunk_bounds' [B, 1, n, 1, 1], read as scalars from GMEM) the span of
+  the earliest key chunk either chunk's documents reach, at most jc; else 0. The spans before
+  it hold only keys masked for every row of both chunks."""
+  if "lo" not in refs:
+    return jnp.int32(0)
+  lo = jnp.minimum(refs["lo"][b, 0, c0, 0, 0], refs["lo"][b, 0, jnp.minimum(c0 + 1, n - 1), 0, 0])
+  return jnp.minimum(lax.div(lo, jnp.array(span, lo.dtype)), jc)
 
 
 def launch(body, arrays, out_type, *, smem_types, bar_types, consumed_types, grid, grid_names):
@@ -142,7 +155,8 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
     kh = lax.div(h, jnp.array(G, h.dtype))
     head_of = lambda name: h if name in per_query_head else 0 if name in ("sq", "sk") else kh
     jc = lax.div(c0, jnp.array(span, c0.dtype))
-    steps = jc * span
+    j0 = first_span(refs, b=b, c0=c0, n=n, span=span, jc=jc)
+    start, steps = j0 * span, jc * span   # the far key chunks walked: start .. steps - 1
 
     def fetch(i, names):
       slot = lax.rem(i, jnp.array(slots, i.dtype))
@@ -156,18 +170,17 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
       for i in range(slots):
-        pl.when(i < steps)(lambda i=i: fetch(jnp.int32(i), list(ring)))
+        pl.when(start + i < steps)(lambda i=i: fetch(start + i, list(ring)))
 
-      def refill(i, carry):
-        t = i + slots
+      def refill(i, carry):   # key chunk i + slots into the slot key chunk i leaves
         slot = lax.rem(i, jnp.array(slots, i.dtype))
         plgpu.barrier_wait(consumed["k"].at[slot])
-        fetch(t, key_side)
+        fetch(i + slots, key_side)
         plgpu.barrier_wait(consumed["v"].at[slot])
-        fetch(t, ["v"])
+        fetch(i + slots, ["v"])
         return carry
 
-      lax.fori_loop(0, jnp.maximum(steps - slots, 0), refill, 0)
+      lax.fori_loop(start, jnp.maximum(steps - slots, start), refill, 0)
 
     @pl.when(wg < 2)
     def _compute():
@@ -184,7 +197,7 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
         plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), c], smem[name].at[wg],
                                 bars[name].at[wg])
       for j in range(2):
-        pl.when(j < jc)(lambda j=j: fetch_state(jnp.int32(j)))
+        pl.when(j0 + j < jc)(lambda j=j: fetch_state(j0 + j))
       for name in head:
         plgpu.barrier_wait(bars[name].at[wg])
 
@@ -232,7 +245,7 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
       m_i = plgpu.layout_cast(jnp.full((C,), -jnp.inf, f32), rows_layout)
       l_i = plgpu.layout_cast(jnp.zeros((C,), f32), rows_layout)
       acc = plgpu.layout_cast(jnp.zeros((C, D), f32), wgmma_layout)
-      m_i, l_i, acc = lax.fori_loop(0, jc, far_span, (m_i, l_i, acc))
+      m_i, l_i, acc = lax.fori_loop(j0, jc, far_span, (m_i, l_i, acc))
       none = l_i == 0.0
       o_smem, lse_smem = smem["o"].at[wg], smem["lse"].at[wg]
       o_smem[...] = acc / lax.broadcast_in_dim(jnp.where(none, 1.0, l_i), (C, D), [0])
@@ -253,7 +266,8 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
   bar_types.update({name: plgpu.Barrier(num_barriers=2) for name in head})
   consumed_types = {name: plgpu.Barrier(num_arrivals=2, num_barriers=slots)
                     for name in ("k", "v")}
-  o, lse = launch(body, {**head, **ring, "qb": qbc},
+  bounds = {} if ops.lo is None else {"lo": ops.lo}
+  o, lse = launch(body, {**head, **ring, "qb": qbc, **bounds},
                   dict(o=jax.ShapeDtypeStruct((B, H, n, C, D), f32),
                        lse=jax.ShapeDtypeStruct((B, H, n, C), f32)),
                   smem_types=smem_types, bar_types=bar_types, consumed_types=consumed_types,

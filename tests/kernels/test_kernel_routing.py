@@ -115,8 +115,8 @@ def test_chain_products_precision():
 
 def test_far_launch_by_default():
   """BlockSizes.fwd_far None: the span forward's far keys go to the Mosaic GPU launch on the GPU
-  where it takes the operands (bf16 / f16, chunk 64) and no packed documents ask for chunk
-  skipping, else stay in the Triton kernel; the interpreter runs the launch's jnp oracle only
+  where it takes the operands (bf16 / f16, chunk 64; packed documents too), else stay in the
+  Triton kernel; the interpreter runs the launch's jnp oracle only
   when asked; "mosaic" where it cannot raises."""
   from kernels_pallas.path_attention import calls, prepass
   def ops(dtype, C=64, documents=False):
@@ -131,7 +131,7 @@ def test_far_launch_by_default():
   assert not calls.far_launch(ops(jnp.float32), auto, "gpu", span=2)
   assert not calls.far_launch(ops(jnp.bfloat16, C=32), auto, "gpu", span=2)
   assert not calls.far_launch(ops(jnp.bfloat16), auto, "interpret", span=2)
-  assert not calls.far_launch(ops(jnp.bfloat16, documents=True), auto, "gpu", span=2)
+  assert calls.far_launch(ops(jnp.bfloat16, documents=True), auto, "gpu", span=2)
   assert calls.far_launch(ops(jnp.bfloat16, documents=True), mosaic, "gpu", span=2)
   assert not calls.far_launch(ops(jnp.bfloat16), triton, "gpu", span=2)
   assert calls.far_launch(ops(jnp.bfloat16, C=16), mosaic, "interpret", span=2)
@@ -142,7 +142,7 @@ def test_far_launch_by_default():
 @pytest.mark.parametrize("field", ["far_dq", "far_dkv"])
 def test_far_backward_launch_by_default(field):
   """BlockSizes.far_dq / far_dkv None: the span backward's far walk goes to the Mosaic GPU launch
-  on the GPU where it takes the operands (bf16 / f16, chunk 64) without packed documents, else
+  on the GPU where it takes the operands (bf16 / f16, chunk 64; packed documents too), else
   stays in the Triton kernel; the interpreter runs the launch's jnp oracle only when asked;
   "mosaic" where it cannot raises."""
   from kernels_pallas.path_attention import calls_span, prepass
@@ -157,7 +157,7 @@ def test_far_backward_launch_by_default(field):
   assert not launch(ops(jnp.float32), auto, "gpu")
   assert not launch(ops(jnp.bfloat16, C=32), auto, "gpu")
   assert not launch(ops(jnp.bfloat16), auto, "interpret")
-  assert not launch(ops(jnp.bfloat16, documents=True), auto, "gpu")
+  assert launch(ops(jnp.bfloat16, documents=True), auto, "gpu")
   assert launch(ops(jnp.bfloat16, documents=True), mosaic, "gpu")
   assert not launch(ops(jnp.bfloat16), triton, "gpu")
   assert launch(ops(jnp.float32, C=16), mosaic, "interpret")

@@ -412,7 +412,8 @@ class TestGPU(PathKernelBase):
     """fwd_far_mosaic.far_forward (Mosaic GPU) against its jnp oracle far_reference on random
     boundary states, moved keys and values: n = 9 chunks (odd: the last program's second
     warpgroup repeats chunk 8), span 2 (four boundaries: the states' ring refills twice),
-    grouped heads; with a gate and packed documents, output and lse."""
+    grouped heads; with a gate and packed documents (and their chunk bounds: the walk starts at
+    the first span the pair's documents reach), output and lse."""
     from kernels_pallas.path_attention import fwd_far_mosaic, prepass
     from kernels_pallas.path_attention.kernels import boundary_array_rows
     B, H, K, n, C, span = 2, 4, 2, 9, 64, 2
@@ -427,9 +428,11 @@ class TestGPU(PathKernelBase):
       f = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, H, n * C)) + 2), -1)
       f = f.reshape(B, H, n, C)
       seg = jnp.cumsum(jax.random.uniform(ks[4], (B, n * C)) < 3 / (n * C), -1)
+      lo, hi = prepass.chunk_bounds(seg.reshape(B, n * C).astype(jnp.int32), C=C)
       seg = seg.astype(jnp.int32).reshape(B, 1, n, C)
       ops = ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
-                         sk=seg[..., None, :])
+                         sk=seg[..., None, :], lo=lo[:, None, :, None, None],
+                         hi=hi[:, None, :, None, None])
     got = jax.jit(lambda *a: fwd_far_mosaic.far_forward(*a, scale=D ** -0.5, span=span))(
         ops, kb, qb)
     ref = fwd_far_mosaic.far_reference(ops, kb, qb, scale=D ** -0.5, span=span)
@@ -443,7 +446,8 @@ class TestGPU(PathKernelBase):
     """Random operands of the span backward's far launches (bwd_far_mosaic.py): n = 9 chunks
     (odd: the last program's second warpgroup repeats chunk 8), span 2 (four boundaries),
     grouped heads, bf16 boundary states, moved keys, values and dO, lse, delta and span
-    operators; with a gate and packed documents. -> (ops, do, lse, delta, kb, qb, pi), span."""
+    operators; with a gate and packed documents (and their chunk bounds: the launches skip the
+    chunk pairs outside them). -> (ops, do, lse, delta, kb, qb, pi), span."""
     from kernels_pallas.path_attention import prepass
     from kernels_pallas.path_attention.kernels import boundary_array_rows
     B, H, K, n, C, span = 2, 4, 2, 9, 64, 2
@@ -463,9 +467,11 @@ class TestGPU(PathKernelBase):
       f = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, H, n * C)) + 2), -1)
       f = f.reshape(B, H, n, C)
       seg = jnp.cumsum(jax.random.uniform(ks[4], (B, n * C)) < 3 / (n * C), -1)
+      lo, hi = prepass.chunk_bounds(seg.reshape(B, n * C).astype(jnp.int32), C=C)
       seg = seg.astype(jnp.int32).reshape(B, 1, n, C)
       ops = ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
-                         sk=seg[..., None, :])
+                         sk=seg[..., None, :], lo=lo[:, None, :, None, None],
+                         hi=hi[:, None, :, None, None])
     return (ops, do, lse, delta, kb, qb, pi), span
 
   @pytest.mark.parametrize("D,gate_segments", [(64, False), (64, True), (128, False),
