@@ -185,7 +185,7 @@ class BlockSizes:
                                  # launch ("mosaic", bwd_far_mosaic.py: the far forward's three
                                  # warpgroups, the A chain's Pi products in three bf16 passes);
                                  # bf16/f16, chunk 64. None: "mosaic" where fwd_far's default
-                                 # takes it (calls_span.mosaic_launch). H200, fwd+bwd, Triton /
+                                 # takes it (calls.mosaic_launch). H200, fwd+bwd, Triton /
                                  # Mosaic, one call each (2026-11-26): 97.88 / 93.77 ms at
                                  # 4,16384,16,128, 22.27 / 21.25 at 8,4096,16,128, 53.22 / 52.17
                                  # at 8,8192,32,64, 26.62 / 26.64 at 32,2048,32,64
@@ -194,7 +194,7 @@ class BlockSizes:
                                  # or as a Mosaic GPU launch ("mosaic", bwd_far_mosaic.far_dkv:
                                  # key chunks m, m + 1 on two compute warpgroups, the far query
                                  # items streamed by a third); bf16/f16, chunk 64. None: as
-                                 # far_dq (calls_span.mosaic_launch). H200, fwd+bwd, Triton /
+                                 # far_dq (calls.mosaic_launch). H200, fwd+bwd, Triton /
                                  # Mosaic, one call (2026-11-26): 93.42 / 90.72 ms at
                                  # 4,16384,16,128, 21.39 / 20.60 at 8,4096,16,128; with
                                  # bwd_spans 3 at 32,2048,32,64 26.29 against form 2's 26.25

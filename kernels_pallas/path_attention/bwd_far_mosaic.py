@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
-from kernels_pallas.path_attention.fwd_far_mosaic import (first_span, gate_vectors, launch,
-                                                            slot_types)
+from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, first_span, gate_vectors,
+                                                            launch, slot_types)
 from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
 
 HALVES = ("pi_hi", "pi_lo")   # the span operators' bf16 halves (pi_halves)
@@ -80,8 +80,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
   if span % 2:   # chunks c, c + 1 (c even) must share a span, i.e. their far keys
     raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
   pairs = (n + 1) // 2
-  vec = lambda x: x.reshape(x.shape[:3] + (C,))
-  head = {"do": do, "lse": vec(lse), "delta": vec(delta)}
+  head = {"do": do, "lse": as_vector(lse, C), "delta": as_vector(delta, C)}
   ring = {"k": kb, "v": ops.v}
   gate_vectors(ops, C, query_side=head, key_side=ring)
   nrows = qb.shape[2] // C
@@ -348,9 +347,8 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
   if span % 2:   # key chunks m, m + 1 (m even) must share a span, i.e. their far queries
     raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
   pairs = (n + 1) // 2
-  vec = lambda x: x.reshape(x.shape[:3] + (C,))
-  ring = {"qb": qb.reshape(B, H, qb.shape[2] // C, C, D), "do": do, "lse": vec(lse),
-          "delta": vec(delta)}
+  ring = {"qb": qb.reshape(B, H, qb.shape[2] // C, C, D), "do": do, "lse": as_vector(lse, C),
+          "delta": as_vector(delta, C)}
   keys = {"k": kb, "v": ops.v}
   gate_vectors(ops, C, query_side=ring, key_side=keys)
   per_query_head = {"qb", "do", "lse", "delta", "fq", "fk"}

@@ -40,6 +40,16 @@ from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, 
 from kernels_pallas.path_attention.kernels import boundary_rows, chunk_bound, chunk_id, dot
 
 
+def per_tile(tile, first, *, n, C, pairs):
+  """Run tile(size) for this program's tile from chunk `first`: one chunk (size C), or with
+  `pairs` chunks first, first + 1 as one 2C-row tile, the odd last chunk of an odd n alone."""
+  if not pairs:
+    tile(C)
+  else:
+    pl.when(first + 1 < n)(lambda: tile(2 * C))
+    pl.when(first + 1 >= n)(lambda: tile(C))   # the odd last chunk
+
+
 def boundary_kernel(k_ref, e_ref, kb_ref, pi_ref, *, span, nb, precision, fine, chunk_axis):
   """Program (key chunk m, kv head, batch). In: k^ [n, C, D], E [n, D, D]. Out: kb [C, D] of
   chunk m (k^_m M_bm^T, b its span's end) and, from a span's first chunk, pi [D, D] float32 of
@@ -138,11 +148,7 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
       def _():
         r["dfq"][rows] = jnp.zeros((size, 1), f32)
 
-  if not pairs:
-    tile(C)
-  else:
-    pl.when(c + 1 < n)(lambda: tile(2 * C))
-    pl.when(c + 1 >= n)(lambda: tile(C))   # the odd last chunk
+  per_tile(tile, c, n=n, C=C, pairs=pairs)
 
 
 def boundary_states(r, c, size, *, span, packed, precision, fine):
@@ -175,7 +181,7 @@ def far_states_kernel(*refs, span, precision, fine, chunk_axis, pairs):
   the boundaries below it (boundary_states), for a far dq launch that takes them as an input
   (bwd_far_mosaic.far_dq). The first span's tiles write nothing."""
   r = _unpack(refs, [("q", True), ("e", True), ("pi", True), ("qb", True)])
-  n, _, D = r["e"].shape
+  n = r["e"].shape[0]
   C = r["q"].shape[0] // n
   tiles = (n + 1) // 2 if pairs else n
   c = chunk_id(tiles, axis=chunk_axis, reverse=True) * (2 if pairs else 1)
@@ -185,11 +191,7 @@ def far_states_kernel(*refs, span, precision, fine, chunk_axis, pairs):
     pl.when(lax.div(c, span) > 0)(lambda: boundary_states(
         r, c, size, span=span, packed=packed, precision=precision, fine=fine))
 
-  if not pairs:
-    tile(C)
-  else:
-    pl.when(c + 1 < n)(lambda: tile(2 * C))
-    pl.when(c + 1 >= n)(lambda: tile(C))   # the odd last chunk
+  per_tile(tile, c, n=n, C=C, pairs=pairs)
 
 
 def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_axis, pairs,
@@ -265,11 +267,7 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
     for g in range(G) if gate else ():
       r["dfk"][(g,) + key_at] = dfk[g] if keys_major else col_total(dfk[g])
 
-  if not pairs:
-    tile(C)
-  else:
-    pl.when(m + 1 < n)(lambda: tile(2 * C))
-    pl.when(m + 1 >= n)(lambda: tile(C))   # the odd last chunk
+  per_tile(tile, m, n=n, C=C, pairs=pairs)
 
 
 def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine, span_axis,

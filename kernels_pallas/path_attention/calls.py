@@ -210,20 +210,29 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
 
 
 def far_launch(ops: Operands, bs: BlockSizes, backend: str, span: int) -> bool:
-  """Whether the span forward's far keys run as their own Mosaic GPU launch
-  (BlockSizes.fwd_far "mosaic", fwd_far_mosaic.py; the interpreter runs its jnp oracle there;
-  None: on the GPU where the kernel takes the operands; with packed documents both kernels skip
-  the far spans left of a chunk's documents); raises where "mosaic" was asked for and cannot."""
-  if not span or bs.fwd_far == "triton":
+  """Whether the span forward (span > 0) sends its far keys to their own Mosaic GPU launch
+  (BlockSizes.fwd_far, fwd_far_mosaic.py): mosaic_launch's choice."""
+  return bool(span) and mosaic_launch(ops, bs, backend, "fwd_far")
+
+
+def mosaic_launch(ops: Operands, bs: BlockSizes, backend: str, field: str) -> bool:
+  """Whether the far walk that BlockSizes.`field` names runs as its own Mosaic GPU launch:
+  fwd_far, the span forward's far keys (fwd_far_mosaic.py); far_dq, the span backward's far dq
+  walk and adjoint chain, far_dk, its far dk/dv walk (bwd_far_mosaic.py). The interpreter runs
+  their jnp oracles in their place. None: on the GPU where the kernel takes the operands
+  (fwd_far_mosaic.supported), packed documents included (every launch skips the far spans
+  outside a chunk's documents, as the Triton kernels do); "triton": no. Raises where "mosaic"
+  was asked for and cannot."""
+  choice = getattr(bs, field)
+  if choice == "triton":
     return False
   from kernels_pallas.path_attention import fwd_far_mosaic
   why = fwd_far_mosaic.supported(ops) if backend == "gpu" else None
-  if bs.fwd_far is None:
+  if choice is None:
     return backend == "gpu" and why is None
   if backend not in ("gpu", "interpret") or why:
-    raise ValueError(f"fwd_far='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
-                     f"and block 64 (got "
-                     f"backend {backend!r}{', ' + why if why else ''})")
+    raise ValueError(f"{field}='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
+                     f"and block 64 (got backend {backend!r}{', ' + why if why else ''})")
   return True
 
 

@@ -78,18 +78,29 @@ def _optional_inputs(ops: Operands, bounds: bool, *, query, seg, hi: bool):
   return [x for x, _ in args], [spec(x) for x, spec in args]
 
 
+def _query_tiles(ops: Operands, bs: calls.BlockSizes, backend: str):
+  """The far dq launches' tiles (far_dq_kernel, far_states_kernel): query chunks two at a time
+  with BlockSizes.far_dq_pairs. -> pairs, the grid, its ids and chunk axis, the BlockSpec
+  makers of a query head's (`own`) and its kv head's (`kv`) arrays, and the warps: 2C-row tiles
+  take 8 (resource report at head_dim 64, bf16: 648 B of spills a thread with 4, none with 8)."""
+  B, H, n, C, D = ops.q.shape
+  G = H // ops.k.shape[1]
+  pairs = D > 64 if bs.far_dq_pairs is None else bs.far_dq_pairs
+  grid, ids, axis = calls.chunk_grid(B, H, (n + 1) // 2 if pairs else n, backend, reverse=True)
+  own = lambda x: calls._full(x, ids, lambda h: h)
+  kv = lambda x: calls._full(x, ids, lambda h: h // G)
+  warps = bs.far_dq_num_warps or bs.dq_num_warps or (8 if pairs else None)
+  return pairs, grid, ids, axis, own, kv, warps
+
+
 def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision, backend, bs):
   """-> qb, A [B, H, R, D] (kernel dtype; packed, kernels.boundary_offset), (dfq [B, H, n, C, 1]
   float32 of far tiles).
   Query chunks two at a time with BlockSizes.far_dq_pairs (bwd_span.far_dq_kernel)."""
   B, H, n, C, D = ops.q.shape
-  G = H // ops.k.shape[1]
   f = calls._flags(ops)
   bounds = calls._bounds(ops, backend)
-  pairs = D > 64 if bs.far_dq_pairs is None else bs.far_dq_pairs
-  grid, ids, axis = calls.chunk_grid(B, H, (n + 1) // 2 if pairs else n, backend, reverse=True)
-  own = lambda x: calls._full(x, ids, lambda h: h)
-  kv = lambda x: calls._full(x, ids, lambda h: h // G)
+  pairs, grid, ids, axis, own, kv, warps = _query_tiles(ops, bs, backend)
   seg = lambda x: calls._full(x, ids, lambda h: 0)
   m = calls._merged
   args = [m(ops.q), kb, ops.v, ops.e, pi, m(do), m(lse), m(delta)]
@@ -108,9 +119,6 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   kernel = functools.partial(bwd_span.far_dq_kernel, scale=scale, span=span, nb=nb,
                              bounds=bounds, precision=precision, chunk_axis=axis, fine=fine,
                              gate=f["gate"], segments=f["segments"], pairs=pairs)
-  # 2C-row tiles take 8 warps (resource report at head_dim 64, bf16: 648 B of spills a thread
-  # with 4, none with 8)
-  warps = bs.far_dq_num_warps or bs.dq_num_warps or (8 if pairs else None)
   outs = calls._call(kernel, grid, specs, out_specs, out_shape, backend, bs, bwd=True,
                      stages=calls.flash_stages(bs, ops.q.dtype), warps=warps)(*args)
   return tuple(outs[:2]) + tuple(x.reshape(B, H, n, C, 1) for x in outs[2:])
@@ -120,47 +128,23 @@ def _far_states(ops: Operands, pi, *, span, precision, backend, bs):
   """-> qb [B, H, R, D] (kernel dtype; packed): bwd_span.far_states_kernel, the far dq launch's
   first half when the walk runs elsewhere (bwd_far_mosaic.far_dq). Tiles as _far_dq's."""
   B, H, n, C, D = ops.q.shape
-  G = H // ops.k.shape[1]
-  pairs = D > 64 if bs.far_dq_pairs is None else bs.far_dq_pairs
-  grid, ids, axis = calls.chunk_grid(B, H, (n + 1) // 2 if pairs else n, backend, reverse=True)
-  own = lambda x: calls._full(x, ids, lambda h: h)
-  kv = lambda x: calls._full(x, ids, lambda h: h // G)
+  pairs, grid, _, axis, own, kv, warps = _query_tiles(ops, bs, backend)
   args = [calls._merged(ops.q), ops.e, pi]
   states = jax.ShapeDtypeStruct((B, H, kernels.boundary_array_rows(n=n, span=span, C=C), D),
                                 ops.q.dtype)
   fine = chain_precision(ops.q, precision=precision, backend=backend, bs=bs)
   kernel = functools.partial(bwd_span.far_states_kernel, span=span, precision=precision,
                              fine=fine, chunk_axis=axis, pairs=pairs)
-  warps = bs.far_dq_num_warps or bs.dq_num_warps or (8 if pairs else None)
   return calls._call(kernel, grid, [own(args[0]), kv(ops.e), kv(pi)], [own(states)], [states],
                      backend, bs, bwd=True, stages=calls.flash_stages(bs, ops.q.dtype),
                      warps=warps)(*args)[0]
 
 
-def mosaic_launch(ops: Operands, bs: calls.BlockSizes, backend: str, field: str) -> bool:
-  """Whether the span backward's far walk named by `field` (BlockSizes.far_dq: the far dq walk
-  and A chain; BlockSizes.far_dkv: the far dk/dv walk) runs as its own Mosaic GPU launch
-  (bwd_far_mosaic.py; the interpreter runs its jnp oracle there); None: as the far forward
-  (calls.far_launch), on the GPU where the kernel takes the operands. Raises where "mosaic" was
-  asked for and cannot."""
-  choice = getattr(bs, field)
-  if choice == "triton":
-    return False
-  from kernels_pallas.path_attention import fwd_far_mosaic
-  why = fwd_far_mosaic.supported(ops) if backend == "gpu" else None
-  if choice is None:
-    return backend == "gpu" and why is None
-  if backend not in ("gpu", "interpret") or why:
-    raise ValueError(f"{field}='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
-                     f"and block 64 (got backend {backend!r}{', ' + why if why else ''})")
-  return True
-
-
 def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, backend, bs):
   """-> a, dv [B, K, n, C, D] float32 (far tiles), (dfk [B, H, n, 1, C] float32). Key chunks
   two at a time with BlockSizes.far_dkv_pairs (bwd_span.far_dkv_kernel), or the Mosaic GPU
-  launch (BlockSizes.far_dkv, mosaic_launch)."""
-  if mosaic_launch(ops, bs, backend, "far_dkv"):
+  launch (BlockSizes.far_dkv, calls.mosaic_launch)."""
+  if calls.mosaic_launch(ops, bs, backend, "far_dkv"):
     from kernels_pallas.path_attention import bwd_far_mosaic
     walk = bwd_far_mosaic.far_dkv if backend == "gpu" else bwd_far_mosaic.far_dkv_reference
     a, dv, dfk = walk(ops, do, lse, delta, kb, qb, scale=scale, span=span)
@@ -259,7 +243,7 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   nsp = nb + 1
   kw = dict(precision=precision, backend=backend, bs=bs)
   kb, pi = boundary if boundary is not None else _boundary(ops, span=span, nb=nb, **kw)
-  if mosaic_launch(ops, bs, backend, "far_dq"):
+  if calls.mosaic_launch(ops, bs, backend, "far_dq"):
     from kernels_pallas.path_attention import bwd_far_mosaic
     qb = _far_states(ops, pi, span=span, **kw)
     walk = bwd_far_mosaic.far_dq if backend == "gpu" else bwd_far_mosaic.far_dq_reference

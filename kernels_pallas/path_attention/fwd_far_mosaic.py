@@ -62,10 +62,16 @@ def supported(ops) -> str | None:
   return None
 
 
+def as_vector(x, C):
+  """A per-row quantity [B, heads, n, C, 1] (or [.., 1, C]) as [B, heads, n, C]: one TMA copy of
+  a chunk's C values."""
+  return x.reshape(x.shape[:3] + (C,))
+
+
 def gate_vectors(ops, C, *, query_side, key_side):
-  """The gate sums and segment ids as [B, heads, n, C] vectors, into two dicts: `query_side`
-  gets fq, sq and `key_side` fk, sk (where present)."""
-  vec = lambda x: x.reshape(x.shape[:3] + (C,))
+  """The gate sums and segment ids as [B, heads, n, C] vectors (as_vector), into two dicts:
+  `query_side` gets fq, sq and `key_side` fk, sk (where present)."""
+  vec = lambda x: as_vector(x, C)
   if ops.fq is not None:
     query_side["fq"] = vec(ops.fq)
     key_side["fk"] = vec(ops.fk)

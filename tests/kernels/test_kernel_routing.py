@@ -145,14 +145,14 @@ def test_far_backward_launch_by_default(field):
   on the GPU where it takes the operands (bf16 / f16, chunk 64; packed documents too), else
   stays in the Triton kernel; the interpreter runs the launch's jnp oracle only when asked;
   "mosaic" where it cannot raises."""
-  from kernels_pallas.path_attention import calls_span, prepass
+  from kernels_pallas.path_attention import calls, prepass
   def ops(dtype, C=64, documents=False):
     x = jnp.zeros((1, 2, 4, C, 128), dtype)
     lo = jnp.zeros((1, 1, 4, 1, 1), jnp.int32) if documents else None
     return prepass.Operands(q=x, k=x, v=x, e=None, diag=None, fq=None, fk=None, sq=None, sk=None,
                             lo=lo)
   auto, mosaic, triton = (kp.BlockSizes(**{field: x}) for x in (None, "mosaic", "triton"))
-  launch = lambda *a: calls_span.mosaic_launch(*a, field)
+  launch = lambda *a: calls.mosaic_launch(*a, field)
   assert launch(ops(jnp.bfloat16), auto, "gpu")
   assert not launch(ops(jnp.float32), auto, "gpu")
   assert not launch(ops(jnp.bfloat16, C=32), auto, "gpu")
