@@ -85,81 +85,71 @@ def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
     assert "__gpu$xla.gpu.triton" in text
 
 
+def _gpu_layer(D, gate_segments, bs, *, T):
+  """A PaTH layer on the GPU backend with BlockSizes bs, for lowering on the CPU host: abstract
+  bf16 q, k, v and float32 w, beta (B 1, 4 query heads over 2 kv heads), with gate_segments
+  also a log forget gate and segment ids. -> (args, f, g): g differentiates every argument
+  but the ids."""
+  B, H, K = 1, 4, 2
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
+          sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
+  if gate_segments:
+    args += [sd((B, T, H), jnp.float32), sd((B, T), jnp.int32)]   # log_forget, segment ids
+  split = lambda a: (a[:-1], a[-1]) if gate_segments else (a, None)
+  f = lambda *a: kp.path_attention(*split(a)[0], backend="gpu", block_sizes=bs,
+                                   segment_ids=split(a)[1])
+  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)),
+               argnums=tuple(range(len(args) - gate_segments)))
+  return args, f, g
+
+
+def _float32_raises(args, bs, match, *, grad=False):
+  """The same layer with float32 q, k, v raises a ValueError naming `match` (no Mosaic kernel
+  takes float32), in the forward or (grad) the backward."""
+  f32 = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in args[:5]]
+  f = lambda *a: kp.path_attention(*a, backend="gpu", block_sizes=bs)
+  fn = jax.grad(lambda *a: jnp.sum(f(*a)), argnums=0) if grad else f
+  with pytest.raises(ValueError, match=match):
+    jax.jit(fn).trace(*f32).lower(lowering_platforms=("cuda",))
+
+
 @pytest.mark.parametrize("D,gate_segments", [(64, False), (128, False), (64, True)])
 def test_mosaic_forward_lowers_for_gpu(D, gate_segments):
   """BlockSizes(fwd_kernel="mosaic"): the forward lowers through Mosaic GPU (TMA, wgmma) on a
   CPU host, inside jax.grad too (the backward stays on the Triton kernels); plgpu's wgmma does
   not run in interpret mode, so TestGPU.test_mosaic_forward_bf16 checks its values on the
   device."""
-  B, T, H, K = 1, 300, 4, 2
-  sd = jax.ShapeDtypeStruct
-  args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
-          sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
-  if gate_segments:
-    args += [sd((B, T, H), jnp.float32), sd((B, T), jnp.int32)]   # log_forget, segment ids
   bs = kp.BlockSizes(fwd_kernel="mosaic")
-  split = lambda a: (a[:-1], a[-1]) if gate_segments else (a, None)
-  f = lambda *a: kp.path_attention(*split(a)[0], backend="gpu", block_sizes=bs,
-                                   segment_ids=split(a)[1])
-  n_diff = len(args) - gate_segments
-  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(n_diff)))
+  args, f, g = _gpu_layer(D, gate_segments, bs, T=300)
   for fn in (f, g):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-  with pytest.raises(ValueError, match="fwd_kernel"):  # float32 stays on the Triton kernel
-    f32 = [sd(a.shape, jnp.float32) for a in args[:5]]
-    jax.jit(lambda *a: kp.path_attention(*a, backend="gpu", block_sizes=bs)).trace(
-        *f32).lower(lowering_platforms=("cuda",))
+  _float32_raises(args, bs, "fwd_kernel")   # float32 stays on the Triton kernel
 
 
 @pytest.mark.parametrize("D,gate_segments", [(64, True), (128, False)])
 def test_far_mosaic_forward_lowers_for_gpu(D, gate_segments):
   """BlockSizes(fwd_far="mosaic"): the span forward's near kernel lowers through Triton and its
   far keys through Mosaic GPU (fwd_far_mosaic.py) on a CPU host, inside jax.grad too;
-  TestGPU.test_far_mosaic_kernel_against_reference checks its values on the device."""
-  B, T, H, K = 1, 700, 4, 2   # n = 11, span 2: five boundaries
-  sd = jax.ShapeDtypeStruct
-  args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
-          sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
-  if gate_segments:
-    args += [sd((B, T, H), jnp.float32), sd((B, T), jnp.int32)]   # log_forget, segment ids
+  test_far_mosaic.test_far_mosaic_kernel_against_reference checks its values on the device."""
   bs = kp.BlockSizes(fwd_far="mosaic", fwd_spans=True, dkv_span=2)
-  split = lambda a: (a[:-1], a[-1]) if gate_segments else (a, None)
-  f = lambda *a: kp.path_attention(*split(a)[0], backend="gpu", block_sizes=bs,
-                                   segment_ids=split(a)[1])
-  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)),
-               argnums=tuple(range(len(args) - gate_segments)))
+  args, f, g = _gpu_layer(D, gate_segments, bs, T=700)   # n = 11, span 2: five boundaries
   for fn in (f, g):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" in text
-  with pytest.raises(ValueError, match="fwd_far"):   # float32 has no Mosaic far kernel
-    f32 = [sd(a.shape, jnp.float32) for a in args[:5]]
-    jax.jit(lambda *a: kp.path_attention(*a, backend="gpu", block_sizes=bs)).trace(
-        *f32).lower(lowering_platforms=("cuda",))
+  _float32_raises(args, bs, "fwd_far")   # float32 has no Mosaic far kernel
 
 
 @pytest.mark.parametrize("D,gate_segments", [(64, True), (128, False), (128, True)])
 def test_far_backward_mosaic_lowers_for_gpu(D, gate_segments):
   """BlockSizes(far_dq="mosaic", far_dkv="mosaic"): the span backward's boundary states through
   Triton and its far dq and far dk/dv walks through Mosaic GPU (bwd_far_mosaic.py) on a CPU
-  host, inside jax.grad; TestGPU's *_mosaic_kernel_against_reference check their values on the
-  device."""
-  B, T, H, K = 1, 700, 4, 2   # n = 11, span 2: five boundaries
-  sd = jax.ShapeDtypeStruct
-  args = [sd((B, T, H, D), jnp.bfloat16), sd((B, T, K, D), jnp.bfloat16),
-          sd((B, T, K, D), jnp.bfloat16), sd((B, T, K, D), jnp.float32), sd((B, T, K), jnp.float32)]
-  if gate_segments:
-    args += [sd((B, T, H), jnp.float32), sd((B, T), jnp.int32)]   # log_forget, segment ids
+  host, inside jax.grad; test_far_mosaic.py's *_mosaic_kernel_against_reference check their
+  values on the device."""
   bs = kp.BlockSizes(far_dq="mosaic", far_dkv="mosaic", bwd_spans=3, dkv_span=2,
                      fwd_far="triton")
-  split = lambda a: (a[:-1], a[-1]) if gate_segments else (a, None)
-  f = lambda *a: kp.path_attention(*split(a)[0], backend="gpu", block_sizes=bs,
-                                   segment_ids=split(a)[1])
-  g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)),
-               argnums=tuple(range(len(args) - gate_segments)))
+  args, _, g = _gpu_layer(D, gate_segments, bs, T=700)   # n = 11, span 2: five boundaries
   text = jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 2 and "__gpu$xla.gpu.triton" in text
-  with pytest.raises(ValueError, match="far_dq"):   # float32 has no Mosaic far dq
-    f32 = [sd(a.shape, jnp.float32) for a in args[:5]]
-    jax.jit(jax.grad(lambda *a: jnp.sum(kp.path_attention(*a, backend="gpu", block_sizes=bs)),
-                     argnums=0)).trace(*f32).lower(lowering_platforms=("cuda",))
+  _float32_raises(args, bs, "far_dq", grad=True)   # float32 has no Mosaic far dq

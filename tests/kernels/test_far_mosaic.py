@@ -1,0 +1,93 @@
+"""The far launches on Mosaic GPU (fwd_far_mosaic.py, bwd_far_mosaic.py), each kernel against
+its jnp oracle on random operands. GPU only: plgpu's wgmma does not run in the interpreter,
+which runs the oracles in the kernels' place (test_path_kernel.py checks those paths end to
+end); test_lowering.py lowers the kernels on the CPU host."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tests.util import assert_rel_rms
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
+
+
+def _far_inputs(key, D, gate_segments):
+  """Random operands of the far launches (fwd_far_mosaic.py, bwd_far_mosaic.py): n = 9 chunks
+  (odd: the last program's second warpgroup repeats chunk 8), span 2 (four boundaries),
+  grouped heads, bf16 boundary states, moved keys, values and dO, lse, delta and span
+  operators; with a gate and packed documents (and their chunk bounds: the launches skip the
+  chunk pairs outside them). -> (ops, do, lse, delta, kb, qb, pi), span."""
+  from kernels_pallas.path_attention import prepass
+  from kernels_pallas.path_attention.kernels import boundary_array_rows
+  B, H, K, n, C, span = 2, 4, 2, 9, 64, 2
+  nb = (n - 1) // span
+  ks = jax.random.split(key, 10)
+  bf = jnp.bfloat16
+  v = jax.random.normal(ks[0], (B, K, n, C, D), bf)
+  kb = jax.random.normal(ks[1], (B, K, n, C, D), bf)
+  qb = jax.random.normal(ks[2], (B, H, boundary_array_rows(n=n, span=span, C=C), D), bf)
+  do = jax.random.normal(ks[5], (B, H, n, C, D), bf)
+  lse = 6.0 + jax.random.normal(ks[6], (B, H, n, C, 1))
+  delta = jax.random.normal(ks[7], (B, H, n, C, 1))
+  pi = (jnp.eye(D) + jax.random.normal(ks[8], (B, K, nb, D, D)) * D ** -0.5) * 0.7
+  ops = prepass.Operands(q=jnp.zeros((B, H, n, C, D), bf), k=kb, v=v, e=None, diag=None,
+                         fq=None, fk=None, sq=None, sk=None)
+  if gate_segments:
+    f = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, H, n * C)) + 2), -1)
+    f = f.reshape(B, H, n, C)
+    seg = jnp.cumsum(jax.random.uniform(ks[4], (B, n * C)) < 3 / (n * C), -1)
+    lo, hi = prepass.chunk_bounds(seg.reshape(B, n * C).astype(jnp.int32), C=C)
+    seg = seg.astype(jnp.int32).reshape(B, 1, n, C)
+    ops = ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
+                       sk=seg[..., None, :], lo=lo[:, None, :, None, None],
+                       hi=hi[:, None, :, None, None])
+  return (ops, do, lse, delta, kb, qb, pi), span
+
+
+@pytest.mark.parametrize("D,gate_segments", [(64, True), (128, False), (128, True)])
+def test_far_mosaic_kernel_against_reference(key, D, gate_segments):
+  """fwd_far_mosaic.far_forward (Mosaic GPU) against its jnp oracle far_reference on random
+  boundary states, moved keys and values: n = 9 chunks (odd: the last program's second
+  warpgroup repeats chunk 8), span 2 (four boundaries: the states' ring refills twice),
+  grouped heads; with a gate and packed documents (and their chunk bounds: the walk starts at
+  the first span the pair's documents reach), output and lse."""
+  from kernels_pallas.path_attention import fwd_far_mosaic
+  (ops, _, _, _, kb, qb, _), span = _far_inputs(key, D, gate_segments)
+  got = jax.jit(lambda *a: fwd_far_mosaic.far_forward(*a, scale=D ** -0.5, span=span))(
+      ops, kb, qb)
+  ref = fwd_far_mosaic.far_reference(ops, kb, qb, scale=D ** -0.5, span=span)
+  for name, a, b in zip(("o", "lse"), got, ref):
+    none = jnp.isneginf(b)
+    assert bool(jnp.array_equal(jnp.isneginf(a), none)), f"{name}: -inf rows differ"
+    assert_rel_rms(jnp.where(none, 0.0, a), jnp.where(none, 0.0, b), 1e-2, name)
+
+@pytest.mark.parametrize("D,gate_segments", [(64, False), (64, True), (128, False),
+                                             (128, True)])
+def test_far_dq_mosaic_kernel_against_reference(key, D, gate_segments):
+  """bwd_far_mosaic.far_dq (Mosaic GPU) against its jnp oracle far_dq_reference
+  (_far_inputs: the state buffer and the Pi halves refill three times); A at every
+  boundary and dfq."""
+  from kernels_pallas.path_attention import bwd_far_mosaic
+  args, span = _far_inputs(key, D, gate_segments)
+  got = jax.jit(lambda *a: bwd_far_mosaic.far_dq(*a, scale=D ** -0.5, span=span))(*args)
+  ref = bwd_far_mosaic.far_dq_reference(*args, scale=D ** -0.5, span=span)
+  assert_rel_rms(got[0].astype(jnp.float32), ref[0].astype(jnp.float32), 1e-2, "A")
+  if gate_segments:
+    assert_rel_rms(got[1], ref[1], 1e-2, "dfq")
+
+@pytest.mark.parametrize("D,gate_segments", [(64, True), (128, False), (128, True)])
+def test_far_dkv_mosaic_kernel_against_reference(key, D, gate_segments):
+  """bwd_far_mosaic.far_dkv (Mosaic GPU) against its jnp oracle far_dkv_reference
+  (_far_inputs: two query heads a kv head, so each far query chunk is two ring
+  items); a, dv and dfk of every key chunk (zero in the last span)."""
+  from kernels_pallas.path_attention import bwd_far_mosaic
+  args, span = _far_inputs(key, D, gate_segments)
+  args = args[:6]
+  got = jax.jit(lambda *a: bwd_far_mosaic.far_dkv(*a, scale=D ** -0.5, span=span))(*args)
+  ref = bwd_far_mosaic.far_dkv_reference(*args, scale=D ** -0.5, span=span)
+  for name, x, y in zip(("a", "dv", "dfk"), got, ref):
+    if y is not None:
+      assert_rel_rms(x, y, 1e-2, name)
