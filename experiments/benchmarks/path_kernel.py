@@ -201,7 +201,8 @@ def _block_sizes_of(spec):
   forward's and backward's D x D operator chains in one TF32 pass / three bf16 passes
   (chain_products "tf32" / "bf16x3"), mfar / tfar the span forward's far keys on Mosaic GPU /
   in the Triton kernel (fwd_far), mdq / tdq the span backward's far dq walk on Mosaic GPU / in
-  the Triton kernel (far_dq), mdk / tdk its far dk/dv walk likewise (far_dkv), gc / gm the
+  the Triton kernel (far_dq), mdk / tdk its far dk/dv walk likewise (far_dkv), msw / tsw its
+  near sweep likewise (span_sweep), gc / gm the
   gate's column sums carried / on the tensor
   cores (gate_colsum "carry" / "mma"),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
@@ -254,6 +255,8 @@ def _block_sizes_of(spec):
                  {"far_dq": "triton"} if "tdq" in spec else {})
   changes.update({"far_dkv": "mosaic"} if "mdk" in spec else
                  {"far_dkv": "triton"} if "tdk" in spec else {})
+  changes.update({"span_sweep": "mosaic"} if "msw" in spec else
+                 {"span_sweep": "triton"} if "tsw" in spec else {})
   changes.update({"prepass": pre[2]} if pre else {})
   return dataclasses.replace(bs, **changes), bool(pre and pre[1])
 

@@ -198,6 +198,12 @@ class BlockSizes:
                                  # Mosaic, one call (2026-11-26): 93.42 / 90.72 ms at
                                  # 4,16384,16,128, 21.39 / 20.60 at 8,4096,16,128; with
                                  # bwd_spans 3 at 32,2048,32,64 26.29 against form 2's 26.25
+  span_sweep: str | None = None  # the span backward's near sweep (bwd_span.span_kernel's query
+                                 # tiles inside a span: states, adjoint chain, dL/dP) in the
+                                 # Triton span kernel ("triton") or as a Mosaic GPU launch after
+                                 # it ("mosaic", span_mosaic.py: bf16/f16, chunk 64, head_dim 64,
+                                 # an even number of chunks, bwd_spans 2 or 3). None: "mosaic"
+                                 # where it takes the operands on the GPU (calls_span.sweep_launch)
   chain_products: str | None = None  # the span forward's and backward's products of
                                  # aggregated D x D operators (Pi crossings, the V and N chains;
                                  # float32 operands) with 16-bit inputs (calls_span.fine_precision):
@@ -227,6 +233,9 @@ class BlockSizes:
       if getattr(self, field) not in (None, "triton", "mosaic"):
         raise ValueError(f"{field}={getattr(self, field)!r} must be None (auto), 'triton' or "
                          "'mosaic'")
+    if self.span_sweep not in (None, "triton", "mosaic"):
+      raise ValueError(f"span_sweep={self.span_sweep!r} must be None (auto), 'triton' or "
+                       "'mosaic'")
     if self.fwd_far not in (None, "triton", "mosaic"):
       raise ValueError(f"fwd_far={self.fwd_far!r} must be None (auto), 'triton' or 'mosaic'")
     if self.prepass_num_warps not in (None, 1, 2, 4, 8, 16):

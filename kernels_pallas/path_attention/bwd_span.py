@@ -271,7 +271,7 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
 
 
 def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine, span_axis,
-                pairs, kv=True):
+                pairs, kv=True, sweeps=True):
   """Program (span J, kv head, batch). In: as bwd_kernels.dq_kernel with transport (query-side
   operands merged into time: q, do [G, n*C, D], ...), then A [G, R, D] (far_dq_kernel's,
   packed),
@@ -281,11 +281,13 @@ def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine,
   is this program's scratch for the sweep's states (R = 2C with `pairs`: query chunks two at a
   time as one tile, else C). Without `kv` (BlockSizes.bwd_spans = 2: the dk/dv kernel gives dk,
   dv, dfk whole) there is no dvfar, dfkfar, dk, dv or dfk, and the sweep takes no key-side
-  parts. The D x D chains take `fine` (boundary_kernel)."""
+  parts. The D x D chains take `fine` (boundary_kernel). Without `sweeps` (BlockSizes.span_sweep
+  "mosaic": span_mosaic.sweeps walks them after this launch, and adds to dP) there is no dq or
+  st: this launch writes the far queries' dP, the diagonal tiles' ddiag and their dfq only."""
   r = _unpack(refs, _in_spec(True, gate, segments, bounds)
               + [("a", True), ("y", True), ("afar", True), ("dvfar", kv), ("dfkfar", gate and kv),
-                 ("dq", True), ("ddiag", True), ("dp", True), ("dk", kv), ("dv", kv),
-                 ("st", True), ("dfq", gate), ("dfk", gate and kv)])
+                 ("dq", sweeps), ("ddiag", True), ("dp", True), ("dk", kv), ("dv", kv),
+                 ("st", sweeps), ("dfq", gate), ("dfk", gate and kv)])
   G = r["q"].shape[0]
   n, C, D = r["k"].shape
   dt = r["q"].dtype
@@ -425,6 +427,10 @@ def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine,
     finish(g, c, C, *sweep(g, c, qc, qc["q"].astype(f32), C, None))
 
   count = hi_s - lo_s
+  if not sweeps:
+    for g in range(G):
+      lax.fori_loop(lo_s, hi_s, lambda c, carry, g=g: (diagonal(g, c), carry)[1], 0)
+    return
   for g in range(G):
     def unit(i, carry, g=g):
       if pairs:

@@ -223,6 +223,31 @@ def span_pairs(bs: calls.BlockSizes, *, dtype, head_dim: int, backend: str) -> b
   return bs.dq_pairs and (fits or backend != "gpu")
 
 
+def sweep_launch(ops: Operands, bs: calls.BlockSizes, backend: str, *, kv: bool,
+                 pairs: bool) -> bool:
+  """Whether the span backward's near sweep runs as its own Mosaic GPU launch
+  (BlockSizes.span_sweep; span_mosaic.py) after span_kernel(sweeps=False); the interpreter runs
+  its oracle in its place. None: on the GPU where it takes the operands (span_mosaic.supported,
+  the query tiles in pairs, no key-side parts: bwd_spans 2 or 3); "triton": no. Raises where
+  "mosaic" was asked for and cannot."""
+  choice = bs.span_sweep
+  if choice == "triton":
+    return False
+  from kernels_pallas.path_attention import span_mosaic
+  n = ops.q.shape[2]
+  why = span_mosaic.supported(ops) if backend == "gpu" else (   # the oracle's tiles are pairs too
+      f"{n} chunks (needs an even number)" if n % 2 else None)
+  if kv or not pairs:
+    why = "bwd_spans=1 (the near dk, dv from the sweep)" if kv else "dq_pairs off"
+  if choice is None:
+    return backend == "gpu" and why is None
+  if backend not in ("gpu", "interpret") or why:
+    raise ValueError(f"span_sweep='mosaic' needs the GPU backend (or the interpreter), bf16/f16, "
+                     f"block 64, head_dim 64 and an even number of chunks, bwd_spans 2 or 3 and "
+                     f"dq_pairs (got backend {backend!r}{', ' + why if why else ''})")
+  return True
+
+
 def far_dkv_pairs(bs: calls.BlockSizes, *, dtype, backend: str) -> bool:
   """Whether the far dk/dv kernel takes key chunks two at a time (BlockSizes.far_dkv_pairs):
   on the GPU with 16-bit inputs only. With float32 inputs, grouped heads and 2C-row tiles the
@@ -278,13 +303,15 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   f32 = jnp.float32
   gdt = ops.q.dtype
   pairs = span_pairs(bs, dtype=ops.q.dtype, head_dim=D, backend=backend)
+  mosaic_sweep = sweep_launch(ops, bs, backend, kv=kv, pairs=pairs)
   rows = 2 * C if pairs else C
-  names = ["q", "diag", "dp"] + (["k", "v"] if kv else []) + ["st"]
-  out_shape = [jax.ShapeDtypeStruct((B, H, n * C, D), gdt),
-               jax.ShapeDtypeStruct((B, H, n * C, C), gdt),
-               jax.ShapeDtypeStruct((B, K, n, D, D), f32)]
-  out_shape += [jax.ShapeDtypeStruct((B, K, n, C, D), f32)] * (2 if kv else 0)
-  out_shape.append(jax.ShapeDtypeStruct((B, K, nsp, span, rows, D), gdt))
+  shapes = dict(q=((B, H, n * C, D), gdt), diag=((B, H, n * C, C), gdt), dp=((B, K, n, D, D), f32))
+  shapes.update({name: ((B, K, n, C, D), f32) for name in (("k", "v") if kv else ())})
+  shapes["st"] = ((B, K, nsp, span, rows, D), gdt)
+  if mosaic_sweep:   # the sweeps' dq and states are the Mosaic launch's
+    del shapes["q"], shapes["st"]
+  names = list(shapes)
+  out_shape = [jax.ShapeDtypeStruct(*shape) for shape in shapes.values()]
   if f["gate"]:
     names += ["fq"] + (["fk"] if kv else [])
     out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), f32))
@@ -297,7 +324,8 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   fine = chain_precision(ops.q, precision=precision, backend=backend, bs=bs)
   kernel = functools.partial(bwd_span.span_kernel, scale=scale, span=span, nb=nb,
                              gate=f["gate"], segments=f["segments"], bounds=bounds,
-                             precision=precision, span_axis=0, pairs=pairs, kv=kv, fine=fine)
+                             precision=precision, span_axis=0, pairs=pairs, kv=kv, fine=fine,
+                             sweeps=not mosaic_sweep)
   aliases = {}
   if kv:
     aliases = {first: names.index("k"), first + 1: names.index("v")}
@@ -306,7 +334,14 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   outs = calls._call(kernel, (nsp, K, B), specs, out_specs, out_shape, backend, bs, bwd=True,
                      warps=bs.dq_num_warps or (8 if pairs else None), aliases=aliases)(*args)
   g = dict(zip(names, outs))
-  g.pop("st")
+  g.pop("st", None)
+  if mosaic_sweep:
+    from kernels_pallas.path_attention import span_mosaic
+    walk = span_mosaic.sweeps if backend == "gpu" else span_mosaic.sweeps_reference
+    dq, dfq, g["dp"] = walk(ops, do, lse, delta, a, g["dp"], scale=scale, span=span)
+    g["q"] = dq.reshape(B, H, n * C, D)
+    if f["gate"]:
+      g["fq"] = g["fq"] + dfq.reshape(B, H, n * C, 1)
   for name in ("q", "diag", "fq"):   # back to [B, H, n, C, ...]
     if name in g:
       g[name] = g[name].reshape(B, H, n, C, *g[name].shape[3:])

@@ -99,12 +99,14 @@ def first_span(refs, *, b, c0, n, span, jc):
   return jnp.minimum(lax.div(lo, jnp.array(span, lo.dtype)), jc)
 
 
-def launch(body, arrays, out_type, *, smem_types, bar_types, consumed_types, grid, grid_names):
+def launch(body, arrays, out_type, *, smem_types, bar_types, consumed_types, grid, grid_names,
+           mutable=()):
   """plgpu.kernel of body(refs, smem, bars, consumed) with three warpgroups (axis "wg": two
   compute, one copying) over `grid`: refs maps the names of `arrays` (inputs, in order) and of
   `out_type` (a dict of output shapes) to their GMEM refs, smem / bars / consumed the names of
   the scratch dicts to their allocations (consumed: the compute warpgroups' arrivals). -> the
-  outputs, in out_type's order."""
+  outputs, in out_type's order, then the final values of the `mutable` arrays: those the kernel
+  updates in place (passed as JAX refs, so the launch aliases them to its outputs: no copy)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental import pallas as pl
   names = list(arrays) + list(out_type)
@@ -121,11 +123,25 @@ def launch(body, arrays, out_type, *, smem_types, bar_types, consumed_types, gri
     pl.run_scoped(scoped, *(t for kind in scratch for t in kind.values()),
                   collective_axes="wg")
 
-  return plgpu.kernel(
-      entry, out_type=tuple(out_type.values()), grid=grid, grid_names=grid_names,
-      num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(*arrays.values())
+  params = plgpu.CompilerParams(approx_math=True)
+  if not mutable:
+    return plgpu.kernel(
+        entry, out_type=tuple(out_type.values()), grid=grid, grid_names=grid_names,
+        num_threads=3, thread_name="wg", compiler_params=params,
+    )(*arrays.values())
+  # plgpu.kernel's batching wrapper takes no refs; pl.kernel over the same mesh does
+  refs = {name: _new_ref(arrays[name]) for name in mutable}
+  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
+  outs = pl.kernel(entry, out_type=tuple(out_type.values()), mesh=mesh, compiler_params=params)(
+      *(refs.get(name, x) for name, x in arrays.items()))
+  return tuple(outs) + tuple(refs[name][...] for name in mutable)
+
+
+def _new_ref(x):
+  """A mutable JAX ref holding x (jax.new_ref; jax.ref.new_ref where the top-level name is
+  gone)."""
+  make = getattr(jax, "new_ref", None) or jax.ref.new_ref
+  return make(x)
 
 
 def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):

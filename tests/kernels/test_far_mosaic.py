@@ -1,5 +1,5 @@
-"""The far launches on Mosaic GPU (fwd_far_mosaic.py, bwd_far_mosaic.py), each kernel against
-its jnp oracle on random operands. GPU only: plgpu's wgmma does not run in the interpreter,
+"""The far launches on Mosaic GPU (fwd_far_mosaic.py, bwd_far_mosaic.py) and the span sweep
+(span_mosaic.py), each kernel against its jnp oracle on random operands. GPU only: plgpu's wgmma does not run in the interpreter,
 which runs the oracles in the kernels' place (test_path_kernel.py checks those paths end to
 end); test_lowering.py lowers the kernels on the CPU host."""
 from __future__ import annotations
@@ -91,3 +91,43 @@ def test_far_dkv_mosaic_kernel_against_reference(key, D, gate_segments):
   for name, x, y in zip(("a", "dv", "dfk"), got, ref):
     if y is not None:
       assert_rel_rms(x, y, 1e-2, name)
+
+
+@pytest.mark.parametrize("gate_segments", [False, True])
+def test_span_sweep_mosaic_kernel_against_reference(key, gate_segments):
+  """span_mosaic.sweeps (Mosaic GPU) against its jnp oracle sweeps_reference on random
+  operands: n = 8 chunks at span 4 (two spans; the tiles of chunks 2, 3 and 6, 7 sweep two key
+  chunks), grouped heads, small random transports E, the initial adjoints A; with a gate and
+  packed documents (sweeps that start inside the span). dq^, dfq and the increment of dL/dP
+  (the launch adds to it in place), and dL/dP bitwise the same over two runs."""
+  from kernels_pallas.path_attention import prepass, span_mosaic
+  from kernels_pallas.path_attention.kernels import boundary_array_rows
+  B, H, K, n, C, D, span = 2, 4, 2, 8, 64, 64, 4
+  ks = jax.random.split(key, 12)
+  bf = jnp.bfloat16
+  nrm = lambda k, shape, s=1.0: (s * jax.random.normal(k, shape)).astype(bf)
+  ops = prepass.Operands(q=nrm(ks[0], (B, H, n, C, D)), k=nrm(ks[1], (B, K, n, C, D)),
+                         v=nrm(ks[2], (B, K, n, C, D)), e=nrm(ks[3], (B, K, n, D, D), 0.3 / D),
+                         diag=None, fq=None, fk=None, sq=None, sk=None)
+  do = nrm(ks[4], (B, H, n, C, D))
+  lse = 6.0 + jax.random.normal(ks[5], (B, H, n, C, 1))
+  delta = jax.random.normal(ks[6], (B, H, n, C, 1))
+  a = nrm(ks[7], (B, H, boundary_array_rows(n=n, span=span, C=C), D), 0.3)
+  dp = 0.1 * jax.random.normal(ks[8], (B, K, n, D, D))
+  if gate_segments:
+    f = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(ks[9], (B, H, n * C)) + 2), -1)
+    f = f.reshape(B, H, n, C)
+    seg = jnp.cumsum(jax.random.uniform(ks[10], (B, n * C)) < 4 / (n * C), -1).astype(jnp.int32)
+    lo, hi = prepass.chunk_bounds(seg, C=C)
+    seg = seg.reshape(B, 1, n, C)
+    ops = ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
+                       sk=seg[..., None, :], lo=lo[:, None, :, None, None],
+                       hi=hi[:, None, :, None, None])
+  run = jax.jit(lambda *x: span_mosaic.sweeps(*x, scale=D ** -0.5, span=span))
+  got = run(ops, do, lse, delta, a, dp)
+  ref = span_mosaic.sweeps_reference(ops, do, lse, delta, a, dp, scale=D ** -0.5, span=span)
+  assert_rel_rms(got[0].astype(jnp.float32), ref[0].astype(jnp.float32), 1e-2, "dq")
+  if gate_segments:
+    assert_rel_rms(got[1], ref[1], 1e-2, "dfq")
+  assert_rel_rms(got[2] - dp, ref[2] - dp, 1e-2, "dP increment")
+  assert bool(jnp.array_equal(got[2], run(ops, do, lse, delta, a, dp)[2])), "dP not bitwise"

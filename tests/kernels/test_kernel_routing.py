@@ -163,3 +163,33 @@ def test_far_backward_launch_by_default(field):
   assert launch(ops(jnp.float32, C=16), mosaic, "interpret")
   with pytest.raises(ValueError, match=field):
     launch(ops(jnp.float32), mosaic, "gpu")
+
+
+def test_span_sweep_launch_by_default():
+  """BlockSizes.span_sweep None: the span backward's near sweep goes to the Mosaic GPU launch on
+  the GPU where it takes the operands (bf16 / f16, chunk 64, head_dim 64, an even number of
+  chunks, query tiles in pairs, no key-side parts), else stays in the Triton span kernel; the
+  interpreter runs its jnp oracle only when asked; "mosaic" where it cannot raises."""
+  from kernels_pallas.path_attention import calls_span, prepass
+  def ops(dtype, D=64, n=4):
+    x = jnp.zeros((1, 2, n, 64, D), dtype)
+    return prepass.Operands(q=x, k=x, v=x, e=jnp.zeros((1, 2, n, D, D), dtype), diag=None,
+                            fq=None, fk=None, sq=None, sk=None)
+  auto, mosaic, triton = (kp.BlockSizes(span_sweep=x) for x in (None, "mosaic", "triton"))
+  launch = lambda o, bs, backend, kv=False, pairs=True: calls_span.sweep_launch(
+      o, bs, backend, kv=kv, pairs=pairs)
+  assert launch(ops(jnp.bfloat16), auto, "gpu")
+  assert not launch(ops(jnp.float32), auto, "gpu")
+  assert not launch(ops(jnp.bfloat16, D=128), auto, "gpu")
+  assert not launch(ops(jnp.bfloat16, n=5), auto, "gpu")
+  assert not launch(ops(jnp.bfloat16), auto, "gpu", kv=True)
+  assert not launch(ops(jnp.bfloat16), auto, "gpu", pairs=False)
+  assert not launch(ops(jnp.bfloat16), auto, "interpret")
+  assert not launch(ops(jnp.bfloat16), triton, "gpu")
+  assert launch(ops(jnp.float32, D=128), mosaic, "interpret")
+  for o, backend, kw in ((ops(jnp.float32), "gpu", {}), (ops(jnp.bfloat16, D=128), "gpu", {}),
+                         (ops(jnp.bfloat16), "gpu", dict(kv=True)),
+                         (ops(jnp.float32, n=5), "interpret", {}),
+                         (ops(jnp.bfloat16), "tpu", {})):
+    with pytest.raises(ValueError, match="span_sweep"):
+      launch(o, mosaic, backend, **kw)

@@ -153,3 +153,22 @@ def test_far_backward_mosaic_lowers_for_gpu(D, gate_segments):
   text = jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("custom_call @mosaic_gpu") == 2 and "__gpu$xla.gpu.triton" in text
   _float32_raises(args, bs, "far_dq", grad=True)   # float32 has no Mosaic far dq
+
+
+@pytest.mark.parametrize("gate_segments", [False, True])
+def test_span_sweep_mosaic_lowers_for_gpu(gate_segments):
+  """BlockSizes(span_sweep="mosaic"): the span kernel (Triton) without its sweeps, then the
+  sweeps through Mosaic GPU (span_mosaic.py), adding to dL/dP in place (an aliased operand, no
+  copy), on a CPU host inside jax.grad; test_far_mosaic.py's
+  test_span_sweep_mosaic_kernel_against_reference checks its values on the device. Where it
+  cannot take the operands (float32, head_dim 128, an odd number of chunks) "mosaic" raises."""
+  bs = kp.BlockSizes(span_sweep="mosaic", dkv_span=4, far_dq="triton")
+  args, _, g = _gpu_layer(64, gate_segments, bs, T=500)   # n = 8, span 4: one boundary
+  text = jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1 and "__gpu$xla.gpu.triton" in text
+  assert "output_operand_alias" in text.split("custom_call @mosaic_gpu")[1].split("\n")[0]
+  _float32_raises(args, bs, "span_sweep", grad=True)
+  for D, T in ((128, 500), (64, 440)):   # head_dim 128; n = 7
+    args, _, g = _gpu_layer(D, gate_segments, bs, T=T)
+    with pytest.raises(ValueError, match="span_sweep"):
+      jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",))

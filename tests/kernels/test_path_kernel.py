@@ -289,6 +289,22 @@ class TestInterpret(PathKernelBase):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, T=7 * self.block - 12,
                 block_sizes=bs, segments=f"alternating:{2 * self.block}", determinism=True)
 
+  @pytest.mark.parametrize("far_dq", [None, "mosaic"])
+  def test_span_sweep_mosaic_f32(self, key, far_dq):
+    """BlockSizes(span_sweep="mosaic"): the span kernel writes the far queries' dL/dP and the
+    diagonal tiles only, and the near sweeps run as their own launch, adding to dL/dP
+    (span_mosaic.py; the interpreter runs its jnp oracle sweeps_reference there), from the far
+    dq launch's adjoints (Triton or Mosaic). n = 8 at span 4 (a boundary; the tiles of chunks 2,
+    3 and 6, 7 sweep two key chunks), gate, grouped heads, documents alternating every two
+    chunks (sweeps that start inside the span) or none; float32,
+    deterministic. Interpreter only: on the GPU the Mosaic launch takes 16-bit inputs
+    (TestGPU.test_span_sweep_mosaic_bf16)."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=4, bwd_spans=3,
+                       span_sweep="mosaic", far_dq=far_dq)
+    segments = f"alternating:{2 * self.block}" if far_dq else None
+    self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, T=8 * self.block - 12,
+                block_sizes=bs, segments=segments, determinism=True)
+
   # The shared:0.01 bf16 case keeps this code path (no gate, no segments, one kv head);
   # test_tf32_products_correlated_w runs shared:0.01 and antiparallel with the GPU's TF32
   # rounding emulated, and test_chunk_inverse_correlated_w holds the inverse to float64 for
@@ -417,6 +433,17 @@ class TestGPU(PathKernelBase):
     self.D = D
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520,
                 block_sizes=kp.BlockSizes(dkv_span=2, bwd_spans=3, **{walk: "mosaic"}),
+                determinism=True)
+
+  @pytest.mark.parametrize("span,gate_segments", [(4, True), (8, False)])
+  def test_span_sweep_mosaic_bf16(self, key, span, gate_segments):
+    """BlockSizes(span_sweep="mosaic") at the GPU's own tiles (head_dim 64): n = 10 chunks at
+    span 4 (query tiles sweeping up to two key chunks) with a gate, grouped heads and packed
+    documents, or at span 8 (up to six) without; forward and every gradient against the oracle,
+    and the gradients bitwise the same over two runs (the dL/dP reductions are in a fixed
+    order)."""
+    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=gate_segments, segments=gate_segments,
+                T=10 * 64 - 20, block_sizes=kp.BlockSizes(dkv_span=span, span_sweep="mosaic"),
                 determinism=True)
 
   @pytest.mark.parametrize("D", [64, 128])
