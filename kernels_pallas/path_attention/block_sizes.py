@@ -203,7 +203,10 @@ class BlockSizes:
                                  # Triton span kernel ("triton") or as a Mosaic GPU launch after
                                  # it ("mosaic", span_mosaic.py: bf16/f16, chunk 64, head_dim 64,
                                  # an even number of chunks, bwd_spans 2 or 3). None: "mosaic"
-                                 # where it takes the operands on the GPU (calls_span.sweep_launch)
+                                 # where it takes the operands on the GPU (calls_span.sweep_launch).
+                                 # H200, fwd+bwd, Mosaic / Triton, one call (2026-11-26): 25.40 /
+                                 # 26.78 ms at 32,2048,32,64, 5.32 / 5.75 at 16,2048,12,64, 67.35
+                                 # / 69.35 at 32,4096,32,64, 49.79 / 51.98 at 8,8192,32,64
   chain_products: str | None = None  # the span forward's and backward's products of
                                  # aggregated D x D operators (Pi crossings, the V and N chains;
                                  # float32 operands) with 16-bit inputs (calls_span.fine_precision):

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
-from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, first_span, gate_vectors,
-                                                            launch, slot_types)
+from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, dims, first_span,
+                                                            gate_vectors, launch, slot_types)
 from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
 
 HALVES = ("pi_hi", "pi_lo")   # the span operators' bf16 halves (pi_halves)
@@ -70,11 +70,8 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
   pi [B, K, nb, D, D] float32 the span operators. slots: the key ring's depth."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental import pallas as pl
-  B, H, n, C, D = ops.q.shape
-  G = H // ops.k.shape[1]
-  dt = ops.q.dtype
+  B, H, K, G, n, C, D, dt, gate, segments = dims(ops)
   f32 = jnp.float32
-  gate, segments = ops.fq is not None, ops.sq is not None
   wgmma_layout = plgpu.Layout.WGMMA
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
   if span % 2:   # chunks c, c + 1 (c even) must share a span, i.e. their far keys
@@ -336,12 +333,8 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
   float32 output tile 64)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental import pallas as pl
-  B, H, n, C, D = ops.q.shape
-  K = ops.k.shape[1]
-  G = H // K
-  dt = ops.q.dtype
+  B, H, K, G, n, C, D, dt, gate, segments = dims(ops)
   f32 = jnp.float32
-  gate, segments = ops.fq is not None, ops.sq is not None
   wgmma_layout = plgpu.Layout.WGMMA
   rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
   if span % 2:   # key chunks m, m + 1 (m even) must share a span, i.e. their far queries

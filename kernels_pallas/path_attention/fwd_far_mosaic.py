@@ -62,6 +62,14 @@ def supported(ops) -> str | None:
   return None
 
 
+def dims(ops):
+  """The Mosaic launches' shapes and flags from the pre-pass Operands: (B, H, K, G, n, C, D,
+  kernel dtype, gate, segments), G = H // K query heads a kv head."""
+  B, H, n, C, D = ops.q.shape
+  K = ops.k.shape[1]
+  return B, H, K, H // K, n, C, D, ops.q.dtype, ops.fq is not None, ops.sq is not None
+
+
 def as_vector(x, C):
   """A per-row quantity [B, heads, n, C, 1] (or [.., 1, C]) as [B, heads, n, C]: one TMA copy of
   a chunk's C values."""
@@ -154,11 +162,8 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
   depth."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental import pallas as pl
-  B, H, n, C, D = ops.q.shape
-  G = H // ops.k.shape[1]
-  dt = ops.q.dtype
+  B, H, K, G, n, C, D, dt, gate, segments = dims(ops)
   f32 = jnp.float32
-  gate, segments = ops.fq is not None, ops.sq is not None
   wgmma_layout = plgpu.Layout.WGMMA
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
   if span % 2:   # chunks c, c + 1 (c even) must share a span, i.e. their far keys

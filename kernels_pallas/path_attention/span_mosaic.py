@@ -34,8 +34,15 @@ the gate's fk, the segment ids sk) and of the stored states s_m into a ring of `
 - With packed documents the sweep starts at the first key chunk either chunk's documents reach
   (prepass.chunk_bounds' lo, scalars from GMEM), as span_kernel's first_key.
 
-Scope: bf16 or f16, chunk 64, head_dim 64 (the D x D product is one 64-row wgmma), an even number
-of chunks (every tile a pair; span_kernel's lone last chunk of an odd n has no form here), the
+Measured (H200, 2026-11-26, fwd+bwd ms, this launch / the Triton sweep, one call): 25.40 / 26.78
+at 32,2048,32,64, 5.32 / 5.75 at 16,2048,12,64, 67.35 / 69.35 at 32,4096,32,64, 49.79 / 51.98 at
+8,8192,32,64; 5.70 / 5.85 at 16,2048,12,64 with packed documents of 2048 tokens. At
+32,2048,32,64 the span kernel went from 4.56 ms to 1.94 (the V and N chains and the diagonal
+tiles, which stay in it) and this launch takes ~1.6.
+
+Scope: bf16 or f16, chunk 64, head_dim 64 (the D x D product is one 64-row wgmma; at 128 this
+layout's shared memory, ~210 KiB at 64 with two ring slots, would be ~600), an even number of
+chunks (every tile a pair; span_kernel's lone last chunk of an odd n has no form here), the
 span form without key-side parts (bwd_spans 2 or 3). plgpu's wgmma does not run in interpret
 mode: the interpreter runs sweeps_reference in its place, lowering is tested on the CPU host,
 values by TestGPU on the device.
@@ -47,8 +54,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
-from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, gate_vectors, launch,
-                                                            slot_types)
+from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, dims, gate_vectors,
+                                                            launch, slot_types)
 from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
 
 
@@ -75,12 +82,8 @@ def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 
   kernel's dL/dP (updated in place). sweeps_reference is the oracle."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental import pallas as pl
-  B, H, n, C, D = ops.q.shape
-  K = ops.k.shape[1]
-  G = H // K
-  dt = ops.q.dtype
+  B, H, K, G, n, C, D, dt, gate, segments = dims(ops)
   f32 = jnp.float32
-  gate, segments = ops.fq is not None, ops.sq is not None
   why = supported(ops)
   if why or span % 2:
     raise ValueError(f"span_sweep='mosaic' cannot take {why or f'span={span} (needs even)'}")
