@@ -192,7 +192,10 @@ class PathKernelBase:
     refills), grouped heads, documents alternating every two chunks (rows whose far keys are all
     masked: o 0, lse -inf). No gate here: with it, bf16 dlog_forget is 0.8e-2 - 1.7e-2 from the
     oracle at these inputs for every forward form, the Triton one included (H200, six seeds,
-    NOTES_kernel round 27); the gate's far path is checked by the head_dim and reference cases."""
+    NOTES_kernel round 27). The layout causes it, not the kernels (round 29): each document comes
+    back after the other's run and the gate sum restarts at every run, so across the gap the gate
+    grows the logits (up to ~+16 at 128-token runs), and our plain FoX kernel shows the same
+    error there. The gate's far path is checked by the head_dim and reference cases."""
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=2, fwd_spans=True,
                        fwd_far="mosaic")
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=False, T=7 * self.block - 12,
