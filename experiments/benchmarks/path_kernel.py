@@ -249,14 +249,10 @@ def _block_sizes_of(spec):
                  {"chain_products": "bf16x3"} if "fx" in spec else {})
   changes.update({"gate_colsum": "carry"} if "gc" in spec else
                  {"gate_colsum": "mma"} if "gm" in spec else {})
-  changes.update({"fwd_far": "mosaic"} if "mfar" in spec else
-                 {"fwd_far": "triton"} if "tfar" in spec else {})
-  changes.update({"far_dq": "mosaic"} if "mdq" in spec else
-                 {"far_dq": "triton"} if "tdq" in spec else {})
-  changes.update({"far_dkv": "mosaic"} if "mdk" in spec else
-                 {"far_dkv": "triton"} if "tdk" in spec else {})
-  changes.update({"span_sweep": "mosaic"} if "msw" in spec else
-                 {"span_sweep": "triton"} if "tsw" in spec else {})
+  for field, token in (("fwd_far", "far"), ("far_dq", "dq"), ("far_dkv", "dk"),
+                       ("span_sweep", "sw")):   # m<token> / t<token>: Mosaic GPU / Triton
+    changes.update({field: "mosaic"} if "m" + token in spec else
+                   {field: "triton"} if "t" + token in spec else {})
   changes.update({"prepass": pre[2]} if pre else {})
   return dataclasses.replace(bs, **changes), bool(pre and pre[1])
 

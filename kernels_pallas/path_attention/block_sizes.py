@@ -232,15 +232,10 @@ class BlockSizes:
       raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
     if self.fwd_kernel not in ("triton", "mosaic"):
       raise ValueError(f"fwd_kernel={self.fwd_kernel!r} must be 'triton' or 'mosaic'")
-    for field in ("far_dq", "far_dkv"):
+    for field in ("fwd_far", "far_dq", "far_dkv", "span_sweep"):
       if getattr(self, field) not in (None, "triton", "mosaic"):
         raise ValueError(f"{field}={getattr(self, field)!r} must be None (auto), 'triton' or "
                          "'mosaic'")
-    if self.span_sweep not in (None, "triton", "mosaic"):
-      raise ValueError(f"span_sweep={self.span_sweep!r} must be None (auto), 'triton' or "
-                       "'mosaic'")
-    if self.fwd_far not in (None, "triton", "mosaic"):
-      raise ValueError(f"fwd_far={self.fwd_far!r} must be None (auto), 'triton' or 'mosaic'")
     if self.prepass_num_warps not in (None, 1, 2, 4, 8, 16):
       raise ValueError(f"prepass_num_warps={self.prepass_num_warps} must be None (each "
                        "kernel's own), 1, 2, 4, 8 or 16")

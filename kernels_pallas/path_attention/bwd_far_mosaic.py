@@ -45,9 +45,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
-from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, dims, first_span,
-                                                            gate_vectors, launch, slot_types)
-from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
+from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, dims, gate_vectors, launch,
+                                                            query_pair, slot_types)
+from kernels_pallas.path_attention.fwd_mosaic import (LOG2E, gate_and_mask, smem_tile,
+                                                        two_products)
 
 HALVES = ("pi_hi", "pi_lo")   # the span operators' bf16 halves (pi_halves)
 
@@ -89,13 +90,8 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
   do_smem = D <= 64
 
   def body(refs, smem, bars, consumed):
-    p, h, b = lax.axis_index("c"), lax.axis_index("heads"), lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    c0 = 2 * (pairs - 1 - p)   # the most far keys first
-    kh = lax.div(h, jnp.array(G, h.dtype))
-    head_of = lambda name: h if name in per_query_head else 0 if name in ("sq", "sk") else kh
-    jc = lax.div(c0, jnp.array(span, c0.dtype))
-    j0 = first_span(refs, b=b, c0=c0, n=n, span=span, jc=jc)
+    wg, h, b, c0, kh, head_of, jc, j0 = query_pair(refs, n=n, span=span, G=G,
+                                                   per_query_head=per_query_head)
     start, steps = j0 * span, jc * span   # the far key chunks walked: start .. steps - 1
 
     @pl.when(wg == 2)
@@ -182,13 +178,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
           for name in ring:
             plgpu.barrier_wait(bars[name].at[slot])
 
-          def logits_and_dp(refs_):   # both issued before either is waited for
-            rs, rd = refs_
-            plgpu.wgmma(rs, state, plgpu.transpose_ref(at("k"), (1, 0)))
-            plgpu.wgmma(rd, do16, plgpu.transpose_ref(at("v"), (1, 0)))
-
-          s, dp = pl.run_state(logits_and_dp)((plgpu.ACC.init(zeros(C, C)),
-                                              plgpu.ACC.init(zeros(C, C))))
+          s, dp = two_products(state, at("k"), do16, at("v"), rows=C, cols=C)
           plgpu.barrier_arrive(consumed["v"].at[slot])
           # the span's last logits are read: the state buffer takes the next span's
           pl.when((i == last) & (J + 1 < jc))(lambda: fetch_state(J + 1))
@@ -418,13 +408,7 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
           for name in ring:
             plgpu.barrier_wait(bars[name].at[slot])
 
-          def logits_and_dp(refs_):   # both issued before either is waited for
-            rs, rd = refs_
-            plgpu.wgmma(rs, k_at, plgpu.transpose_ref(at("qb"), (1, 0)))
-            plgpu.wgmma(rd, v_at, plgpu.transpose_ref(at("do"), (1, 0)))
-
-          st, dpt = pl.run_state(logits_and_dp)((plgpu.ACC.init(zeros(C, C)),
-                                                plgpu.ACC.init(zeros(C, C))))
+          st, dpt = two_products(k_at, at("qb"), v_at, at("do"), rows=C, cols=C)
           st = st * (scale * LOG2E)
           if gate:
             st = st + (cols(load(at("fq"), cols_layout)) - rows(fk[g])) * LOG2E

@@ -427,9 +427,13 @@ def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine,
     finish(g, c, C, *sweep(g, c, qc, qc["q"].astype(f32), C, None))
 
   count = hi_s - lo_s
-  if not sweeps:
+  if not sweeps:   # the diagonal tiles only
     for g in range(G):
-      lax.fori_loop(lo_s, hi_s, lambda c, carry, g=g: (diagonal(g, c), carry)[1], 0)
+      def diagonal_tile(c, carry, g=g):
+        diagonal(g, c)
+        return carry
+
+      lax.fori_loop(lo_s, hi_s, diagonal_tile, 0)
     return
   for g in range(G):
     def unit(i, carry, g=g):

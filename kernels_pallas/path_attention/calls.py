@@ -218,21 +218,28 @@ def far_launch(ops: Operands, bs: BlockSizes, backend: str, span: int) -> bool:
 def mosaic_launch(ops: Operands, bs: BlockSizes, backend: str, field: str) -> bool:
   """Whether the far walk that BlockSizes.`field` names runs as its own Mosaic GPU launch:
   fwd_far, the span forward's far keys (fwd_far_mosaic.py); far_dq, the span backward's far dq
-  walk and adjoint chain, far_dk, its far dk/dv walk (bwd_far_mosaic.py). The interpreter runs
-  their jnp oracles in their place. None: on the GPU where the kernel takes the operands
-  (fwd_far_mosaic.supported), packed documents included (every launch skips the far spans
-  outside a chunk's documents, as the Triton kernels do); "triton": no. Raises where "mosaic"
-  was asked for and cannot."""
+  walk and adjoint chain, far_dk, its far dk/dv walk (bwd_far_mosaic.py): choose_mosaic, with
+  the GPU's condition fwd_far_mosaic.supported (packed documents included: every launch skips
+  the far spans outside a chunk's documents, as the Triton kernels do)."""
+  from kernels_pallas.path_attention import fwd_far_mosaic
+  return choose_mosaic(bs, backend, field,
+                       why=fwd_far_mosaic.supported(ops) if backend == "gpu" else None)
+
+
+def choose_mosaic(bs: BlockSizes, backend: str, field: str, *, why: str | None,
+                  needs: str = "bf16/f16 and block 64") -> bool:
+  """BlockSizes.`field`'s choice between a Triton kernel and a Mosaic GPU launch, whose jnp
+  oracle the interpreter runs in its place. why: the reason the launch cannot take these
+  operands on this backend (None: it can). None (the field): on the GPU where it can;
+  "triton": no; "mosaic": yes, raising (naming the field and `needs`) where it cannot."""
   choice = getattr(bs, field)
   if choice == "triton":
     return False
-  from kernels_pallas.path_attention import fwd_far_mosaic
-  why = fwd_far_mosaic.supported(ops) if backend == "gpu" else None
   if choice is None:
     return backend == "gpu" and why is None
   if backend not in ("gpu", "interpret") or why:
-    raise ValueError(f"{field}='mosaic' needs the GPU backend (or the interpreter), bf16/f16 "
-                     f"and block 64 (got backend {backend!r}{', ' + why if why else ''})")
+    raise ValueError(f"{field}='mosaic' needs the GPU backend (or the interpreter), {needs} "
+                     f"(got backend {backend!r}{', ' + why if why else ''})")
   return True
 
 

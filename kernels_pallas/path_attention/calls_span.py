@@ -226,26 +226,19 @@ def span_pairs(bs: calls.BlockSizes, *, dtype, head_dim: int, backend: str) -> b
 def sweep_launch(ops: Operands, bs: calls.BlockSizes, backend: str, *, kv: bool,
                  pairs: bool) -> bool:
   """Whether the span backward's near sweep runs as its own Mosaic GPU launch
-  (BlockSizes.span_sweep; span_mosaic.py) after span_kernel(sweeps=False); the interpreter runs
-  its oracle in its place. None: on the GPU where it takes the operands (span_mosaic.supported,
-  the query tiles in pairs, no key-side parts: bwd_spans 2 or 3); "triton": no. Raises where
-  "mosaic" was asked for and cannot."""
-  choice = bs.span_sweep
-  if choice == "triton":
-    return False
+  (BlockSizes.span_sweep; span_mosaic.py) after span_kernel(sweeps=False): calls.choose_mosaic,
+  where it takes the operands (span_mosaic.supported on the GPU; an even number of chunks in
+  the interpreter too, whose oracle also takes the query tiles in pairs), the query tiles in
+  pairs and no key-side parts (bwd_spans 2 or 3)."""
   from kernels_pallas.path_attention import span_mosaic
   n = ops.q.shape[2]
-  why = span_mosaic.supported(ops) if backend == "gpu" else (   # the oracle's tiles are pairs too
+  why = span_mosaic.supported(ops) if backend == "gpu" else (
       f"{n} chunks (needs an even number)" if n % 2 else None)
   if kv or not pairs:
     why = "bwd_spans=1 (the near dk, dv from the sweep)" if kv else "dq_pairs off"
-  if choice is None:
-    return backend == "gpu" and why is None
-  if backend not in ("gpu", "interpret") or why:
-    raise ValueError(f"span_sweep='mosaic' needs the GPU backend (or the interpreter), bf16/f16, "
-                     f"block 64, head_dim 64 and an even number of chunks, bwd_spans 2 or 3 and "
-                     f"dq_pairs (got backend {backend!r}{', ' + why if why else ''})")
-  return True
+  return calls.choose_mosaic(bs, backend, "span_sweep", why=why,
+                             needs="bf16/f16, block 64, head_dim 64 and an even number of "
+                                   "chunks, bwd_spans 2 or 3 and dq_pairs")
 
 
 def far_dkv_pairs(bs: calls.BlockSizes, *, dtype, backend: str) -> bool:

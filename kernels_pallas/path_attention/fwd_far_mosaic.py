@@ -107,6 +107,22 @@ def first_span(refs, *, b, c0, n, span, jc):
   return jnp.minimum(lax.div(lo, jnp.array(span, lo.dtype)), jc)
 
 
+def query_pair(refs, *, n, span, G, per_query_head):
+  """The program of the far forward and far dq (grid ("c", "heads", "batch"), warpgroups "wg"):
+  query chunks c0, c0 + 1 of query head h, batch b, the programs with the most far keys first.
+  -> (wg, h, b, c0, kh its kv head, head_of(name): the head index of an input (h for those in
+  `per_query_head`, 0 for the segment ids, else kh), jc c0's span, j0 first_span)."""
+  pairs = (n + 1) // 2
+  p, h, b = lax.axis_index("c"), lax.axis_index("heads"), lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+  c0 = 2 * (pairs - 1 - p)
+  kh = lax.div(h, jnp.array(G, h.dtype))
+  head_of = lambda name: h if name in per_query_head else 0 if name in ("sq", "sk") else kh
+  jc = lax.div(c0, jnp.array(span, c0.dtype))
+  j0 = first_span(refs, b=b, c0=c0, n=n, span=span, jc=jc)
+  return wg, h, b, c0, kh, head_of, jc, j0
+
+
 def launch(body, arrays, out_type, *, smem_types, bar_types, consumed_types, grid, grid_names,
            mutable=()):
   """plgpu.kernel of body(refs, smem, bars, consumed) with three warpgroups (axis "wg": two
@@ -138,18 +154,11 @@ def launch(body, arrays, out_type, *, smem_types, bar_types, consumed_types, gri
         num_threads=3, thread_name="wg", compiler_params=params,
     )(*arrays.values())
   # plgpu.kernel's batching wrapper takes no refs; pl.kernel over the same mesh does
-  refs = {name: _new_ref(arrays[name]) for name in mutable}
+  refs = {name: jax.new_ref(arrays[name]) for name in mutable}
   mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
   outs = pl.kernel(entry, out_type=tuple(out_type.values()), mesh=mesh, compiler_params=params)(
       *(refs.get(name, x) for name, x in arrays.items()))
   return tuple(outs) + tuple(refs[name][...] for name in mutable)
-
-
-def _new_ref(x):
-  """A mutable JAX ref holding x (jax.new_ref; jax.ref.new_ref where the top-level name is
-  gone)."""
-  make = getattr(jax, "new_ref", None) or jax.ref.new_ref
-  return make(x)
 
 
 def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
@@ -176,13 +185,8 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
   per_query_head = {"fq", "fk"}
 
   def body(refs, smem, bars, consumed):
-    p, h, b = lax.axis_index("c"), lax.axis_index("heads"), lax.axis_index("batch")
-    wg = lax.axis_index("wg")
-    c0 = 2 * (pairs - 1 - p)   # the most far keys first
-    kh = lax.div(h, jnp.array(G, h.dtype))
-    head_of = lambda name: h if name in per_query_head else 0 if name in ("sq", "sk") else kh
-    jc = lax.div(c0, jnp.array(span, c0.dtype))
-    j0 = first_span(refs, b=b, c0=c0, n=n, span=span, jc=jc)
+    wg, h, b, c0, kh, head_of, jc, j0 = query_pair(refs, n=n, span=span, G=G,
+                                                   per_query_head=per_query_head)
     start, steps = j0 * span, jc * span   # the far key chunks walked: start .. steps - 1
 
     def fetch(i, names):

@@ -35,6 +35,20 @@ def smem_tile(dtype, *shape):
                                               plgpu.SwizzleTransform(128)))
 
 
+def two_products(a1, b1, a2, b2, *, rows, cols):
+  """a1 b1^T and a2 b2^T ([rows, cols] float32 each, wgmma layout; b1, b2 in shared memory, read
+  transposed), both issued before either is waited for: a tile's logits and dP."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental import pallas as pl
+  zeros = lambda: plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+  def issue(accs):
+    plgpu.wgmma(accs[0], a1, plgpu.transpose_ref(b1, (1, 0)))
+    plgpu.wgmma(accs[1], a2, plgpu.transpose_ref(b2, (1, 0)))
+
+  return pl.run_state(issue)((plgpu.ACC.init(zeros()), plgpu.ACC.init(zeros())))
+
+
 def gate_and_mask(s, *, fq=None, fk_ref=None, sq=None, sk_ref=None, ok=None):
   """Logits s [R, S] (wgmma layout, already in log2 units) plus the gate, masked to -inf where
   `ok` is False or the segment ids differ: fq, sq the query rows' gate sums and ids [R] (row

@@ -56,7 +56,8 @@ from jax import lax
 from kernels_pallas.path_attention import kernels
 from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, dims, gate_vectors,
                                                             launch, slot_types)
-from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
+from kernels_pallas.path_attention.fwd_mosaic import (LOG2E, gate_and_mask, smem_tile,
+                                                        two_products)
 
 
 def supported(ops) -> str | None:
@@ -230,13 +231,7 @@ def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 
         def step(st_ref, slot, adj, dfq, r, ok):
           at = lambda name: smem[name].at[slot]
 
-          def logits_and_dp(refs_):
-            rs, rd = refs_
-            plgpu.wgmma(rs, st_ref, plgpu.transpose_ref(at("k"), (1, 0)))
-            plgpu.wgmma(rd, smem["do"].at[wg], plgpu.transpose_ref(at("v"), (1, 0)))
-
-          s, dpt = pl.run_state(logits_and_dp)((plgpu.ACC.init(zeros(C, C)),
-                                                 plgpu.ACC.init(zeros(C, C))))
+          s, dpt = two_products(st_ref, at("k"), smem["do"].at[wg], at("v"), rows=C, cols=C)
           s = gate_and_mask(s * (scale * LOG2E), fq=fq, fk_ref=at("fk") if gate else None,
                             sq=sq, sk_ref=at("sk") if segments else None, ok=ok)
           ds = jnp.exp2(s - rows(lse2)) * (dpt - rows(delta_))

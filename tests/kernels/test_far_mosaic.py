@@ -36,15 +36,24 @@ def _far_inputs(key, D, gate_segments):
   ops = prepass.Operands(q=jnp.zeros((B, H, n, C, D), bf), k=kb, v=v, e=None, diag=None,
                          fq=None, fk=None, sq=None, sk=None)
   if gate_segments:
-    f = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(ks[3], (B, H, n * C)) + 2), -1)
-    f = f.reshape(B, H, n, C)
-    seg = jnp.cumsum(jax.random.uniform(ks[4], (B, n * C)) < 3 / (n * C), -1)
-    lo, hi = prepass.chunk_bounds(seg.reshape(B, n * C).astype(jnp.int32), C=C)
-    seg = seg.astype(jnp.int32).reshape(B, 1, n, C)
-    ops = ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
-                       sk=seg[..., None, :], lo=lo[:, None, :, None, None],
-                       hi=hi[:, None, :, None, None])
+    ops = _with_gate_and_documents(ops, ks[3], ks[4], documents=3)
   return (ops, do, lse, delta, kb, qb, pi), span
+
+
+def _with_gate_and_documents(ops, key_gate, key_documents, *, documents):
+  """ops with a random log forget gate (its sums fq, fk) and about `documents` packed documents
+  (segment ids sq, sk and their chunk bounds lo, hi)."""
+  from kernels_pallas.path_attention import prepass
+  B, H, n, C, _ = ops.q.shape
+  f = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(key_gate, (B, H, n * C)) + 2), -1)
+  f = f.reshape(B, H, n, C)
+  seg = jnp.cumsum(jax.random.uniform(key_documents, (B, n * C)) < documents / (n * C), -1)
+  seg = seg.astype(jnp.int32)
+  lo, hi = prepass.chunk_bounds(seg, C=C)
+  seg = seg.reshape(B, 1, n, C)
+  return ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
+                      sk=seg[..., None, :], lo=lo[:, None, :, None, None],
+                      hi=hi[:, None, :, None, None])
 
 
 @pytest.mark.parametrize("D,gate_segments", [(64, True), (128, False), (128, True)])
@@ -115,14 +124,7 @@ def test_span_sweep_mosaic_kernel_against_reference(key, gate_segments):
   a = nrm(ks[7], (B, H, boundary_array_rows(n=n, span=span, C=C), D), 0.3)
   dp = 0.1 * jax.random.normal(ks[8], (B, K, n, D, D))
   if gate_segments:
-    f = jnp.cumsum(jax.nn.log_sigmoid(jax.random.normal(ks[9], (B, H, n * C)) + 2), -1)
-    f = f.reshape(B, H, n, C)
-    seg = jnp.cumsum(jax.random.uniform(ks[10], (B, n * C)) < 4 / (n * C), -1).astype(jnp.int32)
-    lo, hi = prepass.chunk_bounds(seg, C=C)
-    seg = seg.reshape(B, 1, n, C)
-    ops = ops._replace(fq=f[..., None], fk=f[..., None, :], sq=seg[..., None],
-                       sk=seg[..., None, :], lo=lo[:, None, :, None, None],
-                       hi=hi[:, None, :, None, None])
+    ops = _with_gate_and_documents(ops, ks[9], ks[10], documents=4)
   run = jax.jit(lambda *x: span_mosaic.sweeps(*x, scale=D ** -0.5, span=span))
   got = run(ops, do, lse, delta, a, dp)
   ref = span_mosaic.sweeps_reference(ops, do, lse, delta, a, dp, scale=D ** -0.5, span=span)
