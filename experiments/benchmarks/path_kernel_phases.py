@@ -126,7 +126,8 @@ def _span_phases(ops, do_b, lse, delta, *, span, scale, precision, backend, bs):
   far_dkv = jax.jit(lambda *a: calls_span._far_dkv(*a, scale=scale, span=span, **kw))
   y = jax.jit(lambda qb, a: calls_span.far_queries_y(qb, a, K=ops.k.shape[1], n=ops.q.shape[2],
                                                       chunk=ops.q.shape[3], span=span,
-                                                      precision=precision))
+                                                      precision=precision, backend=backend,
+                                                      bs=bs))
   whole = jax.jit(lambda *a: calls_span.backward(*a, scale=scale, span=span, **kw))
   return dict(span_boundary=(boundary, (ops,)),
               span_far_dq=(far_dq, (ops, do_b, lse, delta, kb, pi)),

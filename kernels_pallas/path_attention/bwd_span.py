@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, col_sums_init,
                                                        col_total, dkv_step, dkv_step_keys, dq_step,
                                                        pair_state, tile_grads)
-from kernels_pallas.path_attention.kernels import boundary_rows, chunk_bound, chunk_id, dot
+from kernels_pallas.path_attention.kernels import (boundary_offset, boundary_rows, chunk_bound,
+                                                  chunk_id, dot)
 
 
 def per_tile(tile, first, *, n, C, pairs):
@@ -268,6 +269,26 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
       r["dfk"][(g,) + key_at] = dfk[g] if keys_major else col_total(dfk[g])
 
   per_tile(tile, m, n=n, C=C, pairs=pairs)
+
+
+def far_y_kernel(qb_ref, a_ref, y_ref, *, n, span, chunk, precision):
+  """Y_j = sum over the far query rows of boundary j of qb^T A (calls_span.far_queries_y), one
+  program per (boundary j, head, batch), read straight from the packed arrays: qb_ref, a_ref
+  [R, D] of one head (kernels.boundary_offset), y_ref [D, D] float32. The rows are block j of
+  qb and block j - 1 of A less its first span of chunks, the same number of chunks; boundary 0
+  has no keys left of it (zero)."""
+  j = pl.program_id(0)
+  D = y_ref.shape[-1]
+  q0 = boundary_offset(j, n=n, span=span)
+  a0 = boundary_offset(j - 1, n=n, span=span) + span
+  steps = jnp.where(j == 0, 0, n - (j + 1) * span)
+  rows = lambda c: pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+
+  def step(t, acc):
+    return acc + dot(qb_ref[rows(q0 + t), :], a_ref[rows(a0 + t), :], ta=True,
+                     precision=precision)
+
+  y_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros((D, D), jnp.float32))
 
 
 def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine, span_axis,

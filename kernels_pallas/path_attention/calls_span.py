@@ -194,10 +194,30 @@ def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, b
   return (a, dv) + tuple(x.reshape(B, H, n, 1, C) for x in outs[2:])
 
 
-def far_queries_y(qb, a, *, K: int, n: int, chunk: int, span: int, precision):
+def far_queries_y(qb, a, *, K: int, n: int, chunk: int, span: int, precision, backend: str,
+                  bs: calls.BlockSizes):
   """Y_J = sum over the group's heads and the query chunks c >= b_J of qb_c^(b_J)T A_c^(a_J)
   -> [B, K, nb, D, D] float32 (zero for J = 0: no keys left of the first span). qb, A: packed
-  [B, H, R, D] (kernels.boundary_offset) of n chunks of `chunk` rows."""
+  [B, H, R, D] (kernels.boundary_offset) of n chunks of `chunk` rows.
+
+  A launch (bwd_span.far_y_kernel) that reads each boundary's rows where they lie. XLA's einsum
+  over slices of the packed arrays (far_queries_y_reference, its oracle) copied every slice
+  first: at 32,4096,32,64 its slices and products took ~2.1 ms (H200 trace, 2026-11-26) for
+  2 x 1.9 GB of states read."""
+  B, H, R, D = qb.shape
+  nb = (n - 1) // span
+  whole = pl.BlockSpec((None, None, R, D), lambda j, h, b: (b, h, 0, 0))
+  out = jax.ShapeDtypeStruct((B, H, nb, D, D), jnp.float32)
+  kernel = functools.partial(bwd_span.far_y_kernel, n=n, span=span, chunk=chunk,
+                             precision=precision)
+  y = calls._call(kernel, (nb, H, B), [whole, whole],
+                  pl.BlockSpec((None, None, None, D, D), lambda j, h, b: (b, h, j, 0, 0)), out,
+                  backend, bs, bwd=True, stages=2, warps=4)(qb, a)
+  return y.reshape(B, K, H // K, nb, D, D).sum(2)
+
+
+def far_queries_y_reference(qb, a, *, K: int, n: int, chunk: int, span: int, precision):
+  """far_queries_y in jnp: an einsum over each boundary's slices of qb and A."""
   B, H, _, D = qb.shape
   nb = (n - 1) // span
   block = lambda j: kernels.boundary_offset(j, n=n, span=span) * chunk   # block j's first row
@@ -279,7 +299,8 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   elif not kv:
     key_side = calls.backward_dkv(ops, do, lse, delta, scale=scale, qb=qb, far_out=True, **kw)
     afar = key_side.pop("a")
-  y = far_queries_y(qb, a, K=K, n=n, chunk=C, span=span, precision=precision)
+  y = far_queries_y(qb, a, K=K, n=n, chunk=C, span=span, precision=precision,
+                    backend=backend, bs=bs)
 
   merged = ops._replace(q=calls._merged(ops.q), diag=calls._merged(ops.diag),
                         fq=calls._merged(ops.fq), sq=calls._merged(ops.sq))

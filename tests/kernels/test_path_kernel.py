@@ -60,6 +60,28 @@ def test_boundary_layout_packs_each_state_once(n, span):
       boundary_offset(j, n=n, span=span) for j in range(nb + 1)]
 
 
+@pytest.mark.parametrize("n,span,H,K", [(7, 2, 2, 1), (16, 4, 2, 2), (9, 4, 1, 1), (5, 4, 1, 1)])
+def test_far_queries_y_kernel(key, n, span, H, K):
+  """The span backward's Y_J = sum qb^T A (calls_span.far_queries_y, a launch reading the packed
+  states where they lie) against its jnp oracle (einsums over slices), with grouped heads and
+  an odd chunk count; boundary 0 (and a single boundary) is zero. A mutation check: reading
+  A from block j instead of j - 1 fails it (relative RMS ~1.4)."""
+  from kernels_pallas.path_attention import calls_span
+  from kernels_pallas.path_attention.kernels import boundary_array_rows
+  C, D, B = 16, 16, 2
+  R = boundary_array_rows(n=n, span=span, C=C)
+  kq, ka = jax.random.split(key)
+  qb = jax.random.normal(kq, (B, H, R, D), jnp.float32)
+  a = jax.random.normal(ka, (B, H, R, D), jnp.float32)
+  kw = dict(K=K, n=n, chunk=C, span=span, precision=jax.lax.Precision.HIGHEST)
+  got = calls_span.far_queries_y(qb, a, backend="interpret", bs=calls.BlockSizes(), **kw)
+  want = calls_span.far_queries_y_reference(qb, a, **kw)
+  assert got.shape == want.shape == (B, K, (n - 1) // span, D, D)
+  assert float(jnp.abs(got[:, :, 0]).max()) == 0.0
+  if (n - 1) // span > 1:
+    assert_rel_rms(got, want, 1e-5, "Y")
+
+
 class PathKernelBase:
   backend: str = "interpret"
   block: int = 16
