@@ -90,6 +90,16 @@ def _masks(C):
   return row > col, row >= col, jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
 
 
+def _inverse_products(precision) -> Products:
+  """The inverse's and its VJP's products: bf16 hi / lo halves formed once per operand where
+  `precision` asks for three bf16 passes (Products(hilo=True): the same three terms as the
+  BF16_BF16_F32_X3 preset, which splits both operands again inside every product), else one
+  dot at `precision` per product."""
+  if precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3:
+    return Products(hilo=True)
+  return Products(precision)
+
+
 def chunk_inverse(w, beta_c, *, precision):
   """Y = (I + A)^{-1}, A = strictLower(diag(beta) W W^T): w [C, D], beta_c [C, 1] float32.
 
@@ -97,7 +107,9 @@ def chunk_inverse(w, beta_c, *, precision):
   of the principal [s, s] blocks), merging pairs of blocks is one block forward-substitution
   step, [[Y1, 0], [A21, I]] -> Y21 = -Y2 A21 Y1, i.e. Y_2s = Y_s - Y_s (A21 Y_s) with A21 the
   lower-left quadrant of every [2s, 2s] block. log2 C levels of two [C, C] products (the first
-  level is free); masks replace slicing, which the Triton lowering lacks.
+  level is free); masks replace slicing, which the Triton lowering lacks. (r, c) lies in that
+  quadrant at level s when r > c and the highest bit in which r and c differ is s's
+  (s <= r ^ c < 2 s): one xor for all levels instead of two divisions a level.
 
   Why not the Neumann product prod_i (I + (-A)^(2^i)) used before: its factors are powers of A,
   whose entries grow like beta^m binom(C, m) when neighbouring w share a direction (the PaTH
@@ -109,18 +121,21 @@ def chunk_inverse(w, beta_c, *, precision):
   blocked triangular solve.
   """
   C = w.shape[0]
-  mm = Products(precision).mm
+  p = _inverse_products(precision)
   row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
   col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
-  a = jnp.where(row > col, beta_c * mm(w, w, tb=True), 0.0)
+  lower, bits = row > col, row ^ col
+  W = p.acc(w)
+  a = jnp.where(lower, beta_c * p.mm(W, W, tb=True), 0.0)
   y = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
   half = 1
   while half < C:
-    # Lower-left quadrant of each [2 half, 2 half] diagonal block: same block of size 2 half,
-    # different halves (row > col puts the row in the lower half).
-    quad = (row > col) & (row // (2 * half) == col // (2 * half)) & (row // half != col // half)
-    a21 = jnp.where(quad, a, 0.0)
-    y = y - a21 if half == 1 else y - mm(y, mm(a21, y))   # Y_1 = I
+    a21 = jnp.where(lower & (bits >= half) & (bits < 2 * half), a, 0.0)
+    if half == 1:   # Y_1 = I
+      y = y - a21
+    else:
+      Y = p.acc(y)
+      y = y - p.mm(Y, p.acc(p.mm(p.acc(a21), Y)))
     half *= 2
   return y
 
@@ -129,13 +144,14 @@ def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
   """Cotangents (dw, dbeta_c) of chunk_inverse from dY, in closed form:
   dT = -Y^T dY Y^T, dA = strictLower(dT), A_ij = beta_i (w_i . w_j)."""
   C = w.shape[0]
-  mm = Products(precision).mm
+  p = _inverse_products(precision)
   strict, _, _ = _masks(C)
-  da = jnp.where(strict, -mm(mm(y, dy, ta=True), y, tb=True), 0.0)
-  s = mm(w, w, tb=True)
+  Y, W = p.acc(y), p.acc(w)
+  da = jnp.where(strict, -p.mm(p.acc(p.mm(Y, p.acc(dy), ta=True)), Y, tb=True), 0.0)
+  s = p.mm(W, W, tb=True)
   dbeta = jnp.sum(da * s, axis=1, keepdims=True)
-  ds = beta_c * da
-  return mm(ds, w) + mm(ds, w, ta=True), dbeta
+  DS = p.acc(beta_c * da)
+  return p.mm(DS, W) + p.mm(DS, W, ta=True), dbeta
 
 
 def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision=None, odt=None,
