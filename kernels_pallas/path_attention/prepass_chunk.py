@@ -51,9 +51,11 @@ class Products:
   eps 0.01 / 1, antiparallel and random, beta 2 and uniform, each product's lo halves dropped
   alone and then together (greedy) against float64, keeping every output's worst relative RMS
   error <= 2.5e-4 (bf16 storage of q^, k^ adds ~1e-3). Only the bf16-exact operands (q, k, the
-  cotangents) and U in dw's U dE^T term qualify: 26 of 30 bf16 passes in the forward and 58 of
-  75 in the VJP instead of three per product. Dropping W's lo anywhere costs ~2e-3 (Z^T W in
-  k^: the rounding of W times an O(1) Z).
+  cotangents) and U in dw's U dE^T term qualify: 26 of 30 bf16 passes in the forward (23 of 27
+  since q^ and the logits' correction are formed from U and Z: the study's baseline errors
+  2.6e-5 / 2.0e-5 / 2.0e-3 / 1.5e-5 for q^, k^, E, diag became 2.3e-5 / 2.0e-5 / 2.0e-3 /
+  1.2e-5) and 58 of 75 in the VJP instead of three per product. Dropping W's lo anywhere costs
+  ~2e-3 (Z^T W in k^: the rounding of W times an O(1) Z).
   """
   precision: object = None
   odt: object = None
@@ -142,14 +144,24 @@ def chunk_inverse(w, beta_c, *, precision):
 
 def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
   """Cotangents (dw, dbeta_c) of chunk_inverse from dY, in closed form:
-  dT = -Y^T dY Y^T, dA = strictLower(dT), A_ij = beta_i (w_i . w_j)."""
-  C = w.shape[0]
+  dT = -Y^T dY Y^T, dA = strictLower(dT), A_ij = beta_i (w_i . w_j); with dS = diag(beta) dA,
+  dW = dS W + dS^T W and dbeta_i = sum_j dA_ij (w_i . w_j).
+
+  At head_dim <= C, dbeta_i = w_i . (dA W)_i: dA W serves dbeta and dS W = diag(beta) dA W, and
+  W W^T is not formed again (two products after dT instead of three; H200, 32,2048,32,64: this
+  kernel 1.084 -> 1.028 ms). Above C the three-product form stays: the split of beta W ([C, D])
+  cost more than the product saved (8,4096,16,128: 0.426 -> 0.464 ms)."""
+  C, D = w.shape
   p = _inverse_products(precision)
   strict, _, _ = _masks(C)
   Y, W = p.acc(y), p.acc(w)
   da = jnp.where(strict, -p.mm(p.acc(p.mm(Y, p.acc(dy), ta=True)), Y, tb=True), 0.0)
-  s = p.mm(W, W, tb=True)
-  dbeta = jnp.sum(da * s, axis=1, keepdims=True)
+  if D <= C:
+    DA = p.acc(da)
+    daw = p.mm(DA, W)
+    dbeta = jnp.sum(daw * w, axis=1, keepdims=True)
+    return beta_c * daw + p.mm(DA, p.acc(beta_c * w), ta=True), dbeta
+  dbeta = jnp.sum(da * p.mm(W, W, tb=True), axis=1, keepdims=True)
   DS = p.acc(beta_c * da)
   return p.mm(DS, W) + p.mm(DS, W, ta=True), dbeta
 
@@ -169,17 +181,19 @@ def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision=None, odt=Non
   x = y * beta_r                                                # X = (I + A)^{-1} diag(beta)
   X, W, K = acc(x), acc(w), hi(k)
   out = lambda i, x, g=0: x if put is None else put(i, g, x)
-  e = out(2, mm(W, acc(mm(X, W)), ta=True))                     # E = W^T U, U = X W
-  wk = jnp.where(strict, mm(W, K, tb=True), 0.0)                # w_r . k_j, r > j
-  WK = acc(wk)
-  khat = out(1, k - mm(acc(mm(X, WK)), W, ta=True))              # K - Z^T W, Z = X WK
+  U = acc(mm(X, W))                                             # U = X W
+  e = out(2, mm(W, U, ta=True))                                 # E = W^T U
+  WK = acc(jnp.where(strict, mm(W, K, tb=True), 0.0))           # w_r . k_j, r > j
+  Z = acc(mm(X, WK))                                            # Z = X WK
+  khat = out(1, k - mm(Z, W, ta=True))                          # K - Z^T W
   qhats, diags = [], []
   for g, q in enumerate(qs):
+    # q^ = Q - lower(Q W^T) X W and its logits' correction lower(Q W^T) X WK, from U and Z:
+    # three bf16 passes fewer a head than forming GM = lower(Q W^T) X first
     Q = hi(q)
-    gm = mm(acc(jnp.where(lower, mm(Q, W, tb=True), 0.0)), X)     # GM = lower(Q W^T) X
-    GM = acc(gm)
-    qhats.append(out(0, q - mm(GM, W), g))
-    diags.append(out(3, scale * (mm(Q, K, tb=True) - mm(GM, WK)), g))
+    LQ = acc(jnp.where(lower, mm(Q, W, tb=True), 0.0))
+    qhats.append(out(0, q - mm(LQ, U), g))
+    diags.append(out(3, scale * (mm(Q, K, tb=True) - mm(LQ, Z)), g))
   return tuple(qhats), khat, e, tuple(diags)
 
 

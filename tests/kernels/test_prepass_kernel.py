@@ -52,6 +52,32 @@ def test_chunk_inverse_correlated_w(key, w_mode):
   assert_rel_rms(got, expected, 1e-4, "Y")
 
 
+@pytest.mark.parametrize("D", [16, 32])
+@pytest.mark.parametrize("precision", ["highest", "bf16x3"])
+def test_chunk_inverse_vjp_matches_autodiff(key, D, precision):
+  """chunk_inverse_vjp's closed form against jax.vjp of chunk_inverse in float64, at head_dim
+  = C (dbeta and dS W from dA W) and 2C (W W^T formed again), with exact products and with
+  the GPU's bf16 halves (Products(hilo=True))."""
+  from kernels_pallas.path_attention import prepass_chunk as pk
+  C = 16
+  kw, kb, kd = jax.random.split(key, 3)
+  w = jax.random.normal(kw, (C, D))
+  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+  beta = 2 * jax.random.uniform(kb, (C, 1))
+  dy = jax.random.normal(kd, (C, C))
+  with jax.enable_x64():
+    f = lambda w, b: pk.chunk_inverse(w, b, precision=jax.lax.Precision.HIGHEST)
+    y64, pull = jax.vjp(f, w.astype(jnp.float64), beta.astype(jnp.float64))
+    dw64, db64 = pull(dy.astype(jnp.float64))
+  prec = {"highest": jax.lax.Precision.HIGHEST,
+          "bf16x3": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3}[precision]
+  y = pk.chunk_inverse(w, beta, precision=prec)
+  dw, db = pk.chunk_inverse_vjp(w, beta, y, dy, precision=prec)
+  tol = 1e-5 if precision == "highest" else 1e-4
+  assert_rel_rms(dw, dw64, tol, "dw")
+  assert_rel_rms(db, db64, tol, "dbeta")
+
+
 @pytest.mark.parametrize("dtype,variant,backend,keep_inverse,late_wk", [
     (dtype, variant, "interpret", False, False) for dtype in (jnp.float32, jnp.bfloat16)
     for variant in ("split", "split_bf16", "fold_bf16")] + [
