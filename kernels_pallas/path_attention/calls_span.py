@@ -200,10 +200,12 @@ def far_queries_y(qb, a, *, K: int, n: int, chunk: int, span: int, precision, ba
   -> [B, K, nb, D, D] float32 (zero for J = 0: no keys left of the first span). qb, A: packed
   [B, H, R, D] (kernels.boundary_offset) of n chunks of `chunk` rows.
 
-  A launch (bwd_span.far_y_kernel) that reads each boundary's rows where they lie. XLA's einsum
-  over slices of the packed arrays (far_queries_y_reference, its oracle) copied every slice
-  first: at 32,4096,32,64 its slices and products took ~2.1 ms (H200 trace, 2026-11-26) for
-  2 x 1.9 GB of states read."""
+  A launch (bwd_span.far_y_kernel) that reads each boundary's rows where they lie; XLA's einsums
+  over slices of the packed arrays (far_queries_y_reference, its oracle) copy every slice
+  first. H200, 2026-11-26, this step alone, launch / einsums: 0.50 / 1.56 ms at
+  4,16384,16,128, 0.60 / 0.87 at 8,8192,32,64, 0.35 / 0.44 at 8,4096,16,128, equal at
+  32,2048,32,64 and 32,4096,32,64. XLA's buffer assignment around it costs peak memory at
+  32 heads: 5.66 -> 5.78 GiB at 8,8192,32,64 (11.33 -> 11.56 at 32,4096,32,64)."""
   B, H, R, D = qb.shape
   nb = (n - 1) // span
   whole = pl.BlockSpec((None, None, R, D), lambda j, h, b: (b, h, 0, 0))
