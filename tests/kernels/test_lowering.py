@@ -172,3 +172,20 @@ def test_span_sweep_mosaic_lowers_for_gpu(gate_segments):
     args, _, g = _gpu_layer(D, gate_segments, bs, T=T)
     with pytest.raises(ValueError, match="span_sweep"):
       jax.jit(g).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_prepass_inverse_mosaic_benchmark_lowers_for_gpu():
+  """experiments/benchmarks/prepass_inverse_mosaic.py (the UT inverse as a Mosaic GPU kernel, a
+  measured experiment, not a library path) still lowers for "cuda" in its accurate one-chunk
+  and lockstep forms, and so does its Triton many-chunks variant: the script runs on the
+  device without a debugging call first."""
+  from experiments.benchmarks import prepass_inverse_mosaic as bench
+  sd = jax.ShapeDtypeStruct
+  w, beta = sd((1, 256, 2, 64), jnp.float32), sd((1, 2, 4, 64), jnp.float32)
+  for f in (lambda w, b: bench.inverse_mosaic(w, b, wgs=1, per=1),
+            lambda w, b: bench.inverse_mosaic(w, b, wgs=2, per=2, passes=1)):
+    text = jax.jit(f).trace(w, beta).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+  text = jax.jit(lambda w, b: bench.inverse_triton_multi(w, b, per=2)).trace(w, beta).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
