@@ -36,13 +36,13 @@ def main():
   q, k, v, w, beta, _, do = _inputs(B, T, H, D)
 
   def path_fwd_bwd(q, k, v, w, beta):
-    return jax.grad(lambda *x: jnp.sum(kp.path_attention(*x, block_sizes=bs).astype(jnp.float32) * do),
-                    argnums=(0, 1, 2, 3, 4))(q, k, v, w, beta)
+    loss = lambda *x: jnp.sum(kp.path_attention(*x, block_sizes=bs).astype(jnp.float32) * do)
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, w, beta)
 
   compiled = jax.jit(path_fwd_bwd).lower(q, k, v, w, beta).compile()
   m = compiled.memory_analysis()
-  print(f"case {a.case} {CASES[a.case]} {a.bs or 'defaults'}: total {_gib(compiled)} GiB; arguments "
-        f"{m.argument_size_in_bytes / 2**30:.2f}, outputs {m.output_size_in_bytes / 2**30:.2f}, "
+  print(f"case {a.case} {CASES[a.case]} {a.bs or 'defaults'}: total {_gib(compiled)} GiB; "
+        f"arguments {m.argument_size_in_bytes / 2**30:.2f}, outputs {m.output_size_in_bytes / 2**30:.2f}, "
         f"temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB")
   reports = sorted(glob.glob(os.path.join(dump, "*path_fwd_bwd*memory-usage-report.txt")))
   if not reports:

@@ -28,11 +28,12 @@ import functools
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from experiments.benchmarks.path_kernel import _median_ms  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 C = 64
@@ -201,17 +202,6 @@ def worst_error(y, w, beta):
   return float(max(errs))
 
 
-def median_ms(f, *args, reps=20):
-  import jax
-  jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
-
-
 def variants():
   out = {"triton": inverse_triton}
   for per, warps in ((1, 4), (2, 4), (2, 8), (4, 4)):
@@ -240,7 +230,7 @@ def main():
           fj = jax.jit(f)
           row["err"] = worst_error(fj(w, beta), w, beta)
           if kind == "random":
-            row["ms"] = round(median_ms(fj, w, beta, reps=a.reps), 3)
+            row["ms"] = round(_median_ms(fj, w, beta, n=a.reps), 3)
         except Exception as e:   # noqa: BLE001
           row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         print(json.dumps(row), flush=True)

@@ -1,7 +1,8 @@
 """The far launches on Mosaic GPU (fwd_far_mosaic.py, bwd_far_mosaic.py) and the span sweep
-(span_mosaic.py), each kernel against its jnp oracle on random operands. GPU only: plgpu's wgmma does not run in the interpreter,
-which runs the oracles in the kernels' place (test_path_kernel.py checks those paths end to
-end); test_lowering.py lowers the kernels on the CPU host."""
+(span_mosaic.py), each kernel against its jnp oracle on random operands. GPU only: plgpu's
+wgmma does not run in the interpreter, which runs the oracles in the kernels' place
+(test_path_kernel.py checks those paths end to end); test_lowering.py lowers the kernels on the
+CPU host."""
 from __future__ import annotations
 
 import jax
