@@ -42,7 +42,7 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
                 phases=PHASES, reps=10, trace_dir=None, gate=False):
   import jax
   import jax.numpy as jnp
-  from kernels_pallas.path_attention import api, calls, prepass
+  from kernels_pallas.path_attention import api, calls, prepass, routing
   B, T, H, D = CASES[ci]
   K = kv_heads or H
   q, k, v, w, beta, log_forget, do = _inputs(B, T, H, D)
@@ -61,7 +61,7 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
   C, n = bs.block_q, ops.q.shape[2]
   do_b = prepass.blocked(prepass.pad_time(do, n * C), C)
   delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
-  span, kw["bs"] = calls.span_backward(ops, bs, backend)   # as calls.backward routes it
+  span, kw["bs"] = routing.span_backward(ops, bs, backend)   # as calls.backward routes it
   if span:
     timed_span = _span_phases(ops, do_b, lse, delta, span=span, **kw)
     phases = [p for p in phases if p not in ("dkv_kernel", "dq_kernel")] + list(SPAN_PHASES)

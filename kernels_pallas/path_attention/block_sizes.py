@@ -86,7 +86,7 @@ class BlockSizes:
                                  # the packed states of every boundary (about one q-sized
                                  # array per two boundaries, kernels.boundary_offset). Even (the
                                  # dq sweep's pairs start at even chunks). 0: off; None:
-                                 # calls.auto_span (<= 7 boundaries, spans of >= 8 chunks where
+                                 # routing.auto_span (<= 7 boundaries, spans of >= 8 chunks where
                                  # the sequence has room: measured there). Round 12's H200,
                                  # fwd+bwd: 44.58 -> 39.01 ms (+0.25 GiB) at 8,4096,16,128
                                  # (span 16; 8: 38.03, +0.75 GiB), 7.09 -> 6.75 at
@@ -104,7 +104,7 @@ class BlockSizes:
                                  # 3: as 2, but the far walk (query chunks right of the key's
                                  # span) is its own launch (bwd_span.far_dkv_kernel, 2C-row key
                                  # tiles with far_dkv_pairs) and the dk/dv kernel adds its sums.
-                                 # None: 3 at head_dim > 64, else 2 (calls.span_form, measured)
+                                 # None: 3 at head_dim > 64, else 2 (routing.span_form, measured)
   far_dq_pairs: bool | None = None  # the span backward's far dq kernel takes query chunks two
                                  # at a time as one 2C-row tile (bwd_span.far_dq_kernel); None:
                                  # at head_dim > 64. H200, fwd+bwd, pairs / single chunks (one
@@ -160,7 +160,7 @@ class BlockSizes:
                                  # their span's end, from the tile's states at the span
                                  # boundaries (D x D crossings, kernels.fwd_kernel). The boundary
                                  # launch it needs is the span backward's, run once in the
-                                 # forward and kept. None: at head_dim > 64 (calls.forward_span).
+                                 # forward and kept. None: at head_dim > 64 (routing.forward_span).
                                  # H200, one call, fwd+bwd on / off: 116.22 / 122.53 ms at
                                  # 4,16384,16,128, 24.85 / 24.97 at 8,4096,16,128, 28.56 /
                                  # 28.09 at 32,2048,32,64 (2026-11-26). The forward's own peak
@@ -173,7 +173,7 @@ class BlockSizes:
                                  # copying one, TMA ring, wgmma) merged with the near kernel's
                                  # softmax; bf16/f16, chunk 64. None: "mosaic" on the GPU where
                                  # it takes the operands, packed documents too (both skip the
-                                 # spans left of a chunk's documents) (calls.far_launch). H200,
+                                 # spans left of a chunk's documents) (routing.far_launch). H200,
                                  # one call,
                                  # 2026-11-26, forward (fwd+bwd) ms triton / mosaic: 26.03
                                  # (103.06) / 20.08 (98.01) at 4,16384,16,128, 6.11 (23.16) /
@@ -185,7 +185,7 @@ class BlockSizes:
                                  # launch ("mosaic", bwd_far_mosaic.py: the far forward's three
                                  # warpgroups, the A chain's Pi products in three bf16 passes);
                                  # bf16/f16, chunk 64. None: "mosaic" where fwd_far's default
-                                 # takes it (calls.mosaic_launch). H200, fwd+bwd, Triton /
+                                 # takes it (routing.mosaic_launch). H200, fwd+bwd, Triton /
                                  # Mosaic, one call each (2026-11-26): 97.88 / 93.77 ms at
                                  # 4,16384,16,128, 22.27 / 21.25 at 8,4096,16,128, 53.22 / 52.17
                                  # at 8,8192,32,64, 26.62 / 26.64 at 32,2048,32,64
@@ -194,7 +194,7 @@ class BlockSizes:
                                  # or as a Mosaic GPU launch ("mosaic", bwd_far_mosaic.far_dkv:
                                  # key chunks m, m + 1 on two compute warpgroups, the far query
                                  # items streamed by a third); bf16/f16, chunk 64. None: as
-                                 # far_dq (calls.mosaic_launch). H200, fwd+bwd, Triton /
+                                 # far_dq (routing.mosaic_launch). H200, fwd+bwd, Triton /
                                  # Mosaic, one call (2026-11-26): 93.42 / 90.72 ms at
                                  # 4,16384,16,128, 21.39 / 20.60 at 8,4096,16,128; with
                                  # bwd_spans 3 at 32,2048,32,64 26.29 against form 2's 26.25
@@ -203,7 +203,7 @@ class BlockSizes:
                                  # Triton span kernel ("triton") or as a Mosaic GPU launch after
                                  # it ("mosaic", span_mosaic.py: bf16/f16, chunk 64, head_dim 64,
                                  # an even number of chunks, bwd_spans 2 or 3). None: "mosaic"
-                                 # where it takes the operands on the GPU (calls_span.sweep_launch).
+                                 # where it takes the operands on the GPU (routing.sweep_launch).
                                  # H200, fwd+bwd, Mosaic / Triton, one call (2026-11-26): 25.40 /
                                  # 26.78 ms at 32,2048,32,64, 5.32 / 5.75 at 16,2048,12,64, 67.35
                                  # / 69.35 at 32,4096,32,64, 49.79 / 51.98 at 8,8192,32,64
@@ -213,7 +213,7 @@ class BlockSizes:
                                  # "bf16x3", three bf16 passes, or "tf32", one pass (10 mantissa
                                  # bits, truncated: more than bf16 operands, whose effect on the
                                  # gradients was measured small); None: "tf32" at head_dim <= 64,
-                                 # else "bf16x3" (calls.chain_products). H200, one call, fwd+bwd
+                                 # else "bf16x3" (routing.chain_products). H200, one call, fwd+bwd
                                  # bf16x3 / tf32 (2026-11-26): 27.03 / 26.33 ms at 32,2048,32,64,
                                  # 72.05 / 70.11 at 32,4096,32,64, 54.43 / 52.87 at 8,8192,32,64
                                  # (far dq 231 -> 168 registers: a third program an SM); 22.47 /

@@ -2,11 +2,11 @@
 
 backend "gpu" lowers through Triton (`pl.pallas_call`), "tpu" through Mosaic; "interpret" runs
 the generic interpreter and "tpu_interpret" the TPU interpreter (`pltpu.InterpretParams`), both
-on CPU. The kernel bodies are the same for every backend (kernels.py).
+on CPU. The kernel bodies are the same for every backend (kernels.py); which form of each
+runs (spans, Mosaic GPU launches, lanes) is routing.py's choice.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import bwd_kernels
 from kernels_pallas.path_attention import kernels
+from kernels_pallas.path_attention import routing
 from kernels_pallas.path_attention.block_sizes import BlockSizes
 from kernels_pallas.path_attention.prepass import Operands
 
@@ -142,9 +143,9 @@ def _bounds(ops: Operands, backend: str) -> bool:
 
 def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes,
             boundary=None):
-  """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32. With forward_span(...) > 0
-  the kernel reads the keys moved to their span's end and the span operators, `boundary`
-  (span_boundary's; computed here when None)."""
+  """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32. With
+  routing.forward_span(...) > 0 the kernel reads the keys moved to their span's end and the span
+  operators, `boundary` (span_boundary's; computed here when None)."""
   if backend in ("tpu", "tpu_interpret"):
     return _forward_kv(ops, scale=scale, precision=precision, backend=backend, bs=bs)
   if bs.fwd_kernel == "mosaic":
@@ -179,8 +180,8 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
   if bounds:
     args.append(ops.lo)
     specs.append(_full(ops.lo, ids, lambda h: 0))
-  span = forward_span(ops, bs, backend)
-  far = far_launch(ops, bs, backend, span)
+  span = routing.forward_span(ops, bs, backend)
+  far = routing.far_launch(ops, bs, backend, span)
   fine = None
   if span:
     from kernels_pallas.path_attention import calls_span
@@ -207,40 +208,6 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
   far_fn = fwd_far_mosaic.far_forward if backend == "gpu" else fwd_far_mosaic.far_reference
   o_far, lse_far = far_fn(ops, kb, outs[2], scale=scale, span=span)
   return fwd_far_mosaic.merge_far(outs[0], outs[1], o_far, lse_far, dtype=ops.v.dtype)
-
-
-def far_launch(ops: Operands, bs: BlockSizes, backend: str, span: int) -> bool:
-  """Whether the span forward (span > 0) sends its far keys to their own Mosaic GPU launch
-  (BlockSizes.fwd_far, fwd_far_mosaic.py): mosaic_launch's choice."""
-  return bool(span) and mosaic_launch(ops, bs, backend, "fwd_far")
-
-
-def mosaic_launch(ops: Operands, bs: BlockSizes, backend: str, field: str) -> bool:
-  """Whether the far walk that BlockSizes.`field` names runs as its own Mosaic GPU launch:
-  fwd_far, the span forward's far keys (fwd_far_mosaic.py); far_dq, the span backward's far dq
-  walk and adjoint chain, far_dk, its far dk/dv walk (bwd_far_mosaic.py): choose_mosaic, with
-  the GPU's condition fwd_far_mosaic.supported (packed documents included: every launch skips
-  the far spans outside a chunk's documents, as the Triton kernels do)."""
-  from kernels_pallas.path_attention import fwd_far_mosaic
-  return choose_mosaic(bs, backend, field,
-                       why=fwd_far_mosaic.supported(ops) if backend == "gpu" else None)
-
-
-def choose_mosaic(bs: BlockSizes, backend: str, field: str, *, why: str | None,
-                  needs: str = "bf16/f16 and block 64") -> bool:
-  """BlockSizes.`field`'s choice between a Triton kernel and a Mosaic GPU launch, whose jnp
-  oracle the interpreter runs in its place. why: the reason the launch cannot take these
-  operands on this backend (None: it can). None (the field): on the GPU where it can;
-  "triton": no; "mosaic": yes, raising (naming the field and `needs`) where it cannot."""
-  choice = getattr(bs, field)
-  if choice == "triton":
-    return False
-  if choice is None:
-    return backend == "gpu" and why is None
-  if backend not in ("gpu", "interpret") or why:
-    raise ValueError(f"{field}='mosaic' needs the GPU backend (or the interpreter), {needs} "
-                     f"(got backend {backend!r}{', ' + why if why else ''})")
-  return True
 
 
 def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
@@ -289,9 +256,9 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   if backend in ("tpu", "tpu_interpret"):
     from kernels_pallas.path_attention import bwd_tpu
     return bwd_tpu.backward(ops, do, lse, delta, **kw)
-  if _fused_dkv(ops, bs, backend):
+  if routing.fused_dkv(ops, bs, backend):
     return backward_dq(ops, do, lse, delta, **kw)
-  span, kw["bs"] = span_backward(ops, bs, backend)
+  span, kw["bs"] = routing.span_backward(ops, bs, backend)
   if span:
     from kernels_pallas.path_attention import calls_span
     return calls_span.backward(ops, do, lse, delta, span=span, boundary=boundary, **kw)
@@ -299,99 +266,17 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   return {**backward_dkv(ops, do, lse, delta, qb=grads.pop("qb", None), **kw), **grads}
 
 
-def forward_span(ops: Operands, bs: BlockSizes, backend: str) -> int:
-  """The span of the forward kernel's far steps (BlockSizes.fwd_spans, None: at head_dim > 64;
-  the backward's span, dkv_span, so that one boundary launch serves both), or 0."""
-  on = ops.q.shape[-1] > 64 if bs.fwd_spans is None else bs.fwd_spans
-  return dkv_span(ops, bs, backend) if on and bs.fwd_kernel != "mosaic" else 0
-
-
 def span_boundary(ops: Operands, *, precision, backend: str, bs: BlockSizes):
   """(kb, pi) of calls_span's boundary launch where the span forward reads it (forward_span),
   else None. The forward makes it once and the span backward reads it from the residuals;
   without the span forward the backward makes its own (a residual would hold one k-sized
   array per layer from the forward to the backward)."""
-  span = forward_span(ops, bs, backend)
+  span = routing.forward_span(ops, bs, backend)
   if not span:
     return None
   from kernels_pallas.path_attention import calls_span
   return calls_span._boundary(ops, span=span, nb=(ops.q.shape[2] - 1) // span,
                               precision=precision, backend=backend, bs=bs)
-
-
-def span_backward(ops: Operands, bs: BlockSizes, backend: str) -> tuple[int, BlockSizes]:
-  """(span, bs with bwd_spans resolved by span_form) where the span-parallel backward
-  (calls_span.backward) runs: PaTH with a span boundary inside the sequence; else (0, bs)."""
-  span, form = dkv_span(ops, bs, backend), span_form(bs, head_dim=ops.q.shape[-1])
-  return (span, dataclasses.replace(bs, bwd_spans=form)) if form and span else (0, bs)
-
-
-def span_form(bs: BlockSizes, *, head_dim: int) -> int:
-  """BlockSizes.bwd_spans, None resolved: form 3 (the far dk/dv walk in its own launch on
-  2C-row key tiles) at head_dim > 64, else 2. H200, 2026-11-25, one call, fwd+bwd 3 / 2:
-  122.74 / 131.42 ms at 4,16384,16,128 (span 32), 25.05 / 25.78 at 8,4096,16,128 (span 8);
-  30.59 / 28.29 at 32,2048,32,64 (span 8), 65.99 / 56.59 at 8,8192,32,64 (span 16)."""
-  if bs.bwd_spans is not None:
-    return bs.bwd_spans
-  return 3 if head_dim > 64 else 2
-
-
-def chain_products(bs: BlockSizes, *, head_dim: int) -> str:
-  """BlockSizes.chain_products, None resolved: one TF32 pass at head_dim <= 64, where it frees
-  the far dq kernel's registers for a third program an SM, else three bf16 passes (TF32 lost at
-  128 in both directions; block_sizes.py has the times)."""
-  if bs.chain_products is not None:
-    return bs.chain_products
-  return "tf32" if head_dim <= 64 else "bf16x3"
-
-
-# auto_span: the shortest even span with at most DKV_SPAN_BOUNDARIES boundaries, but no shorter
-# than DKV_SPAN_MIN chunks unless the span of at most 3 boundaries is (short sequences)
-DKV_SPAN_BOUNDARIES = 7
-DKV_SPAN_MIN = 8
-
-
-def auto_span(n: int) -> int:
-  """Span length in chunks (DKV_SPAN_BOUNDARIES, DKV_SPAN_MIN). More boundaries shorten the
-  span kernel's sequential sweeps and the dk/dv kernel's operator walks for one more set of
-  packed boundary states each (kernels.boundary_offset: about one q-sized array per two
-  boundaries). H200, 2026-11-25, one call, fwd+bwd (peak GiB) with spans of <= 3 / <= 7
-  boundaries: 154.26 (5.90) / 131.42 (6.42) ms at 4,16384,16,128 (spans 64 / 32; 16: 124.75,
-  7.78), 27.24 / 25.78 at 8,4096,16,128 (16 / 8), 60.35 / 56.59 at 8,8192,32,64 (32 / 16),
-  but 28.29 / 29.17 at 32,2048,32,64 (8 / 4): hence the minimum of 8."""
-  even = lambda span: span + span % 2
-  most = lambda boundaries: even((n - 1) // (boundaries + 1) + 1)
-  return max(most(DKV_SPAN_BOUNDARIES), min(most(3), DKV_SPAN_MIN))
-
-
-def dkv_span(ops: Operands, bs: BlockSizes, backend: str) -> int:
-  """The span the backward uses: BlockSizes.dkv_span (None: auto_span) where it applies (PaTH on
-  the GPU or the interpreter, at least one span boundary inside the sequence), else 0."""
-  n = ops.q.shape[2]
-  span = auto_span(n) if bs.dkv_span is None else bs.dkv_span
-  use = span and ops.e is not None and backend in ("gpu", "interpret") and n > span and \
-      not _fused_dkv(ops, bs, backend)
-  return span if use else 0
-
-
-def _fused_dkv(ops: Operands, bs: BlockSizes, backend: str) -> bool:
-  """dkv_in_dq asked for and buildable: the dq/dP sweep gives dk, dv (and dfk) too."""
-  return bs.dkv_in_dq and fused_dkv_builds(
-      backend=backend, dtype=ops.q.dtype, heads_per_kv=ops.q.shape[1] // ops.k.shape[1],
-      head_dim=ops.q.shape[-1], transport=ops.e is not None)
-
-
-def fused_dkv_builds(*, backend: str, dtype, heads_per_kv: int, head_dim: int,
-                     transport: bool) -> bool:
-  """Whether BlockSizes(dkv_in_dq=True)'s fused dq/dP + dk/dv sweep fits the GPU's 227 KiB of
-  shared memory per block; where it does not, the backward runs its two kernels instead.
-
-  Seen on the H100 (2026-11-25): PaTH in bf16 built at G = 2, D = 64; it asked for 240 KiB at
-  G = 1, D = 128 (bf16) and 337 KiB at G = 2, D = 64 with float32 inputs. FoX (no transport
-  state) built in float32 at G = 2, D = 64. The interpreters have no such limit."""
-  if backend != "gpu" or not transport:
-    return True
-  return jnp.dtype(dtype).itemsize <= 2 and head_dim <= 64
 
 
 def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv, *, bounds: bool):
@@ -430,7 +315,7 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
                  bs: BlockSizes, qb=None, far_out=False, far_in=None):
   """dk, dv (and dfk): grid (B, K, key chunk), every program independent. qb: the dq/dP
   kernel's boundary states [B, H, R, D] (packed: kernels.boundary_offset) when
-  dkv_span(ops, bs, backend) > 0. far_out
+  routing.dkv_span(ops, bs, backend) > 0. far_out
   (with qb): also "a" [B, K, n, C, D] float32, the far walk's scale sum dS^T qb per key chunk
   (calls_span.py). far_in (instead of qb): the far walk's a, dv [B, K, n, C, D] and dfk
   [B, H, n, 1, C] (or None) float32 from calls_span._far_dkv; the kernel adds them."""
@@ -448,7 +333,7 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
     lse, delta = as_rows(lse), as_rows(delta)
   vec = (C, 1) if km else (1, C)   # dfk's block: a column or a row of the key chunk
   args, specs, grp = _bwd_inputs(ops, do, lse, delta, lambda *p: ids(*p)[:2], bounds=bounds)
-  span = dkv_span(ops, bs, backend)
+  span = routing.dkv_span(ops, bs, backend)
   chunk = lambda s: pl.BlockSpec((None, None, None) + s.shape[3:], lambda *p: ids(*p) + (0, 0))
   if span and far_in is not None:
     fa, fdv, fdfk = far_in
@@ -490,33 +375,6 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
   return grads
 
 
-def auto_lanes(programs: int, units: int, sm_count: int, max_lanes: int = 4) -> int:
-  """Lanes per kv head for the dq/dP kernel when BlockSizes.bwd_lanes = 0.
-
-  Each of the `programs` = B K programs walks all `units` (query-chunk pairs) of its head, so
-  they take equally long, and at one program per SM (the kernel's shared memory, ~150 KiB at
-  head_dim 64, leaves no room for a second) the launch runs in ceil(programs / sm_count) waves.
-  L lanes split each program's units L ways: time ~ ceil(L programs / sm_count) / L. At the 125M
-  model's layer (B 16, K 12: 192 programs on 132 SMs) one lane runs 2 waves, the second 45%
-  full; two lanes run 3 waves of half the work, 1.5 (predicted -25% on the kernel, not yet
-  measured). Ties go to fewer lanes (less memory)."""
-  lanes = range(1, max(1, min(max_lanes, units)) + 1)
-  return min(lanes, key=lambda L: (-(-programs * L // sm_count) / L, L))
-
-
-def _sm_count(backend: str) -> int:
-  """The GPU's SM count; 132 (the H100's and H200's) in the interpreter and when lowering for
-  the GPU on a host without one."""
-  if backend == "gpu":
-    try:
-      count = getattr(jax.devices("gpu")[0], "core_count", None)
-    except RuntimeError:  # no GPU here (lowering only)
-      count = None
-    if count:
-      return int(count)
-  return 132
-
-
 def as_rows(x):
   """[..., n, C, 1] -> [..., n, 1, C] (None stays None): a query-side vector as a row, for the
   key-major dk/dv kernels (the same memory: a bitcast)."""
@@ -544,7 +402,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   G = H // K
   units = n // 2 if pairs else n  # per head: query-chunk pairs or chunks
   if bs.bwd_lanes == 0 and backend in ("gpu", "interpret"):
-    L = auto_lanes(B * K, units, _sm_count(backend))
+    L = routing.auto_lanes(B * K, units, routing.gpu_sm_count(backend))
   else:
     L = max(1, min(bs.bwd_lanes or 1, units))
   if L > 1 and backend not in ("gpu", "interpret"):
@@ -560,7 +418,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   lane = lambda s: pl.BlockSpec((None, None) + s.shape[2:],
                                 lambda b, kh, l: (b, kh * L + l) + (0,) * (len(s.shape) - 2))
   names, out_shape = ["q"], [jax.ShapeDtypeStruct((B, H, n * C, D), gdt)]
-  span = dkv_span(ops, bs, backend)
+  span = routing.dkv_span(ops, bs, backend)
   if f["transport"]:
     names += ["diag", "dp", "states"]
     out_shape += [jax.ShapeDtypeStruct((B, H, n * C, C), gdt),
@@ -573,7 +431,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   if f["gate"]:
     names.append("fq")
     out_shape.append(jax.ShapeDtypeStruct((B, H, n * C, 1), f32))
-  kv = _fused_dkv(ops, bs, backend)
+  kv = routing.fused_dkv(ops, bs, backend)
   if kv:  # this lane's share of the key-side gradients, float32 (summed over lanes below)
     names += ["k", "v"] + (["fk"] if f["gate"] else [])
     out_shape += [jax.ShapeDtypeStruct((B, K * L, n, C, D), f32)] * 2

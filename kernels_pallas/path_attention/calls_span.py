@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas.path_attention import bwd_span
 from kernels_pallas.path_attention import calls
 from kernels_pallas.path_attention import kernels
+from kernels_pallas.path_attention import routing
 from kernels_pallas.path_attention.prepass import Operands
 
 
@@ -41,9 +42,9 @@ def fine_precision(dtype, precision, backend: str, products: str = "bf16x3"):
 
 def chain_precision(x, *, precision, backend: str, bs: calls.BlockSizes):
   """fine_precision for a launch whose operand x ([..., D]) sets the dtype and head_dim, with
-  BlockSizes.chain_products resolved (calls.chain_products)."""
+  BlockSizes.chain_products resolved (routing.chain_products)."""
   return fine_precision(x.dtype, precision, backend,
-                        calls.chain_products(bs, head_dim=x.shape[-1]))
+                        routing.chain_products(bs, head_dim=x.shape[-1]))
 
 
 def _boundary(ops: Operands, *, span, nb, precision, backend, bs):
@@ -143,8 +144,8 @@ def _far_states(ops: Operands, pi, *, span, precision, backend, bs):
 def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, backend, bs):
   """-> a, dv [B, K, n, C, D] float32 (far tiles), (dfk [B, H, n, 1, C] float32). Key chunks
   two at a time with BlockSizes.far_dkv_pairs (bwd_span.far_dkv_kernel), or the Mosaic GPU
-  launch (BlockSizes.far_dkv, calls.mosaic_launch)."""
-  if calls.mosaic_launch(ops, bs, backend, "far_dkv"):
+  launch (BlockSizes.far_dkv, routing.mosaic_launch)."""
+  if routing.mosaic_launch(ops, bs, backend, "far_dkv"):
     from kernels_pallas.path_attention import bwd_far_mosaic
     walk = bwd_far_mosaic.far_dkv if backend == "gpu" else bwd_far_mosaic.far_dkv_reference
     a, dv, dfk = walk(ops, do, lse, delta, kb, qb, scale=scale, span=span)
@@ -245,24 +246,6 @@ def span_pairs(bs: calls.BlockSizes, *, dtype, head_dim: int, backend: str) -> b
   return bs.dq_pairs and (fits or backend != "gpu")
 
 
-def sweep_launch(ops: Operands, bs: calls.BlockSizes, backend: str, *, kv: bool,
-                 pairs: bool) -> bool:
-  """Whether the span backward's near sweep runs as its own Mosaic GPU launch
-  (BlockSizes.span_sweep; span_mosaic.py) after span_kernel(sweeps=False): calls.choose_mosaic,
-  where it takes the operands (span_mosaic.supported on the GPU; an even number of chunks in
-  the interpreter too, whose oracle also takes the query tiles in pairs), the query tiles in
-  pairs and no key-side parts (bwd_spans 2 or 3)."""
-  from kernels_pallas.path_attention import span_mosaic
-  n = ops.q.shape[2]
-  why = span_mosaic.supported(ops) if backend == "gpu" else (
-      f"{n} chunks (needs an even number)" if n % 2 else None)
-  if kv or not pairs:
-    why = "bwd_spans=1 (the near dk, dv from the sweep)" if kv else "dq_pairs off"
-  return calls.choose_mosaic(bs, backend, "span_sweep", why=why,
-                             needs="bf16/f16, block 64, head_dim 64 and an even number of "
-                                   "chunks, bwd_spans 2 or 3 and dq_pairs")
-
-
 def far_dkv_pairs(bs: calls.BlockSizes, *, dtype, backend: str) -> bool:
   """Whether the far dk/dv kernel takes key chunks two at a time (BlockSizes.far_dkv_pairs):
   on the GPU with 16-bit inputs only. With float32 inputs, grouped heads and 2C-row tiles the
@@ -283,7 +266,7 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   nsp = nb + 1
   kw = dict(precision=precision, backend=backend, bs=bs)
   kb, pi = boundary if boundary is not None else _boundary(ops, span=span, nb=nb, **kw)
-  if calls.mosaic_launch(ops, bs, backend, "far_dq"):
+  if routing.mosaic_launch(ops, bs, backend, "far_dq"):
     from kernels_pallas.path_attention import bwd_far_mosaic
     qb = _far_states(ops, pi, span=span, **kw)
     walk = bwd_far_mosaic.far_dq if backend == "gpu" else bwd_far_mosaic.far_dq_reference
@@ -319,7 +302,7 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   f32 = jnp.float32
   gdt = ops.q.dtype
   pairs = span_pairs(bs, dtype=ops.q.dtype, head_dim=D, backend=backend)
-  mosaic_sweep = sweep_launch(ops, bs, backend, kv=kv, pairs=pairs)
+  mosaic_sweep = routing.sweep_launch(ops, bs, backend, kv=kv, pairs=pairs)
   rows = 2 * C if pairs else C
   shapes = dict(q=((B, H, n * C, D), gdt), diag=((B, H, n * C, C), gdt), dp=((B, K, n, D, D), f32))
   shapes.update({name: ((B, K, n, C, D), f32) for name in (("k", "v") if kv else ())})

@@ -1,6 +1,6 @@
 """The span forward's far keys as a Mosaic GPU kernel (TMA, wgmma): BlockSizes(fwd_far="mosaic").
 
-With the span forward (calls.forward_span), a query chunk c attends to the key chunks of every
+With the span forward (routing.forward_span), a query chunk c attends to the key chunks of every
 earlier span J as plain attention: its boundary state qb_c^(s_J) against the keys moved to
 that span's end, kb_m (bwd_span.boundary_kernel), m = J span .. (J + 1) span - 1. In the
 Triton forward those far steps share one program with the near walk (kernels.fwd_kernel). Here

@@ -9,7 +9,7 @@ import kernels_pallas as kp
 
 def test_auto_lanes_fill_the_last_wave():
   """bwd_lanes = 0: lanes that minimise ceil(L programs / SMs) / L, fewest on ties."""
-  from kernels_pallas.path_attention.calls import auto_lanes
+  from kernels_pallas.path_attention.routing import auto_lanes
   assert auto_lanes(192, 16, 132) == 2   # the 125M model's layer: 2 waves -> 3 half waves
   assert auto_lanes(1024, 16, 132) == 1  # 8 full waves: lanes would only add memory
   assert auto_lanes(64, 128, 132) == 2   # 4,16384,16,128: 2 and 4 lanes tie, fewer wins
@@ -29,7 +29,7 @@ def test_auto_lanes_fill_the_last_wave():
     ("interpret", jnp.float32, 2, 128, True, True)])
 def test_fused_dkv_routing(backend, dtype, G, D, transport, fused):
   """dkv_in_dq runs fused only where the fused sweep fits the GPU's shared memory."""
-  from kernels_pallas.path_attention.calls import fused_dkv_builds
+  from kernels_pallas.path_attention.routing import fused_dkv_builds
   assert fused_dkv_builds(backend=backend, dtype=dtype, heads_per_kv=G, head_dim=D,
                           transport=transport) is fused
 
@@ -76,17 +76,17 @@ def test_auto_span_bounds_boundaries_and_keeps_short_spans():
   """auto_span: an even span with at most 7 boundaries inside n chunks, never shorter than 8
   chunks unless the span of at most 3 boundaries is (so short sequences keep that one), and
   the shortest such span; the span-parallel form by head_dim where BlockSizes leaves it None."""
-  from kernels_pallas.path_attention import calls
+  from kernels_pallas.path_attention import routing
   for n in range(2, 600):
-    span = calls.auto_span(n)
+    span = routing.auto_span(n)
     at_most = lambda b: -(-n // (b + 1))   # shortest span with <= b boundaries (before evening)
     assert span % 2 == 0 and (n - 1) // span <= 7, n
     assert span >= min(at_most(3) + at_most(3) % 2, 8), n
     assert span - 2 < max(at_most(7), min(at_most(3) + at_most(3) % 2, 8)), n
-  assert [calls.auto_span(n) for n in (32, 64, 128, 256)] == [8, 8, 16, 32]   # the anchors
-  assert calls.span_form(kp.BlockSizes(), head_dim=128) == 3
-  assert calls.span_form(kp.BlockSizes(), head_dim=64) == 2
-  assert calls.span_form(kp.BlockSizes(bwd_spans=1), head_dim=128) == 1
+  assert [routing.auto_span(n) for n in (32, 64, 128, 256)] == [8, 8, 16, 32]   # the anchors
+  assert routing.span_form(kp.BlockSizes(), head_dim=128) == 3
+  assert routing.span_form(kp.BlockSizes(), head_dim=64) == 2
+  assert routing.span_form(kp.BlockSizes(bwd_spans=1), head_dim=128) == 1
   with pytest.raises(ValueError, match="far_dkv_rows"):
     kp.BlockSizes(far_dkv_rows=24).validate(64)
   with pytest.raises(ValueError, match="gate_colsum"):
@@ -99,16 +99,16 @@ def test_chain_products_precision():
   """BlockSizes.chain_products picks the span chains' precision for 16-bit inputs: three bf16
   passes, or "tf32", the kernels' own (None: one TF32 pass on the GPU); float32 inputs keep
   theirs either way; None resolves by head_dim. A name outside CHAIN_PRODUCTS is refused."""
-  from kernels_pallas.path_attention import calls, calls_span
+  from kernels_pallas.path_attention import calls, calls_span, routing
   x3 = calls.bf16x3_precision("gpu")
   assert calls_span.fine_precision(jnp.bfloat16, None, "gpu") == x3
   assert calls_span.fine_precision(jnp.bfloat16, None, "gpu", "tf32") is None
   assert calls_span.fine_precision(jnp.float32, "f32", "gpu", "bf16x3") == "f32"
   assert calls_span.fine_precision(jnp.float32, "f32", "gpu", "tf32") == "f32"
   auto = kp.BlockSizes()
-  assert calls.chain_products(auto, head_dim=64) == "tf32"
-  assert calls.chain_products(auto, head_dim=128) == "bf16x3"
-  assert calls.chain_products(kp.BlockSizes(chain_products="bf16x3"), head_dim=64) == "bf16x3"
+  assert routing.chain_products(auto, head_dim=64) == "tf32"
+  assert routing.chain_products(auto, head_dim=128) == "bf16x3"
+  assert routing.chain_products(kp.BlockSizes(chain_products="bf16x3"), head_dim=64) == "bf16x3"
   with pytest.raises(ValueError, match="chain_products"):
     kp.BlockSizes(chain_products="bf16").validate(64)
 
@@ -118,7 +118,7 @@ def test_far_launch_by_default():
   where it takes the operands (bf16 / f16, chunk 64; packed documents too), else stay in the
   Triton kernel; the interpreter runs the launch's jnp oracle only
   when asked; "mosaic" where it cannot raises."""
-  from kernels_pallas.path_attention import calls, prepass
+  from kernels_pallas.path_attention import prepass, routing
   def ops(dtype, C=64, documents=False):
     x = jnp.zeros((1, 2, 4, C, 128), dtype)
     lo = jnp.zeros((1, 1, 4, 1, 1), jnp.int32) if documents else None
@@ -126,17 +126,17 @@ def test_far_launch_by_default():
                             lo=lo)
   auto, mosaic, triton = kp.BlockSizes(), kp.BlockSizes(fwd_far="mosaic"), kp.BlockSizes(
       fwd_far="triton")
-  assert calls.far_launch(ops(jnp.bfloat16), auto, "gpu", span=2)
-  assert not calls.far_launch(ops(jnp.bfloat16), auto, "gpu", span=0)   # no span forward
-  assert not calls.far_launch(ops(jnp.float32), auto, "gpu", span=2)
-  assert not calls.far_launch(ops(jnp.bfloat16, C=32), auto, "gpu", span=2)
-  assert not calls.far_launch(ops(jnp.bfloat16), auto, "interpret", span=2)
-  assert calls.far_launch(ops(jnp.bfloat16, documents=True), auto, "gpu", span=2)
-  assert calls.far_launch(ops(jnp.bfloat16, documents=True), mosaic, "gpu", span=2)
-  assert not calls.far_launch(ops(jnp.bfloat16), triton, "gpu", span=2)
-  assert calls.far_launch(ops(jnp.bfloat16, C=16), mosaic, "interpret", span=2)
+  assert routing.far_launch(ops(jnp.bfloat16), auto, "gpu", span=2)
+  assert not routing.far_launch(ops(jnp.bfloat16), auto, "gpu", span=0)   # no span forward
+  assert not routing.far_launch(ops(jnp.float32), auto, "gpu", span=2)
+  assert not routing.far_launch(ops(jnp.bfloat16, C=32), auto, "gpu", span=2)
+  assert not routing.far_launch(ops(jnp.bfloat16), auto, "interpret", span=2)
+  assert routing.far_launch(ops(jnp.bfloat16, documents=True), auto, "gpu", span=2)
+  assert routing.far_launch(ops(jnp.bfloat16, documents=True), mosaic, "gpu", span=2)
+  assert not routing.far_launch(ops(jnp.bfloat16), triton, "gpu", span=2)
+  assert routing.far_launch(ops(jnp.bfloat16, C=16), mosaic, "interpret", span=2)
   with pytest.raises(ValueError, match="fwd_far"):
-    calls.far_launch(ops(jnp.float32), mosaic, "gpu", span=2)
+    routing.far_launch(ops(jnp.float32), mosaic, "gpu", span=2)
 
 
 @pytest.mark.parametrize("field", ["far_dq", "far_dkv"])
@@ -145,14 +145,14 @@ def test_far_backward_launch_by_default(field):
   on the GPU where it takes the operands (bf16 / f16, chunk 64; packed documents too), else
   stays in the Triton kernel; the interpreter runs the launch's jnp oracle only when asked;
   "mosaic" where it cannot raises."""
-  from kernels_pallas.path_attention import calls, prepass
+  from kernels_pallas.path_attention import prepass, routing
   def ops(dtype, C=64, documents=False):
     x = jnp.zeros((1, 2, 4, C, 128), dtype)
     lo = jnp.zeros((1, 1, 4, 1, 1), jnp.int32) if documents else None
     return prepass.Operands(q=x, k=x, v=x, e=None, diag=None, fq=None, fk=None, sq=None, sk=None,
                             lo=lo)
   auto, mosaic, triton = (kp.BlockSizes(**{field: x}) for x in (None, "mosaic", "triton"))
-  launch = lambda *a: calls.mosaic_launch(*a, field)
+  launch = lambda *a: routing.mosaic_launch(*a, field)
   assert launch(ops(jnp.bfloat16), auto, "gpu")
   assert not launch(ops(jnp.float32), auto, "gpu")
   assert not launch(ops(jnp.bfloat16, C=32), auto, "gpu")
@@ -170,13 +170,13 @@ def test_span_sweep_launch_by_default():
   the GPU where it takes the operands (bf16 / f16, chunk 64, head_dim 64, an even number of
   chunks, query tiles in pairs, no key-side parts), else stays in the Triton span kernel; the
   interpreter runs its jnp oracle only when asked; "mosaic" where it cannot raises."""
-  from kernels_pallas.path_attention import calls_span, prepass
+  from kernels_pallas.path_attention import prepass, routing
   def ops(dtype, D=64, n=4):
     x = jnp.zeros((1, 2, n, 64, D), dtype)
     return prepass.Operands(q=x, k=x, v=x, e=jnp.zeros((1, 2, n, D, D), dtype), diag=None,
                             fq=None, fk=None, sq=None, sk=None)
   auto, mosaic, triton = (kp.BlockSizes(span_sweep=x) for x in (None, "mosaic", "triton"))
-  launch = lambda o, bs, backend, kv=False, pairs=True: calls_span.sweep_launch(
+  launch = lambda o, bs, backend, kv=False, pairs=True: routing.sweep_launch(
       o, bs, backend, kv=kv, pairs=pairs)
   assert launch(ops(jnp.bfloat16), auto, "gpu")
   assert not launch(ops(jnp.float32), auto, "gpu")
