@@ -151,11 +151,19 @@ def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
   W W^T is not formed again (two products after dT instead of three; H200, 32,2048,32,64: this
   kernel 1.084 -> 1.028 ms). Above C the three-product form stays: the split of beta W ([C, D])
   cost more than the product saved (8,4096,16,128: 0.426 -> 0.464 ms)."""
-  C, D = w.shape
   p = _inverse_products(precision)
-  strict, _, _ = _masks(C)
-  Y, W = p.acc(y), p.acc(w)
+  strict, _, _ = _masks(w.shape[0])
+  Y = p.acc(y)
   da = jnp.where(strict, -p.mm(p.acc(p.mm(Y, p.acc(dy), ta=True)), Y, tb=True), 0.0)
+  return inverse_vjp_from_da(w, beta_c, da, p)
+
+
+def inverse_vjp_from_da(w, beta_c, da, p):
+  """(dw, dbeta_c) from dA (strictly lower), A = strictLower(diag(beta) W W^T): with
+  dS = diag(beta) dA, dW = dS W + dS^T W and dbeta_i = sum_j dA_ij (w_i . w_j); products as
+  p forms them (chunk_inverse_vjp's form by head_dim)."""
+  C, D = w.shape
+  W = p.acc(w)
   if D <= C:
     DA = p.acc(da)
     daw = p.mm(DA, W)

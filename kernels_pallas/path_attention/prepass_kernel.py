@@ -36,6 +36,8 @@ from kernels_pallas.path_attention.prepass_chunk import (Products, chunk_inverse
                                                          chunk_operands_vjp_kv,
                                                          chunk_operands_vjp_q, vjp_common,
                                                          wk_pullback)
+from kernels_pallas.path_attention.prepass_uz import (chunk_operands_vjp_uz, chunk_uz_pullback,
+                                                      uz_common)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,8 @@ class _Cfg:
                               # chunk and kv head) instead of recomputed in the backward
   late_wk: bool = False  # vjp2: WK's pullback (two products) in the inverse-VJP kernel, not in
                          # the q part's: its dwk and dk reach it through HBM (float32)
+  uz: bool = False      # the VJP from dU, dZ (prepass_uz.py) as two kernels, _ops_bwd_uz_kernel
+                        # then _uz_pullback_kernel, with dU, dZ and partial dw, dk through HBM
 
 
 def _f32(*refs):
@@ -189,6 +193,67 @@ def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_r
     dwk_ref[0][...] = grads[-1]
 
 
+def _ops_bwd_uz_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
+                       dq_ref, dk_ref, dw_ref, du_ref, dz_ref, *, cfg):
+  """The "uz_*" VJP's first kernel: every term as far as dU and dZ (chunk_operands_vjp_uz),
+  each output stored as soon as it is final."""
+  p = Products(cfg.precision, cfg.odt, cfg.hilo)
+  common = uz_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
+  outs = dict(dk=dk_ref, dw=dw_ref, du=du_ref, dz=dz_ref)
+
+  def put(name, g, x):
+    if name == "dq":
+      _put_q(dq_ref, g, x, cfg)
+    else:
+      outs[name][...] = x.astype(outs[name].dtype)
+
+  chunk_operands_vjp_uz(common, _q_heads(q_ref, cfg), _heads(dqh_ref), _loader(dkh_ref),
+                        _loader(de_ref), _heads(dd_ref), scale=cfg.scale, p=p, put=put)
+
+
+def _uz_pullback_kernel(w_ref, k_ref, y_ref, bc_ref, br_ref, du_ref, dz_ref, dwp_ref, dkp_ref,
+                        dw_ref, dk_ref, dbc_ref, *, cfg):
+  """The second: X's, WK's and the inverse's pullbacks (chunk_uz_pullback) -> dw, dk in their
+  inputs' dtypes, dbeta as a column."""
+  load = lambda *refs: tuple(_loader(r) for r in refs)
+
+  def put(name, x):
+    dk_ref[...] = x.astype(dk_ref.dtype)
+
+  dw, _, dbc = chunk_uz_pullback(*load(w_ref, k_ref, y_ref), *_f32(bc_ref, br_ref),
+                                 *load(du_ref, dz_ref, dwp_ref, dkp_ref),
+                                 precision=cfg.inv_precision, put=put)
+  dw_ref[...] = dw.astype(dw_ref.dtype)
+  dbc_ref[...] = dbc
+
+
+def _uz_bwd(cfg, q, k, w, bb, y, cts):
+  """The "uz_*" VJP: (dq, dk, dw, dbeta) from the cotangents of (q^, k^, E, diag) and Y."""
+  B, H, K, n, C, D, G = _dims(q, bb)
+  grp, one = _specs(G)
+  spec_q, spec_1 = _input_specs(cfg, G, C, D)
+  sd = jax.ShapeDtypeStruct
+  f32 = jnp.float32
+  kernel = functools.partial(_ops_bwd_uz_kernel, cfg=cfg)
+  in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), grp(C, D), one(C, D), one(D, D),
+              grp(C, C)]
+  out_shape = [sd(q.shape, q.dtype), sd(k.shape, f32), sd(w.shape, f32),
+               sd((B, K, n, C, D), f32), sd((B, K, n, C, C), f32)]
+  out_specs = [spec_q, spec_1, spec_1, one(C, D), one(C, C)]
+  br = bb[..., None, :]
+  dq, dkp, dwp, du, dz = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
+      q, k, w, y, br, *cts)
+  kernel = functools.partial(_uz_pullback_kernel, cfg=cfg)
+  in_specs = [spec_1, spec_1, one(C, C), one(C, 1), one(1, C), one(C, D), one(C, C), spec_1,
+              spec_1]
+  out_shape = [sd(w.shape, w.dtype), sd(k.shape, k.dtype), sd((B, K, n, C, 1), f32)]
+  # the partial dw, dk become dw, dk in place where those are float32
+  aliases = {7 + i: i for i in range(2) if out_shape[i].dtype == f32}
+  dw, dk, dbc = _call(cfg, kernel, (B, K, n), in_specs, [spec_1, spec_1, one(C, 1)], out_shape,
+                      aliases)(w, k, y, bb[..., None], br, du, dz, dwp, dkp)
+  return dq, dk, dw, dbc[..., 0].astype(bb.dtype)
+
+
 def _specs(G):
   """BlockSpecs of the grid (B, K, n) for blocked [B, heads, n, ...] arrays: `grp` blocks hold
   the G query heads of kv head kh, `one` blocks one kv head."""
@@ -275,6 +340,8 @@ def _transport_bwd(cfg, res, cts):
   f32 = jnp.float32
   if y is None:   # recomputed unless kept (keep_inverse): [C, C] float32 per chunk and kv head
     y = _inverse(cfg, w, bc, spec_1)
+  if cfg.uz:
+    return _uz_bwd(cfg, q, k, w, bb, y, cts)
   in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), one(C, 1),
               grp(C, D), one(C, D), one(D, D), grp(C, C)]   # inputs, then cotangents
   dy_shape = (B, K, n, C, 1) if cfg.fold else (B, K, n, C, C)   # fold: dbeta as a column
@@ -335,11 +402,12 @@ def auto_warps(head_dim: int):
   (0.39 / 0.79) and the VJP's kv part (1.09 / 1.74) keep 4."""
   wide = 8 if head_dim >= 128 else 4
   return (("_inv_kernel", 4), ("_inv_bwd_kernel", 4), ("_ops_kernel", wide),
-          ("_ops_bwd_kernel", 4), ("_ops_bwd_kv_kernel", 4), ("_ops_bwd_q_kernel", wide))
+          ("_ops_bwd_kernel", 4), ("_ops_bwd_kv_kernel", 4), ("_ops_bwd_q_kernel", wide),
+          ("_ops_bwd_uz_kernel", wide), ("_uz_pullback_kernel", 4))
 
 
 VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3", "split_hilo",
-            "split2", "split2_bf16x3", "split2_hilo")
+            "split2", "split2_bf16x3", "split2_hilo", "uz", "uz_bf16x3", "uz_hilo")
 
 
 def variant_for_dtype(requested: str, dtype) -> str:
@@ -373,7 +441,7 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
   """
   f32 = jnp.dtype(dtype).itemsize == 4
   bf16_halves = requested.endswith(("_bf16x3", "_hilo"))
-  two_vjp_kernels = requested.startswith("split2")
+  two_vjp_kernels = requested.startswith(("split2", "uz"))
   requested = variant_for_dtype(requested, dtype)
   if backend != "gpu" or requested == "jnp" or (heads_per_kv == 1 and head_dim < 128):
     return requested
@@ -448,7 +516,8 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
              inv_precision=accurate, odt=odt, hilo=hilo, fold=variant.startswith("fold"),
              time_major=time_major, vjp2=variant.startswith("split2"),
              num_warps=auto_warps(q.shape[-1]) if num_warps is None else num_warps,
-             keep_inverse=keep_inverse, late_wk=late_wk and variant.startswith("split2"))
+             keep_inverse=keep_inverse, late_wk=late_wk and variant.startswith("split2"),
+             uz=variant.startswith("uz"))
   if not time_major:
     C = bb.shape[-1]
     q, k, w = (prepass.blocked(x, C) for x in (q, k, w))

@@ -58,7 +58,9 @@ def test_lowers_for_tpu(gate, fox, D):
     ("split2_hilo+bwd_spans3", False, 128, jnp.bfloat16, 4),
     ("split+bwd_spans", True, 64, jnp.float32, 2),
     ("split2_hilo+late_wk", True, 64, jnp.bfloat16, 2),
-    ("split2_hilo+chain_tf32", True, 128, jnp.bfloat16, 4)])   # spans by head_dim (form 3)
+    ("split2_hilo+chain_tf32", True, 128, jnp.bfloat16, 4),   # spans by head_dim (form 3)
+    ("uz_hilo", True, 64, jnp.bfloat16, 2), ("uz_hilo", True, 128, jnp.bfloat16, 4),
+    ("uz", True, 64, jnp.float32, 4)])
 def test_lowers_for_gpu(prepass, pairs, D, dtype, K):
   """Forward and backward lower through Pallas's Triton path on a CPU host (the Triton IR is
   built at lowering time), so an op the GPU lowering lacks fails here, not on the device."""

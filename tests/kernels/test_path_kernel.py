@@ -291,6 +291,20 @@ class PathKernelBase:
     for name, a, b in zip(("q", "k", "v", "w", "beta"), grad(fast)(*args), g_ref):
       assert_rel_rms(a, b, 1e-2, f"d{name}")
 
+  @pytest.mark.parametrize("D", [64, 128])
+  def test_prepass_uz_bf16(self, key, D):
+    """BlockSizes(prepass="uz_hilo"): the pre-pass VJP from dU and dZ (prepass_uz.py) on the
+    correlated w whose pre-pass products cancel, grouped heads at head_dim 64; at 128 one query
+    head a kv head (where the two-kernel VJPs build), with the gate and segments."""
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, prepass="uz_hilo")
+    if D == 64:
+      self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=False, segments=False,
+                  w_mode="shared:0.01", B=8, block_sizes=bs)
+    else:
+      self.D = 128
+      self._check(key, H=2, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520,
+                  block_sizes=bs)
+
 
 class TestInterpret(PathKernelBase):
   """Each case compiles the interpreter's kernels and the oracle, forward and backward (20-60 s
@@ -341,6 +355,12 @@ class TestInterpret(PathKernelBase):
       pytest.param("shared:0.01", jnp.float32, marks=pytest.mark.slow)])
   def test_path_correlated_w(self, key, w_mode, dtype):
     super().test_path_correlated_w(key, w_mode, dtype)
+
+  # head_dim 128 repeats the 64 case's code path here (test_prepass_kernel_matches_jnp and
+  # test_chunk_uz_vjp_matches_autodiff hold the chunk math at D > C): it matters on TestGPU.
+  @pytest.mark.parametrize("D", [64, pytest.param(128, marks=pytest.mark.slow)])
+  def test_prepass_uz_bf16(self, key, D):
+    super().test_prepass_uz_bf16(key, D)
 
   # The interpreter's exact float32 products pass it even with the old Neumann inverse (its
   # docstring): it matters on TestGPU, where it runs unmarked.

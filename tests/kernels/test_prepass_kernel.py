@@ -34,6 +34,51 @@ def test_chunk_operands_vjp_matches_autodiff(key):
     assert_rel_rms(a, b, 1e-5, name)
 
 
+@pytest.mark.parametrize("D,G", [(8, 2), (16, 1), (32, 2)])
+@pytest.mark.parametrize("hilo", [False, True])
+def test_chunk_uz_vjp_matches_autodiff(key, D, G, hilo):
+  """The VJP from dU, dZ (prepass_uz.py: its two kernels' chunk functions in sequence) against
+  jax.vjp of the chunk's whole forward, inverse included, at head_dim below, at and above C;
+  exact products, and the GPU's bf16 halves on bf16-exact q, k and cotangents (then as close
+  as the "split2_*" VJP's hand-written form with the same halves)."""
+  from kernels_pallas.path_attention import prepass_chunk as pk
+  from kernels_pallas.path_attention import prepass_uz as uz
+  C = 16
+  exact = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+  ks = jax.random.split(key, 6)
+  qs = tuple(exact(jax.random.normal(k_, (C, D))) for k_ in jax.random.split(ks[0], G))
+  k = exact(jax.random.normal(ks[1], (C, D)))
+  w = jax.random.normal(ks[2], (C, D))
+  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+  beta = 2 * jax.random.uniform(ks[3], (C,))
+  hi = jax.lax.Precision.HIGHEST
+
+  def forward(qs, k, w, beta):
+    y = pk.chunk_inverse(w, beta[:, None], precision=hi)
+    return pk.chunk_operands(qs, k, w, y, beta[None], scale=0.3, precision=hi)
+
+  out, pull = jax.vjp(forward, qs, k, w, beta)
+  leaves, tree = jax.tree.flatten(out)
+  cts = jax.tree.unflatten(tree, [exact(jax.random.normal(k_, x.shape)) for k_, x in
+                                  zip(jax.random.split(ks[4], len(leaves)), leaves)])
+  dqs_ref, dk_ref, dw_ref, dbeta_ref = pull(cts)
+  prec = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3 if hilo else hi
+  p = pk.Products(hilo=True) if hilo else pk.Products(hi)
+  y = pk.chunk_inverse(w, beta[:, None], precision=prec)
+  dqs, dk, dw, du, dz = uz.chunk_operands_vjp_uz(uz.uz_common(k, w, y, beta[None], p), qs, *cts,
+                                                 scale=0.3, p=p)
+  dw, dk, dbeta = uz.chunk_uz_pullback(w, k, y, beta[:, None], beta[None], du, dz, dw, dk,
+                                       precision=prec)
+  # bf16 halves: the operands' error (hi(scale dd) drops the scaled cotangent's lo half),
+  # ~1e-3 here for both hand-written VJPs alike (split2's form measured 1.0e-3 to 1.6e-3)
+  tol = 3e-3 if hilo else 1e-5
+  for g in range(G):
+    assert_rel_rms(dqs[g], dqs_ref[g], tol, f"dq{g}")
+  assert_rel_rms(dk, dk_ref, tol, "dk")
+  assert_rel_rms(dw, dw_ref, tol, "dw")
+  assert_rel_rms(dbeta[:, 0], dbeta_ref, tol, "dbeta")
+
+
 @pytest.mark.parametrize("w_mode", ["random", "shared:1.0", "shared:0.1", "shared:0.01",
                                     "antiparallel"])
 def test_chunk_inverse_correlated_w(key, w_mode):
@@ -89,7 +134,10 @@ def test_chunk_inverse_vjp_matches_autodiff(key, D, precision):
        (jnp.float32, "split", "interpret", True, False)]
     + [(jnp.bfloat16, "split2_hilo", "interpret", False, True),
        (jnp.float32, "split2", "interpret", True, True)]
-    + [(jnp.float32, "fold_bf16", "tpu_interpret", False, False)])  # TPU: blocked inputs
+    + [(jnp.bfloat16, "uz_hilo", "interpret", False, False),
+       (jnp.float32, "uz", "interpret", True, False)]
+    + [(jnp.float32, "fold_bf16", "tpu_interpret", False, False),   # TPU: blocked inputs
+       (jnp.float32, "uz", "tpu_interpret", False, False)])
 def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse, late_wk):
   """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass; with
   keep_inverse the VJP reads the forward's Y instead of recomputing it; with late_wk WK's
@@ -123,7 +171,8 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse, 
   # variants, bf16 halves where the output is insensitive in "split_hilo" (designed for <=
   # 2.5e-4 per chunk: _Products), and bf16 gradients of q, k.
   tol = 1e-5 if dtype == jnp.float32 else {"split_bf16": 1e-2, "fold_bf16": 1e-2,
-                                             "split_hilo": 1e-3, "split2_hilo": 1e-3}.get(
+                                             "split_hilo": 1e-3, "split2_hilo": 1e-3,
+                                             "uz_hilo": 1e-3}.get(
                                                  variant, 1e-5)
   for name, a, b in zip(("q^", "k^", "E", "diag"), o_fast, o_ref):
     assert_rel_rms(a, b, tol, name)
