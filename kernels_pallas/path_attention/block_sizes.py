@@ -25,9 +25,14 @@ class BlockSizes:
                                  # 8.81 -> 8.39 ms at 16,2048,12,64 on the H100, 52.68 -> 52.53
                                  # at 8,4096,16,128; 392.7 -> 288.1 with 2 lanes at
                                  # 4,16384,16,128 on the H200); None: 1
-  prepass: str = "split2_hilo"   # prepass_kernel.VARIANTS: float32-accurate products from bf16
+  prepass: str = "uz_hilo"       # prepass_kernel.VARIANTS: float32-accurate products from bf16
                                  # hi / lo halves, split once, one half for bf16-exact operands,
-                                 # the operands VJP as two kernels (fwd+bwd 7.12 ms at
+                                 # the VJP from dU, dZ in two kernels (prepass_uz.py: its VJP
+                                 # kernels 6.05 against 6.36 ms for "split2_hilo" at
+                                 # 32,2048,32,64 on the H200, fwd+bwd 24.17 / 24.50); at
+                                 # head_dim 128 and with float32 inputs it runs as "split2_hilo"
+                                 # (usable_variant). "split2_hilo": the operands VJP as two
+                                 # kernels and the inverse VJP (fwd+bwd 7.12 ms at
                                  # 16,2048,12,64 on the H200 against 7.80 for "split_hilo", one
                                  # VJP kernel, which does not build at head_dim 128; 44.95 against
                                  # 48.96 for the jnp pre-pass at 8,4096,16,128). "split_hilo":

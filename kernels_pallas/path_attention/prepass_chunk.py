@@ -10,17 +10,18 @@ The UT inverse (I + A)^{-1}, A = strictLower(diag(beta) W W^T), is a recursive b
 its VJP is written in closed form (chunk_inverse_vjp).
 
 Precision: every product takes float32 accuracy (exact float32 in the interpreter and on the
-TPU; on the GPU bf16 hi / lo halves for bf16 inputs, "split_hilo" and the default "split2_hilo"
-(Products), three TF32 passes for float32 ones) at every input dtype, except in the "*_bf16"
-variants. With near-parallel w the products cancel: Y's entries alternate in sign, so U = X W,
-E = W^T U, Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the transport
-depends on the differences between neighbouring w (~eps), which a rounding of w or X perturbs
-relatively by (rounding / eps). Single-pass TF32 (the GPU's default for float32 operands: the
-tensor cores read the top 10 mantissa bits, i.e. truncate), the default until 2026-11-23, failed
-the GPU tests at w_t = normalize(a + 0.01 n_t), beta = 2 (dw 4.7e-2 relative RMS, H100);
-test_gpu_rounding.py::test_tf32_products_correlated_w emulates that truncation in the interpreter
-and shows where: the operands' products (dw 8.7e-2 at C = D = 64, T = 256), not the inverse
-(already float32-accurate) nor the attention kernels (4.4e-3 with TF32 everywhere else).
+TPU; on the GPU bf16 hi / lo halves for bf16 inputs, "split_hilo", "split2_hilo" and the default
+"uz_hilo" (Products), three TF32 passes for float32 ones) at every input dtype, except in the
+"*_bf16" variants. With near-parallel w the products cancel: Y's entries alternate in sign, so U
+= X W, E = W^T U, Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the
+transport depends on the differences between neighbouring w (~eps), which a rounding of w or X
+perturbs relatively by (rounding / eps). Single-pass TF32 (the GPU's default for float32
+operands: the tensor cores read the top 10 mantissa bits, i.e. truncate), the default until
+2026-11-23, failed the GPU tests at w_t = normalize(a + 0.01 n_t), beta = 2 (dw 4.7e-2 relative
+RMS, H100); test_gpu_rounding.py::test_tf32_products_correlated_w emulates that truncation in
+the interpreter and shows where: the operands' products (dw 8.7e-2 at C = D = 64, T = 256), not
+the inverse (already float32-accurate) nor the attention kernels (4.4e-3 with TF32 everywhere
+else).
 """
 from __future__ import annotations
 

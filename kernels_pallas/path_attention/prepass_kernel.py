@@ -36,7 +36,7 @@ from kernels_pallas.path_attention.prepass_chunk import (Products, chunk_inverse
                                                          chunk_operands_vjp_kv,
                                                          chunk_operands_vjp_q, vjp_common,
                                                          wk_pullback)
-from kernels_pallas.path_attention.prepass_uz import (chunk_operands_vjp_uz, chunk_uz_pullback,
+from kernels_pallas.path_attention.prepass_uz import (chunk_operands_vjp_uz, chunk_t_pullback,
                                                       uz_common)
 
 
@@ -61,7 +61,7 @@ class _Cfg:
   late_wk: bool = False  # vjp2: WK's pullback (two products) in the inverse-VJP kernel, not in
                          # the q part's: its dwk and dk reach it through HBM (float32)
   uz: bool = False      # the VJP from dU, dZ (prepass_uz.py) as two kernels, _ops_bwd_uz_kernel
-                        # then _uz_pullback_kernel, with dU, dZ and partial dw, dk through HBM
+                        # then _t_pullback_kernel
 
 
 def _f32(*refs):
@@ -193,13 +193,13 @@ def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_r
     dwk_ref[0][...] = grads[-1]
 
 
-def _ops_bwd_uz_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, de_ref, dd_ref,
-                       dq_ref, dk_ref, dw_ref, du_ref, dz_ref, *, cfg):
-  """The "uz_*" VJP's first kernel: every term as far as dU and dZ (chunk_operands_vjp_uz),
-  each output stored as soon as it is final."""
+def _ops_bwd_uz_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref, de_ref,
+                       dd_ref, dq_ref, dk_ref, dw_ref, t_ref, dbx_ref, *, cfg):
+  """The "uz_*" VJP's first kernel (chunk_operands_vjp_uz): dq, dk final, dw but for the
+  inverse's share, T and X's share of dbeta, each stored as soon as it is final."""
   p = Products(cfg.precision, cfg.odt, cfg.hilo)
   common = uz_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
-  outs = dict(dk=dk_ref, dw=dw_ref, du=du_ref, dz=dz_ref)
+  outs = dict(dk=dk_ref, dw=dw_ref, t=t_ref, dbeta=dbx_ref)
 
   def put(name, g, x):
     if name == "dq":
@@ -208,49 +208,44 @@ def _ops_bwd_uz_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, de_
       outs[name][...] = x.astype(outs[name].dtype)
 
   chunk_operands_vjp_uz(common, _q_heads(q_ref, cfg), _heads(dqh_ref), _loader(dkh_ref),
-                        _loader(de_ref), _heads(dd_ref), scale=cfg.scale, p=p, put=put)
+                        _loader(de_ref), _heads(dd_ref), _loader(y_ref), _loader(w_ref),
+                        bc_ref[...].astype(jnp.float32), scale=cfg.scale, p=p, put=put)
 
 
-def _uz_pullback_kernel(w_ref, k_ref, y_ref, bc_ref, br_ref, du_ref, dz_ref, dwp_ref, dkp_ref,
-                        dw_ref, dk_ref, dbc_ref, *, cfg):
-  """The second: X's, WK's and the inverse's pullbacks (chunk_uz_pullback) -> dw, dk in their
-  inputs' dtypes, dbeta as a column."""
-  load = lambda *refs: tuple(_loader(r) for r in refs)
-
-  def put(name, x):
-    dk_ref[...] = x.astype(dk_ref.dtype)
-
-  dw, _, dbc = chunk_uz_pullback(*load(w_ref, k_ref, y_ref), *_f32(bc_ref, br_ref),
-                                 *load(du_ref, dz_ref, dwp_ref, dkp_ref),
-                                 precision=cfg.inv_precision, put=put)
+def _t_pullback_kernel(w_ref, y_ref, bc_ref, br_ref, t_ref, dwp_ref, dbx_ref, dw_ref, dbc_ref, *,
+                       cfg):
+  """The second: dA's pullback from T (chunk_t_pullback) -> dw in w's dtype, dbeta as a
+  column."""
+  dw, dbc = chunk_t_pullback(_loader(w_ref), _loader(y_ref), *_f32(bc_ref, br_ref),
+                             _loader(t_ref), _loader(dwp_ref), *_f32(dbx_ref),
+                             precision=cfg.inv_precision)
   dw_ref[...] = dw.astype(dw_ref.dtype)
   dbc_ref[...] = dbc
 
 
 def _uz_bwd(cfg, q, k, w, bb, y, cts):
-  """The "uz_*" VJP: (dq, dk, dw, dbeta) from the cotangents of (q^, k^, E, diag) and Y."""
+  """The "uz_*" VJP: (dq, dk, dw, dbeta) from the cotangents of (q^, k^, E, diag) and Y, with
+  dw (float32), T and X's share of dbeta through HBM between its two kernels."""
   B, H, K, n, C, D, G = _dims(q, bb)
   grp, one = _specs(G)
   spec_q, spec_1 = _input_specs(cfg, G, C, D)
   sd = jax.ShapeDtypeStruct
   f32 = jnp.float32
+  br, bc = bb[..., None, :], bb[..., None]
   kernel = functools.partial(_ops_bwd_uz_kernel, cfg=cfg)
-  in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), grp(C, D), one(C, D), one(D, D),
-              grp(C, C)]
-  out_shape = [sd(q.shape, q.dtype), sd(k.shape, f32), sd(w.shape, f32),
-               sd((B, K, n, C, D), f32), sd((B, K, n, C, C), f32)]
-  out_specs = [spec_q, spec_1, spec_1, one(C, D), one(C, C)]
-  br = bb[..., None, :]
-  dq, dkp, dwp, du, dz = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
-      q, k, w, y, br, *cts)
-  kernel = functools.partial(_uz_pullback_kernel, cfg=cfg)
-  in_specs = [spec_1, spec_1, one(C, C), one(C, 1), one(1, C), one(C, D), one(C, C), spec_1,
-              spec_1]
-  out_shape = [sd(w.shape, w.dtype), sd(k.shape, k.dtype), sd((B, K, n, C, 1), f32)]
-  # the partial dw, dk become dw, dk in place where those are float32
-  aliases = {7 + i: i for i in range(2) if out_shape[i].dtype == f32}
-  dw, dk, dbc = _call(cfg, kernel, (B, K, n), in_specs, [spec_1, spec_1, one(C, 1)], out_shape,
-                      aliases)(w, k, y, bb[..., None], br, du, dz, dwp, dkp)
+  in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), one(C, 1), grp(C, D), one(C, D),
+              one(D, D), grp(C, C)]
+  out_shape = [sd(q.shape, q.dtype), sd(k.shape, k.dtype), sd(w.shape, f32),
+               sd((B, K, n, C, C), f32), sd((B, K, n, C, 1), f32)]
+  out_specs = [spec_q, spec_1, spec_1, one(C, C), one(C, 1)]
+  dq, dk, dwp, t, dbx = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
+      q, k, w, y, br, bc, *cts)
+  kernel = functools.partial(_t_pullback_kernel, cfg=cfg)
+  in_specs = [spec_1, one(C, C), one(C, 1), one(1, C), one(C, C), spec_1, one(C, 1)]
+  out_shape = [sd(w.shape, w.dtype), sd((B, K, n, C, 1), f32)]
+  aliases = {5: 0} if w.dtype == f32 else {}   # the partial dw becomes dw in place
+  dw, dbc = _call(cfg, kernel, (B, K, n), in_specs, [spec_1, one(C, 1)], out_shape, aliases)(
+      w, y, bc, br, t, dwp, dbx)
   return dq, dk, dw, dbc[..., 0].astype(bb.dtype)
 
 
@@ -403,7 +398,7 @@ def auto_warps(head_dim: int):
   wide = 8 if head_dim >= 128 else 4
   return (("_inv_kernel", 4), ("_inv_bwd_kernel", 4), ("_ops_kernel", wide),
           ("_ops_bwd_kernel", 4), ("_ops_bwd_kv_kernel", 4), ("_ops_bwd_q_kernel", wide),
-          ("_ops_bwd_uz_kernel", wide), ("_uz_pullback_kernel", 4))
+          ("_ops_bwd_uz_kernel", 4), ("_t_pullback_kernel", 4))
 
 
 VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3", "split_hilo",
@@ -438,10 +433,17 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
     D = 128 with bf16 inputs (H200, 2026-11-25: split2_hilo 44.95 ms fwd+bwd at
     8,4096,16,128 against 48.96 through jnp, peak 2.38 against 4.38 GiB), so they keep
     head_dim 128 at G = 1; grouped heads at D = 128 stay on jnp until seen to build.
+  - "uz_*" (the VJP from dU, dZ: prepass_uz.py) runs on the GPU with 16-bit inputs at
+    head_dim <= 64, where it was measured faster (H200, 2026-11-26: its two VJP kernels 6.05
+    against split2's three 6.36 ms at 32,2048,32,64; 12.05 against 12.80 at 32,4096,32,64).
+    At head_dim 128 its first kernel spills (6.13 against 3.66 ms at 8,4096,16,128), and with
+    float32 inputs it has not run on a GPU: both take the "split2_*" form instead.
   """
   f32 = jnp.dtype(dtype).itemsize == 4
+  if backend == "gpu" and requested.startswith("uz") and (f32 or head_dim > 64):
+    requested = "split2" + requested[2:]
   bf16_halves = requested.endswith(("_bf16x3", "_hilo"))
-  two_vjp_kernels = requested.startswith(("split2", "uz"))
+  two_vjp_kernels = requested.startswith("split2")
   requested = variant_for_dtype(requested, dtype)
   if backend != "gpu" or requested == "jnp" or (heads_per_kv == 1 and head_dim < 128):
     return requested

@@ -15,8 +15,18 @@ So every output reaches X only through U and Z. With M_U = Y^T dU and M_Z = Y^T 
     -strictLower((M_U W^T + M_Z WK^T) X^T).
 dX, dY and the inverse VJP's -Y^T dY Y^T are never formed, and the query heads' terms need no
 GM = LQ X. In bf16 passes of 64^3 a chunk at C = D = 64, one query head a kv head: inverse 33
-(recomputed) + 32 (chunk_operands_vjp_uz) + 28 (chunk_uz_pullback) = 93, against the
-"split2_*" VJP's 33 + 27 + 33 + 12 = 105.
+(recomputed) + 51 (chunk_operands_vjp_uz) + 9 (chunk_t_pullback) = 93, against the "split2_*"
+VJP's 33 + 27 + 33 + 12 = 105.
+
+Where the first kernel stops was measured (H200, per-kernel device ms at 32,2048,32,64 /
+8,4096,16,128; split2's three VJP kernels 6.36 / 3.66):
+  - at dU, dZ (a 28-pass second kernel): 2.89 + 3.76 / 1.99 + 2.00;
+  - at M_U, M_Z (22 passes in the second): 3.60 + 3.16 / 2.45 + 2.24;
+  - at T (here; 9 passes in the second): 5.10 + 0.95 / 6.13 + 0.39.
+The second kernel of the first two forms spills (648 and 956 B a thread in the resource
+report at D = 64) and runs at a third of the inverse kernel's rate a pass. At head_dim 128 the
+first kernel spills (5.8 KB a thread), so "uz_*" runs at head_dim <= 64 only
+(prepass_kernel.usable_variant).
 
 Shape letters: C chunk, D head dim; q^, k^, E, diag as in prepass.py.
 """
@@ -37,17 +47,20 @@ def uz_common(k, w, y, beta_r, p):
   return W, K, p.acc(p.mm(X, W)), p.acc(p.mm(X, WK))
 
 
-def chunk_operands_vjp_uz(common, qs, dqhs, dkh, de, dds, *, scale: float, p, put=None):
-  """The operands' VJP as far as U and Z: cotangents (tuple of dq^ [C, D], dk^ [C, D], dE
-  [D, D], tuple of d diag [C, C]) -> (tuple of dq, dk without WK's pullback, dw without X's
-  and WK's pullbacks, dU [C, D], dZ [C, C]), float32.
+def chunk_operands_vjp_uz(common, qs, dqhs, dkh, de, dds, y, w, beta_c, *, scale: float, p,
+                          put=None):
+  """The first kernel's part: cotangents (tuple of dq^ [C, D], dk^ [C, D], dE [D, D], tuple of
+  d diag [C, C]), Y [C, C], the float32 w [C, D] and beta_c [C, 1] -> (tuple of dq, dk, dw
+  without the inverse's share, T = M_U W^T + M_Z WK^T [C, C], X's share of dbeta [C, 1]),
+  float32: every term but dA's pullback (chunk_t_pullback).
 
   Each query head's terms first, ending its tiles' lives as they are formed; then k^'s and E's
-  terms, storing each output as soon as it is final: put(name, g, x) ("dq" per head g; "dk",
-  "dz", "dw", "du"), None taking its place in the returned tuple. dkh and de may be loaders."""
+  terms, which complete dU and dZ; then M_U, M_Z and WK's pullback. put(name, g, x) stores
+  each output as soon as it is final ("dq" per head g; "t", "dk", "dw", "dbeta"), None taking
+  its place in the returned tuple. dkh, de, y and w may be loaders."""
   W, K, U, Z = common
   mm, acc, hi = p.mm, p.acc, p.hi
-  _, lower, _ = _masks(qs[0].shape[0])
+  strict, lower, _ = _masks(qs[0].shape[0])
   store = put or (lambda name, g, x: x)
   du = dz = dw = dk = None
   dqs = []
@@ -64,39 +77,33 @@ def chunk_operands_vjp_uz(common, qs, dqhs, dkh, de, dds, *, scale: float, p, pu
     dz = _add(dz, -mm(LQ, DS, ta=True))
   dkh = _read(dkh)                                            # k^ = K - Z^T W
   DKH = hi(dkh)
-  dk = store("dk", 0, dkh + dk)
+  dk = dkh + dk
   dw = dw - mm(Z, DKH)
-  dz = store("dz", 0, dz - mm(W, DKH, tb=True))
+  dz = dz - mm(W, DKH, tb=True)
   DE = hi(_read(de))                                          # E = W^T U
   # U's lo half is the one operand the outputs are insensitive to (Products: dw 1.6e-4).
-  dw = store("dw", 0, dw + mm(hi(U), DE, tb=True))
-  du = store("du", 0, du + mm(W, DE))
-  return tuple(dqs), dk, dw, du, dz
+  dw = dw + mm(hi(U), DE, tb=True)
+  du = du + mm(W, DE)
+  Y = acc(_read(y))
+  mz = mm(Y, acc(dz), ta=True)                                # M_Z = Y^T dZ  [C, C]
+  mu = mm(Y, acc(du), ta=True)                                # M_U = Y^T dU  [C, D]
+  wk = jnp.where(strict, mm(W, K, tb=True), 0.0)
+  dbeta = (jnp.sum(mz * wk, axis=1, keepdims=True)            # X's share
+           + jnp.sum(mu * _read(w), axis=1, keepdims=True))
+  t = store("t", 0, mm(acc(mz), acc(wk), tb=True) + mm(acc(mu), W, tb=True))
+  DWK = acc(jnp.where(strict, beta_c * mz, 0.0))              # dWK = X^T dZ
+  dk = store("dk", 0, dk + mm(DWK, W, ta=True))
+  dw = store("dw", 0, dw + beta_c * mu + mm(DWK, K))          # X^T dU + WK's pullback
+  return tuple(dqs), dk, dw, t, store("dbeta", 0, dbeta)
 
 
-def chunk_uz_pullback(w, k, y, beta_c, beta_r, du, dz, dw, dk, *, precision, put=None):
-  """The rest of the VJP from chunk_operands_vjp_uz's dU, dZ and partial dw, dk: X's, WK's and
-  the inverse's pullbacks (module docstring) -> (dw, dk, dbeta as a column [C, 1]), float32.
-  w, k [C, D], y [C, C], beta_c [C, 1], beta_r [1, C]; every argument but the betas may be a
-  loader (a kernel's ref read where it is used). Every product float32-accurate at `precision`
-  (the inverse's: prepass_chunk._inverse_products). put(name, x) stores "dk" as soon as it is
-  final. Ordered for few live tiles: M_Z's terms first (WK's pullback: dk final; K and WK
-  die), then M_U's, then dA and the inverse's pullback."""
+def chunk_t_pullback(w, y, beta_c, beta_r, t, dw, dbeta, *, precision):
+  """The second kernel's part: dA = -strictLower(T X^T) and the inverse's pullback, added to
+  the first's dw and dbeta -> (dw, dbeta as a column [C, 1]). w [C, D], y, t [C, C], dw
+  [C, D] (each may be a loader), beta_c, dbeta [C, 1], beta_r [1, C]; products
+  float32-accurate at `precision` (the inverse's: prepass_chunk._inverse_products)."""
   p = _inverse_products(precision)
-  store = put or (lambda name, x: x)
   strict, _, _ = _masks(beta_c.shape[0])
-  mz = p.mm(p.acc(_read(y)), p.acc(_read(dz)), ta=True)       # M_Z = Y^T dZ  [C, C]
-  W, K = p.acc(_read(w)), p.hi(_read(k))
-  wk = jnp.where(strict, p.mm(W, K, tb=True), 0.0)
-  dbeta = jnp.sum(mz * wk, axis=1, keepdims=True)             # X's share (with M_U's below)
-  t = p.mm(p.acc(mz), p.acc(wk), tb=True)
-  DWK = p.acc(jnp.where(strict, beta_c * mz, 0.0))            # dWK = X^T dZ
-  dk = store("dk", _read(dk) + p.mm(DWK, W, ta=True))
-  dw = _read(dw) + p.mm(DWK, K)                               # WK's pullback
-  mu = p.mm(p.acc(_read(y)), p.acc(_read(du)), ta=True)       # M_U = Y^T dU  [C, D]
-  t = t + p.mm(p.acc(mu), W, tb=True)
-  dbeta = dbeta + jnp.sum(mu * _read(w), axis=1, keepdims=True)
-  dw = dw + beta_c * mu                                       # X^T dU
-  da = jnp.where(strict, -p.mm(p.acc(t), p.acc(_read(y) * beta_r), tb=True), 0.0)
+  da = jnp.where(strict, -p.mm(p.acc(_read(t)), p.acc(_read(y) * beta_r), tb=True), 0.0)
   dw_a, dbeta_a = inverse_vjp_from_da(_read(w), beta_c, da, p)
-  return dw + dw_a, dk, dbeta + dbeta_a
+  return _read(dw) + dw_a, dbeta + dbeta_a

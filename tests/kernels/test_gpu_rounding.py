@@ -42,7 +42,8 @@ def _gpu_rounding_dot(dot):
 
 
 @pytest.mark.parametrize("w_mode,prepass", [
-    ("shared:0.01", "split"), ("antiparallel", "split"), ("antiparallel", "split2_hilo")] + [
+    ("shared:0.01", "split"), ("antiparallel", "split"), ("antiparallel", "split2_hilo"),
+    ("antiparallel", "uz_hilo")] + [
     pytest.param(*case, marks=pytest.mark.slow)   # variants that are not a default (CI time)
     for case in (("shared:0.01", "split_bf16x3"), ("shared:0.01", "split_hilo"),
                  ("antiparallel", "split_hilo"))])

@@ -61,7 +61,15 @@ def test_fused_dkv_routing(backend, dtype, G, D, transport, fused):
     ("split2_hilo", "gpu", jnp.float32, 1, 128, "jnp"),
     ("split2_hilo", "gpu", jnp.bfloat16, 2, 64, "split2_hilo"),
     ("split", "interpret", jnp.float32, 2, 64, "split"),
-    ("split", "tpu", jnp.float32, 2, 128, "split")])
+    ("split", "tpu", jnp.float32, 2, 128, "split"),
+    ("uz_hilo", "gpu", jnp.bfloat16, 1, 64, "uz_hilo"),   # measured faster (H200, 2026-11-26)
+    ("uz_hilo", "gpu", jnp.bfloat16, 2, 64, "uz_hilo"),
+    ("uz_hilo", "gpu", jnp.bfloat16, 1, 128, "split2_hilo"),   # its first kernel spills
+    ("uz_hilo", "gpu", jnp.bfloat16, 2, 128, "jnp"),
+    ("uz_hilo", "gpu", jnp.float32, 1, 64, "split2"),   # float32: not run on a GPU
+    ("uz_bf16x3", "gpu", jnp.bfloat16, 1, 128, "split2_bf16x3"),
+    ("uz_hilo", "interpret", jnp.float32, 1, 128, "uz"),
+    ("uz_hilo", "tpu", jnp.bfloat16, 2, 128, "uz_hilo")])
 def test_usable_variant_routes_grouped_heads_off_the_pallas_prepass(requested, backend, dtype, G,
                                                                      D, expected):
   """The GPU shapes whose Pallas pre-pass VJP overflows shared memory take the jnp pre-pass;

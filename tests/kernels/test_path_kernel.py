@@ -501,8 +501,9 @@ class TestGPU(PathKernelBase):
                 block_sizes=kp.BlockSizes(dkv_span=2, fwd_spans=True, fwd_far="mosaic"))
 
   def test_head_dim_128_pallas_prepass_bf16(self, key):
-    """head_dim 128 with one query head per kv head: the default pre-pass ("split2_hilo", the
-    operands VJP as two kernels) runs on Pallas there, where the one-kernel VJP did not fit."""
+    """head_dim 128 with one query head per kv head: the default pre-pass runs as
+    "split2_hilo" there (the operands VJP as two kernels; usable_variant), on Pallas, where the
+    one-kernel VJP did not fit."""
     self.D = 128
     self._check(key, H=2, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520)
 
@@ -517,7 +518,8 @@ class TestGPU(PathKernelBase):
     inverse-VJP kernel (dwk and a float32 dk through HBM); grouped heads, on the correlated w
     whose pre-pass products cancel (test_path_correlated_w's inputs and rows)."""
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=False, segments=False,
-                w_mode="shared:0.01", B=8, block_sizes=kp.BlockSizes(prepass_late_wk=True))
+                w_mode="shared:0.01", B=8,
+                block_sizes=kp.BlockSizes(prepass="split2_hilo", prepass_late_wk=True))
 
   @pytest.mark.parametrize("mode", [1, 2, 3])
   def test_bwd_spans_head_dim_128_bf16(self, key, mode):

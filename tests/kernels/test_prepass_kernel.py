@@ -65,10 +65,9 @@ def test_chunk_uz_vjp_matches_autodiff(key, D, G, hilo):
   prec = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3 if hilo else hi
   p = pk.Products(hilo=True) if hilo else pk.Products(hi)
   y = pk.chunk_inverse(w, beta[:, None], precision=prec)
-  dqs, dk, dw, du, dz = uz.chunk_operands_vjp_uz(uz.uz_common(k, w, y, beta[None], p), qs, *cts,
-                                                 scale=0.3, p=p)
-  dw, dk, dbeta = uz.chunk_uz_pullback(w, k, y, beta[:, None], beta[None], du, dz, dw, dk,
-                                       precision=prec)
+  dqs, dk, dw, t, dbeta = uz.chunk_operands_vjp_uz(uz.uz_common(k, w, y, beta[None], p), qs,
+                                                   *cts, y, w, beta[:, None], scale=0.3, p=p)
+  dw, dbeta = uz.chunk_t_pullback(w, y, beta[:, None], beta[None], t, dw, dbeta, precision=prec)
   # bf16 halves: the operands' error (hi(scale dd) drops the scaled cotangent's lo half),
   # ~1e-3 here for both hand-written VJPs alike (split2's form measured 1.0e-3 to 1.6e-3)
   tol = 3e-3 if hilo else 1e-5
