@@ -91,6 +91,17 @@ def _put_q(ref, g, x, cfg):
     ref[g] = x.astype(ref.dtype)
 
 
+def _putter(dq_ref, outs, cfg):
+  """A chunk VJP's put(name, g, x): "dq" of query head g into dq_ref, any other name into its
+  ref in `outs`, each in its ref's dtype."""
+  def put(name, g, x):
+    if name == "dq":
+      _put_q(dq_ref, g, x, cfg)
+    else:
+      outs[name][...] = x.astype(outs[name].dtype)
+  return put
+
+
 def _cts(dqh_ref, dkh_ref, de_ref, dd_ref):
   return (_heads(dqh_ref),) + _f32(dkh_ref, de_ref) + (_heads(dd_ref),)
 
@@ -177,13 +188,7 @@ def _ops_bwd_q_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, dqh_ref, dkh_ref, dd_r
   p = Products(cfg.precision, cfg.odt, cfg.hilo)
   common = vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
   common = (_loader(y_ref),) + common[1:]   # Y read again where dbeta needs it
-  outs = dict(dk=dk_ref, dw=dw_ref, dy=dy_ref, dbeta=dbr_ref)
-
-  def put(name, g, x):
-    if name == "dq":
-      _put_q(dq_ref, g, x, cfg)
-    else:
-      outs[name][...] = x.astype(outs[name].dtype)
+  put = _putter(dq_ref, dict(dk=dk_ref, dw=dw_ref, dy=dy_ref, dbeta=dbr_ref), cfg)
 
   grads = chunk_operands_vjp_q(
       common, _q_heads(q_ref, cfg), _heads(dqh_ref), _loader(dkh_ref), _heads(dd_ref),
@@ -199,13 +204,7 @@ def _ops_bwd_uz_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_
   inverse's share, T and X's share of dbeta, each stored as soon as it is final."""
   p = Products(cfg.precision, cfg.odt, cfg.hilo)
   common = uz_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
-  outs = dict(dk=dk_ref, dw=dw_ref, t=t_ref, dbeta=dbx_ref)
-
-  def put(name, g, x):
-    if name == "dq":
-      _put_q(dq_ref, g, x, cfg)
-    else:
-      outs[name][...] = x.astype(outs[name].dtype)
+  put = _putter(dq_ref, dict(dk=dk_ref, dw=dw_ref, t=t_ref, dbeta=dbx_ref), cfg)
 
   chunk_operands_vjp_uz(common, _q_heads(q_ref, cfg), _heads(dqh_ref), _loader(dkh_ref),
                         _loader(de_ref), _heads(dd_ref), _loader(y_ref), _loader(w_ref),
