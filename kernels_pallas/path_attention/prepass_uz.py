@@ -35,15 +35,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kernels_pallas.path_attention.prepass_chunk import (_add, _inverse_products, _masks, _read,
-                                                         inverse_vjp_from_da)
+                                                         inverse_vjp_from_da, vjp_common)
 
 
 def uz_common(k, w, y, beta_r, p):
   """What chunk_operands_vjp_uz recomputes from the inputs: (W, K, U, Z), marked as p marks
   them (prepass_chunk.Products): k, w [C, D], y [C, C], beta_r [1, C] float32."""
-  strict, _, _ = _masks(w.shape[0])
-  X, W, K = p.acc(y * beta_r), p.acc(w), p.hi(k)
-  WK = p.acc(jnp.where(strict, p.mm(W, K, tb=True), 0.0))
+  _, _, X, W, K, WK = vjp_common(k, w, y, beta_r, p)
   return W, K, p.acc(p.mm(X, W)), p.acc(p.mm(X, WK))
 
 
@@ -87,6 +85,8 @@ def chunk_operands_vjp_uz(common, qs, dqhs, dkh, de, dds, y, w, beta_c, *, scale
   Y = acc(_read(y))
   mz = mm(Y, acc(dz), ta=True)                                # M_Z = Y^T dZ  [C, C]
   mu = mm(Y, acc(du), ta=True)                                # M_U = Y^T dU  [C, D]
+  # WK again (two passes) rather than uz_common's, which would stay live through the head loop;
+  # its float32 value also serves dbeta exactly (the bf16 halves are not)
   wk = jnp.where(strict, mm(W, K, tb=True), 0.0)
   dbeta = (jnp.sum(mz * wk, axis=1, keepdims=True)            # X's share
            + jnp.sum(mu * _read(w), axis=1, keepdims=True))
