@@ -10,7 +10,8 @@ built at lowering time), catches each kernel's Triton module with the num_warps 
 that calls.py chose, compiles it for sm_90a with the `triton` Python package and reads the
 shared memory from its metadata, the registers and spill bytes from `ptxas -v`, and from the
 PTX the count of Hopper (wgmma) and Ampere (mma.sync) MMA instructions and of ldmatrix /
-stmatrix (register <-> shared layout round trips). One table, one row per kernel launch, in
+stmatrix (register <-> shared layout round trips), and flags a kernel whose wgmmas ptxas
+serialized for lack of registers (its info C7512). One table, one row per kernel launch, in
 launch order.
 
 Estimates, not the device's numbers: XLA compiles the same IR with its own pinned Triton, whose
@@ -115,7 +116,11 @@ def resources(text: str, *, num_warps: int, num_stages: int) -> dict:
           # warpgroup's 64 rows falls back to the latter (NOTES_kernel round 24); ldmatrix /
           # stmatrix count register <-> shared-memory layout round trips
           "wgmma": count(r"wgmma\.mma_async"), "mma_sync": count(r"mma\.sync"),
-          "ldmatrix": count(r"ldmatrix"), "stmatrix": count(r"stmatrix")}
+          "ldmatrix": count(r"ldmatrix"), "stmatrix": count(r"stmatrix"),
+          # ptxas's C7512: every wgmma of the kernel waits for the one before it (no two in
+          # flight) because registers ran short. NOTES_kernel round 32: the one-kernel VJPs
+          # carry it, but a three-kernel form without it was no faster on the H200
+          "serialized": "C7512" in report}
 
 
 def main() -> None:
@@ -141,7 +146,8 @@ def main() -> None:
         f"{'spill st/ld B':>14s} {'wgmma/mma.sync':>15s} {'ld/stmatrix':>12s}")
   for name, text, warps, stages in mods:
     r = resources(text, num_warps=warps, num_stages=stages)
-    flag = "  > 227 KiB" if r["shared_kib"] > limit_kib else ""
+    flag = ("  > 227 KiB" if r["shared_kib"] > limit_kib else "") + (
+        "  wgmma serialized (C7512)" if r["serialized"] else "")
     print(f"{name:20s} {warps:5d} {stages:6d} {r['shared_kib']:10.1f} {r['registers'] or '?':>5} "
           f"{str(r['spill_store']) + '/' + str(r['spill_load']):>14s} "
           f"{str(r['wgmma']) + '/' + str(r['mma_sync']):>15s} "

@@ -28,6 +28,14 @@ report at D = 64) and runs at a third of the inverse kernel's rate a pass. At he
 first kernel spills (5.8 KB a thread), so "uz_*" runs at head_dim <= 64 only
 (prepass_kernel.usable_variant).
 
+ptxas serializes the first kernel's wgmmas for lack of registers (C7512: a wait after each of
+its 196 HGMMAs; triton_resources.py flags it). A three-kernel form that avoids it was measured
+and removed (RESULTS.md round 27): the head loop (dq, partial dw and dZ), then dU, M_U, M_Z, T,
+dk and WK's pullback, then dA's pullback with U dE^T - Z dk^ = Y diag(beta) (W dE^T - WK dk^),
+none serialized, ran 1.91 + 2.62 + 1.58 = 6.11 ms against 5.16 + 0.95 = 6.12 at 32,2048,32,64
+(H200), for 0.33 GiB more peak: float32 traffic and per-product elementwise work bound these
+kernels, not the wgmma waits.
+
 Shape letters: C chunk, D head dim; q^, k^, E, diag as in prepass.py.
 """
 from __future__ import annotations
