@@ -13,7 +13,12 @@ class BlockSizes:
   """Tile sizes. The transport chunk, the query tile and the key tile are one size for now."""
   block_q: int = 64
   block_k: int = 64
-  num_warps: int = 4
+  num_warps: int = 4             # the forward kernel's. At head_dim 128, 8 warps take its
+                                 # spills (576 B a thread) and ptxas's wgmma serialization
+                                 # (C7512) away (resource report) and still lose: H200, one
+                                 # call (2026-11-27), the kernel 1.34 -> 1.78 ms at
+                                 # 8,4096,16,128, fwd+bwd 19.78 -> 20.18 there and 89.97 ->
+                                 # 92.45 at 4,16384,16,128
   num_stages: int | None = None  # None: 2 for head_dim <= 64, else 1 (shared memory); the
                                  # dk/dv kernel takes 2 at every head_dim without grouped heads,
                                  # the forward, boundary and far dq kernels with 16-bit inputs
@@ -49,7 +54,13 @@ class BlockSizes:
   prepass_keep_inverse: bool = False  # the split pre-pass keeps Y = (I + A)^{-1} from the
                                  # forward for its VJP instead of running the inverse kernel
                                  # again: [B, K, T, C] float32 more per layer (0.5 GiB at
-                                 # 32,2048,32,64) for one inverse kernel less
+                                 # 32,2048,32,64) for one inverse kernel less. H200
+                                 # (2026-11-27), fwd+bwd off / on, each pair in one call
+                                 # (peak GiB): 24.22 (4.70) /
+                                 # 22.81 (5.20) ms at 32,2048,32,64, 63.81 (11.17) / 61.10
+                                 # (11.67) at 32,4096,32,64, 86.53 / 87.85 (6.42 / 6.67) at
+                                 # 4,16384,16,128. Off by default: a model would keep Y
+                                 # for every layer, two q-sized arrays at head_dim 64
   prepass_late_wk: bool = False  # "split2_*" pre-pass: the q part of its VJP leaves WK's
                                  # pullback (two products) to the inverse-VJP kernel, dwk and
                                  # dk going through HBM as float32. The q part spills to DRAM
@@ -109,7 +120,9 @@ class BlockSizes:
                                  # 3: as 2, but the far walk (query chunks right of the key's
                                  # span) is its own launch (bwd_span.far_dkv_kernel, 2C-row key
                                  # tiles with far_dkv_pairs) and the dk/dv kernel adds its sums.
-                                 # None: 3 at head_dim > 64, else 2 (routing.span_form, measured)
+                                 # None: 3 at head_dim > 64 and at 64 from 64 chunks where
+                                 # the far walk is the Mosaic launch, else 2
+                                 # (routing.span_form, measured)
   far_dq_pairs: bool | None = None  # the span backward's far dq kernel takes query chunks two
                                  # at a time as one 2C-row tile (bwd_span.far_dq_kernel); None:
                                  # at head_dim > 64. H200, fwd+bwd, pairs / single chunks (one

@@ -22,9 +22,9 @@ query chunk and query head), a key-side kernel (one per key chunk), then Y in XL
 span_kernel (one program per (batch, kv head, span)): the near sweeps of bwd_kernels.dq_kernel
 inside the span, starting from A instead of zero, and the D x D chains above. The sequential
 work per program falls from n^2 / 4 pair steps to S^2 / 4. The key side takes one of three
-forms (BlockSizes.bwd_spans): 2 (the default), bwd_kernels.dkv_kernel gives dk, dv, dfk whole
-(its operator walk inside the span, its plain walk against qb after it) and its far
-accumulator a; 1, far_dkv_kernel gives a and the far dv, dfk, and the span kernel adds the
+forms (BlockSizes.bwd_spans; routing.span_form picks 2 or 3): 2, bwd_kernels.dkv_kernel gives
+dk, dv, dfk whole (its operator walk inside the span, its plain walk against qb after it) and
+its far accumulator a; 1, far_dkv_kernel gives a and the far dv, dfk, and the span kernel adds the
 near dk, dv, dfk from its sweep's states (dq_step's kv parts); 3, far_dkv_kernel as in 1, and
 dkv_kernel walks inside the span only and adds them.
 """

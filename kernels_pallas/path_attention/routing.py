@@ -62,18 +62,36 @@ def forward_span(ops: Operands, bs: BlockSizes, backend: str) -> int:
 def span_backward(ops: Operands, bs: BlockSizes, backend: str) -> tuple[int, BlockSizes]:
   """(span, bs with bwd_spans resolved by span_form) where the span-parallel backward
   (calls_span.backward) runs: PaTH with a span boundary inside the sequence; else (0, bs)."""
-  span, form = dkv_span(ops, bs, backend), span_form(bs, head_dim=ops.q.shape[-1])
-  return (span, dataclasses.replace(bs, bwd_spans=form)) if form and span else (0, bs)
+  span = dkv_span(ops, bs, backend)
+  if not span:
+    return 0, bs
+  form = span_form(bs, head_dim=ops.q.shape[-1], chunks=ops.q.shape[2],
+                   far_dkv_mosaic=mosaic_launch(ops, bs, backend, "far_dkv"))
+  return (span, dataclasses.replace(bs, bwd_spans=form)) if form else (0, bs)
 
 
-def span_form(bs: BlockSizes, *, head_dim: int) -> int:
+# span_form: from this many chunks form 3 runs at head_dim 64 too, where its far dk/dv walk is
+# the Mosaic GPU launch
+FORM3_MIN_CHUNKS = 64
+
+
+def span_form(bs: BlockSizes, *, head_dim: int, chunks: int = 0,
+              far_dkv_mosaic: bool = False) -> int:
   """BlockSizes.bwd_spans, None resolved: form 3 (the far dk/dv walk in its own launch on
-  2C-row key tiles) at head_dim > 64, else 2. H200, 2026-11-25, one call, fwd+bwd 3 / 2:
-  122.74 / 131.42 ms at 4,16384,16,128 (span 32), 25.05 / 25.78 at 8,4096,16,128 (span 8);
-  30.59 / 28.29 at 32,2048,32,64 (span 8), 65.99 / 56.59 at 8,8192,32,64 (span 16)."""
+  2C-row key tiles) at head_dim > 64, and at 64 from FORM3_MIN_CHUNKS chunks where that walk
+  is the Mosaic GPU launch (far_dkv_mosaic); else 2.
+
+  H200, 2026-11-25, one call, fwd+bwd 3 / 2 (the far walk a Triton kernel then): 122.74 /
+  131.42 ms at 4,16384,16,128 (span 32), 25.05 / 25.78 at 8,4096,16,128 (span 8); 30.59 /
+  28.29 at 32,2048,32,64 (span 8), 65.99 / 56.59 at 8,8192,32,64 (span 16). With the Mosaic
+  far dk/dv launch (H200, 2026-11-27, one call each shape, 3 / 2, peak GiB): 63.01 / 64.37
+  (11.17 both) at 32,4096,32,64 (64 chunks), 47.12 / 48.54 (5.56 both) at 8,8192,32,64 (128),
+  24.09 / 24.14 (5.03 / 4.70) at 32,2048,32,64 (32 chunks: no faster, more memory)."""
   if bs.bwd_spans is not None:
     return bs.bwd_spans
-  return 3 if head_dim > 64 else 2
+  if head_dim > 64 or (far_dkv_mosaic and chunks >= FORM3_MIN_CHUNKS):
+    return 3
+  return 2
 
 
 def chain_products(bs: BlockSizes, *, head_dim: int) -> str:
@@ -98,7 +116,9 @@ def auto_span(n: int) -> int:
   boundaries). H200, 2026-11-25, one call, fwd+bwd (peak GiB) with spans of <= 3 / <= 7
   boundaries: 154.26 (5.90) / 131.42 (6.42) ms at 4,16384,16,128 (spans 64 / 32; 16: 124.75,
   7.78), 27.24 / 25.78 at 8,4096,16,128 (16 / 8), 60.35 / 56.59 at 8,8192,32,64 (32 / 16),
-  but 28.29 / 29.17 at 32,2048,32,64 (8 / 4): hence the minimum of 8."""
+  but 28.29 / 29.17 at 32,2048,32,64 (8 / 4): hence the minimum of 8. Again at
+  8,4096,16,128 on 2026-11-27's code (H200, one call), spans 4 / 8 / 16: 20.40 (3.94) / 19.73
+  (3.25) / 22.60 (2.97)."""
   even = lambda span: span + span % 2
   most = lambda boundaries: even((n - 1) // (boundaries + 1) + 1)
   return max(most(DKV_SPAN_BOUNDARIES), min(most(3), DKV_SPAN_MIN))

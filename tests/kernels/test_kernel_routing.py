@@ -1,6 +1,7 @@
 """Which kernel form runs where: backward lanes by the GPU's wave count, the fused dk/dv sweep
 and the pre-pass variant where their shared memory fits. Rules only: the kernels they pick are
 tested against the oracles in test_path_kernel.py."""
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -94,6 +95,14 @@ def test_auto_span_bounds_boundaries_and_keeps_short_spans():
   assert [routing.auto_span(n) for n in (32, 64, 128, 256)] == [8, 8, 16, 32]   # the anchors
   assert routing.span_form(kp.BlockSizes(), head_dim=128) == 3
   assert routing.span_form(kp.BlockSizes(), head_dim=64) == 2
+  # at 64, form 3 from FORM3_MIN_CHUNKS chunks, and only where its far walk is the Mosaic launch
+  many = routing.FORM3_MIN_CHUNKS
+  assert routing.span_form(kp.BlockSizes(), head_dim=64, chunks=many, far_dkv_mosaic=True) == 3
+  assert routing.span_form(kp.BlockSizes(), head_dim=64, chunks=many - 2,
+                           far_dkv_mosaic=True) == 2
+  assert routing.span_form(kp.BlockSizes(), head_dim=64, chunks=many, far_dkv_mosaic=False) == 2
+  assert routing.span_form(kp.BlockSizes(bwd_spans=2), head_dim=64, chunks=many,
+                           far_dkv_mosaic=True) == 2
   assert routing.span_form(kp.BlockSizes(bwd_spans=1), head_dim=128) == 1
   with pytest.raises(ValueError, match="far_dkv_rows"):
     kp.BlockSizes(far_dkv_rows=24).validate(64)
@@ -201,3 +210,28 @@ def test_span_sweep_launch_by_default():
                          (ops(jnp.bfloat16), "tpu", {})):
     with pytest.raises(ValueError, match="span_sweep"):
       launch(o, mosaic, backend, **kw)
+
+
+def test_span_form_by_chunks_at_head_dim_64():
+  """span_backward resolves BlockSizes.bwd_spans None at head_dim 64 to form 3 from
+  FORM3_MIN_CHUNKS chunks where the far dk/dv walk is the Mosaic GPU launch (bf16 on the GPU),
+  else 2 (fewer chunks, float32 inputs, the interpreter unless asked); 3 at head_dim 128; a
+  BlockSizes choice stands."""
+  from kernels_pallas.path_attention import prepass, routing
+  def ops(dtype, n, D=64):
+    x = jax.ShapeDtypeStruct((1, 2, n, 64, D), dtype)
+    return prepass.Operands(q=x, k=x, v=x, e=jax.ShapeDtypeStruct((1, 2, n, D, D), dtype),
+                            diag=None, fq=None, fk=None, sq=None, sk=None)
+  form = lambda o, backend, **kw: routing.span_backward(o, kp.BlockSizes(**kw), backend)[1] \
+      .bwd_spans
+  many = routing.FORM3_MIN_CHUNKS
+  assert form(ops(jnp.bfloat16, many), "gpu") == 3
+  assert form(ops(jnp.bfloat16, 2 * many), "gpu") == 3
+  assert form(ops(jnp.bfloat16, many - 2), "gpu") == 2
+  assert form(ops(jnp.float32, many), "gpu") == 2
+  assert form(ops(jnp.bfloat16, many), "interpret") == 2
+  assert form(ops(jnp.bfloat16, many), "interpret", far_dkv="mosaic") == 3
+  assert form(ops(jnp.bfloat16, many - 2, D=128), "gpu") == 3
+  assert form(ops(jnp.bfloat16, many), "gpu", bwd_spans=2) == 2
+  assert routing.span_backward(ops(jnp.bfloat16, many), kp.BlockSizes(), "tpu") == \
+      (0, kp.BlockSizes())
