@@ -65,8 +65,12 @@ def span_backward(ops: Operands, bs: BlockSizes, backend: str) -> tuple[int, Blo
   span = dkv_span(ops, bs, backend)
   if not span:
     return 0, bs
-  form = span_form(bs, head_dim=ops.q.shape[-1], chunks=ops.q.shape[2],
-                   far_dkv_mosaic=mosaic_launch(ops, bs, backend, "far_dkv"))
+  D, n = ops.q.shape[-1], ops.q.shape[2]
+  # asked only where the answer picks the form (choose_mosaic raises for a "mosaic" it cannot
+  # honour, which form 2 never runs)
+  mosaic = bs.bwd_spans is None and D <= 64 and n >= FORM3_MIN_CHUNKS and \
+      mosaic_launch(ops, bs, backend, "far_dkv")
+  form = span_form(bs, head_dim=D, chunks=n, far_dkv_mosaic=mosaic)
   return (span, dataclasses.replace(bs, bwd_spans=form)) if form else (0, bs)
 
 

@@ -233,5 +233,10 @@ def test_span_form_by_chunks_at_head_dim_64():
   assert form(ops(jnp.bfloat16, many), "interpret", far_dkv="mosaic") == 3
   assert form(ops(jnp.bfloat16, many - 2, D=128), "gpu") == 3
   assert form(ops(jnp.bfloat16, many), "gpu", bwd_spans=2) == 2
+  # a far_dkv="mosaic" the launch cannot honour raises only where it would pick the form
+  assert form(ops(jnp.float32, many), "gpu", bwd_spans=2, far_dkv="mosaic") == 2
+  assert form(ops(jnp.float32, many - 2), "gpu", far_dkv="mosaic") == 2
+  with pytest.raises(ValueError, match="far_dkv"):
+    form(ops(jnp.float32, many), "gpu", far_dkv="mosaic")
   assert routing.span_backward(ops(jnp.bfloat16, many), kp.BlockSizes(), "tpu") == \
       (0, kp.BlockSizes())
