@@ -56,11 +56,11 @@ class BlockSizes:
                                  # again: [B, K, T, C] float32 more per layer (0.5 GiB at
                                  # 32,2048,32,64) for one inverse kernel less. H200
                                  # (2026-11-27), fwd+bwd off / on, each pair in one call
-                                 # (peak GiB): 24.22 (4.70) /
-                                 # 22.81 (5.20) ms at 32,2048,32,64, 63.81 (11.17) / 61.10
-                                 # (11.67) at 32,4096,32,64, 86.53 / 87.85 (6.42 / 6.67) at
-                                 # 4,16384,16,128. Off by default: a model would keep Y
-                                 # for every layer, two q-sized arrays at head_dim 64
+                                 # (peak GiB): 24.22 (4.70) / 22.81 (5.20) ms at
+                                 # 32,2048,32,64, 63.81 (11.17) / 61.10 (11.67) at
+                                 # 32,4096,32,64, 86.53 (6.42) / 87.85 (6.67) at
+                                 # 4,16384,16,128. Off by default: a model would keep Y for
+                                 # every layer, two q-sized arrays at head_dim 64
   prepass_late_wk: bool = False  # "split2_*" pre-pass: the q part of its VJP leaves WK's
                                  # pullback (two products) to the inverse-VJP kernel, dwk and
                                  # dk going through HBM as float32. The q part spills to DRAM
