@@ -24,9 +24,9 @@ inside the span, starting from A instead of zero, and the D x D chains above. Th
 work per program falls from n^2 / 4 pair steps to S^2 / 4. The key side takes one of three
 forms (BlockSizes.bwd_spans; routing.span_form picks 2 or 3): 2, bwd_kernels.dkv_kernel gives
 dk, dv, dfk whole (its operator walk inside the span, its plain walk against qb after it) and
-its far accumulator a; 1, far_dkv_kernel gives a and the far dv, dfk, and the span kernel adds the
-near dk, dv, dfk from its sweep's states (dq_step's kv parts); 3, far_dkv_kernel as in 1, and
-dkv_kernel walks inside the span only and adds them.
+its far accumulator a; 1, far_dkv_kernel gives a and the far dv, dfk, and the span kernel adds
+the near dk, dv, dfk from its sweep's states (dq_step's kv parts); 3, far_dkv_kernel as in 1,
+and dkv_kernel walks inside the span only and adds them.
 """
 from __future__ import annotations
 

@@ -65,12 +65,8 @@ def span_backward(ops: Operands, bs: BlockSizes, backend: str) -> tuple[int, Blo
   span = dkv_span(ops, bs, backend)
   if not span:
     return 0, bs
-  D, n = ops.q.shape[-1], ops.q.shape[2]
-  # asked only where the answer picks the form (choose_mosaic raises for a "mosaic" it cannot
-  # honour, which form 2 never runs)
-  mosaic = bs.bwd_spans is None and D <= 64 and n >= FORM3_MIN_CHUNKS and \
-      mosaic_launch(ops, bs, backend, "far_dkv")
-  form = span_form(bs, head_dim=D, chunks=n, far_dkv_mosaic=mosaic)
+  form = span_form(bs, head_dim=ops.q.shape[-1], chunks=ops.q.shape[2],
+                   far_dkv_mosaic=lambda: mosaic_launch(ops, bs, backend, "far_dkv"))
   return (span, dataclasses.replace(bs, bwd_spans=form)) if form else (0, bs)
 
 
@@ -80,10 +76,11 @@ FORM3_MIN_CHUNKS = 64
 
 
 def span_form(bs: BlockSizes, *, head_dim: int, chunks: int = 0,
-              far_dkv_mosaic: bool = False) -> int:
+              far_dkv_mosaic=lambda: False) -> int:
   """BlockSizes.bwd_spans, None resolved: form 3 (the far dk/dv walk in its own launch on
   2C-row key tiles) at head_dim > 64, and at 64 from FORM3_MIN_CHUNKS chunks where that walk
-  is the Mosaic GPU launch (far_dkv_mosaic); else 2.
+  is the Mosaic GPU launch (far_dkv_mosaic(), called only there: choose_mosaic raises for a
+  "mosaic" it cannot honour, which form 2 never runs); else 2.
 
   H200, 2026-11-25, one call, fwd+bwd 3 / 2 (the far walk a Triton kernel then): 122.74 /
   131.42 ms at 4,16384,16,128 (span 32), 25.05 / 25.78 at 8,4096,16,128 (span 8); 30.59 /
@@ -93,7 +90,7 @@ def span_form(bs: BlockSizes, *, head_dim: int, chunks: int = 0,
   24.09 / 24.14 (5.03 / 4.70) at 32,2048,32,64 (32 chunks: no faster, more memory)."""
   if bs.bwd_spans is not None:
     return bs.bwd_spans
-  if head_dim > 64 or (far_dkv_mosaic and chunks >= FORM3_MIN_CHUNKS):
+  if head_dim > 64 or (chunks >= FORM3_MIN_CHUNKS and far_dkv_mosaic()):
     return 3
   return 2
 

@@ -1,7 +1,6 @@
 """Which kernel form runs where: backward lanes by the GPU's wave count, the fused dk/dv sweep
 and the pre-pass variant where their shared memory fits. Rules only: the kernels they pick are
 tested against the oracles in test_path_kernel.py."""
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -97,12 +96,12 @@ def test_auto_span_bounds_boundaries_and_keeps_short_spans():
   assert routing.span_form(kp.BlockSizes(), head_dim=64) == 2
   # at 64, form 3 from FORM3_MIN_CHUNKS chunks, and only where its far walk is the Mosaic launch
   many = routing.FORM3_MIN_CHUNKS
-  assert routing.span_form(kp.BlockSizes(), head_dim=64, chunks=many, far_dkv_mosaic=True) == 3
+  assert routing.span_form(kp.BlockSizes(), head_dim=64, chunks=many, far_dkv_mosaic=lambda: True) == 3
   assert routing.span_form(kp.BlockSizes(), head_dim=64, chunks=many - 2,
-                           far_dkv_mosaic=True) == 2
-  assert routing.span_form(kp.BlockSizes(), head_dim=64, chunks=many, far_dkv_mosaic=False) == 2
+                           far_dkv_mosaic=lambda: True) == 2
+  assert routing.span_form(kp.BlockSizes(), head_dim=64, chunks=many, far_dkv_mosaic=lambda: False) == 2
   assert routing.span_form(kp.BlockSizes(bwd_spans=2), head_dim=64, chunks=many,
-                           far_dkv_mosaic=True) == 2
+                           far_dkv_mosaic=lambda: True) == 2
   assert routing.span_form(kp.BlockSizes(bwd_spans=1), head_dim=128) == 1
   with pytest.raises(ValueError, match="far_dkv_rows"):
     kp.BlockSizes(far_dkv_rows=24).validate(64)
@@ -182,16 +181,21 @@ def test_far_backward_launch_by_default(field):
     launch(ops(jnp.float32), mosaic, "gpu")
 
 
+def _transport_ops(dtype, D=64, n=4):
+  """PaTH Operands of n chunks of 64 at head_dim D (zeros): what the span routing reads."""
+  from kernels_pallas.path_attention import prepass
+  x = jnp.zeros((1, 2, n, 64, D), dtype)
+  return prepass.Operands(q=x, k=x, v=x, e=jnp.zeros((1, 2, n, D, D), dtype), diag=None,
+                          fq=None, fk=None, sq=None, sk=None)
+
+
 def test_span_sweep_launch_by_default():
   """BlockSizes.span_sweep None: the span backward's near sweep goes to the Mosaic GPU launch on
   the GPU where it takes the operands (bf16 / f16, chunk 64, head_dim 64, an even number of
   chunks, query tiles in pairs, no key-side parts), else stays in the Triton span kernel; the
   interpreter runs its jnp oracle only when asked; "mosaic" where it cannot raises."""
-  from kernels_pallas.path_attention import prepass, routing
-  def ops(dtype, D=64, n=4):
-    x = jnp.zeros((1, 2, n, 64, D), dtype)
-    return prepass.Operands(q=x, k=x, v=x, e=jnp.zeros((1, 2, n, D, D), dtype), diag=None,
-                            fq=None, fk=None, sq=None, sk=None)
+  from kernels_pallas.path_attention import routing
+  ops = _transport_ops
   auto, mosaic, triton = (kp.BlockSizes(span_sweep=x) for x in (None, "mosaic", "triton"))
   launch = lambda o, bs, backend, kv=False, pairs=True: routing.sweep_launch(
       o, bs, backend, kv=kv, pairs=pairs)
@@ -217,11 +221,8 @@ def test_span_form_by_chunks_at_head_dim_64():
   FORM3_MIN_CHUNKS chunks where the far dk/dv walk is the Mosaic GPU launch (bf16 on the GPU),
   else 2 (fewer chunks, float32 inputs, the interpreter unless asked); 3 at head_dim 128; a
   BlockSizes choice stands."""
-  from kernels_pallas.path_attention import prepass, routing
-  def ops(dtype, n, D=64):
-    x = jax.ShapeDtypeStruct((1, 2, n, 64, D), dtype)
-    return prepass.Operands(q=x, k=x, v=x, e=jax.ShapeDtypeStruct((1, 2, n, D, D), dtype),
-                            diag=None, fq=None, fk=None, sq=None, sk=None)
+  from kernels_pallas.path_attention import routing
+  ops = lambda dtype, n, D=64: _transport_ops(dtype, D=D, n=n)
   form = lambda o, backend, **kw: routing.span_backward(o, kp.BlockSizes(**kw), backend)[1] \
       .bwd_spans
   many = routing.FORM3_MIN_CHUNKS
