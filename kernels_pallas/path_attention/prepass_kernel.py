@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas.path_attention import calls
 from kernels_pallas.path_attention import prepass
 from kernels_pallas.path_attention.prepass_chunk import (Products, chunk_inverse,
+                                                         chunk_inverse_refine,
                                                          chunk_inverse_vjp, chunk_operands,
                                                          chunk_operands_vjp,
                                                          chunk_operands_vjp_kv,
@@ -56,8 +57,10 @@ class _Cfg:
   num_warps: object = 4  # every pre-pass kernel's warps, or a tuple of (kernel name, warps)
   vjp2: bool = False    # the operands VJP as two kernels (chunk_operands_vjp_kv, then _q), its
                         # partial dw, dx, dwk through HBM: fewer live tiles per program
-  keep_inverse: bool = False  # split variants: Y is a residual of the VJP (a [C, C] float32 per
-                              # chunk and kv head) instead of recomputed in the backward
+  keep_inverse: object = False  # split variants: Y is a residual of the VJP (True: a [C, C]
+                                # float32 per chunk and kv head; "bf16": its bf16 rounding, which
+                                # the backward refines by one Newton step) instead of
+                                # recomputed in the backward
   late_wk: bool = False  # vjp2: WK's pullback (two products) in the inverse-VJP kernel, not in
                          # the q part's: its dwk and dk reach it through HBM (float32)
   uz: bool = False      # the VJP from dU, dZ (prepass_uz.py) as two kernels, _ops_bwd_uz_kernel
@@ -106,8 +109,17 @@ def _cts(dqh_ref, dkh_ref, de_ref, dd_ref):
   return (_heads(dqh_ref),) + _f32(dkh_ref, de_ref) + (_heads(dd_ref),)
 
 
-def _inv_kernel(w_ref, bc_ref, y_ref, *, cfg):
-  y_ref[...] = chunk_inverse(*_f32(w_ref, bc_ref), precision=cfg.inv_precision)
+def _inv_kernel(w_ref, bc_ref, y_ref, *y16_ref, cfg):
+  """y16_ref (keep_inverse "bf16"): Y's bf16 rounding too, the VJP's residual."""
+  y = chunk_inverse(*_f32(w_ref, bc_ref), precision=cfg.inv_precision)
+  y_ref[...] = y
+  if y16_ref:
+    y16_ref[0][...] = y.astype(y16_ref[0].dtype)
+
+
+def _refine_kernel(w_ref, bc_ref, y0_ref, y_ref, *, cfg):
+  """Y from the forward's bf16 Y0 (keep_inverse "bf16"): chunk_inverse_refine."""
+  y_ref[...] = chunk_inverse_refine(*_f32(w_ref, bc_ref, y0_ref), precision=cfg.inv_precision)
 
 
 def _inv_bwd_kernel(w_ref, bc_ref, y_ref, dy_ref, dwo_ref, *refs, cfg):
@@ -293,25 +305,43 @@ def _outs(cfg, B, H, K, n, C, D):
   return shapes, [grp(C, D), one(C, D), one(D, D), grp(C, C)]
 
 
-def _inverse(cfg, w, bc, spec_w):
+def _inverse(cfg, w, bc, spec_w, *, rounded: bool = False):
+  """-> Y [B, K, n, C, C] float32, or (Y, its bf16 rounding) with rounded."""
   B, K, n, C, _ = bc.shape
   _, one = _specs(1)
-  return _call(cfg, functools.partial(_inv_kernel, cfg=cfg), (B, K, n), [spec_w, one(C, 1)],
-               one(C, C), jax.ShapeDtypeStruct((B, K, n, C, C), jnp.float32))(w, bc)
+  sd = jax.ShapeDtypeStruct((B, K, n, C, C), jnp.float32)
+  if not rounded:
+    return _call(cfg, functools.partial(_inv_kernel, cfg=cfg), (B, K, n), [spec_w, one(C, 1)],
+                 one(C, C), sd)(w, bc)
+  return tuple(_call(cfg, functools.partial(_inv_kernel, cfg=cfg), (B, K, n),
+                     [spec_w, one(C, 1)], [one(C, C)] * 2,
+                     [sd, jax.ShapeDtypeStruct(sd.shape, jnp.bfloat16)])(w, bc))
+
+
+def _refined_inverse(cfg, w, bc, y0, spec_w):
+  """Y [B, K, n, C, C] float32 from the kept bf16 Y0 (_refine_kernel)."""
+  B, K, n, C, _ = bc.shape
+  _, one = _specs(1)
+  return _call(cfg, functools.partial(_refine_kernel, cfg=cfg), (B, K, n),
+               [spec_w, one(C, 1), one(C, C)], one(C, C),
+               jax.ShapeDtypeStruct((B, K, n, C, C), jnp.float32))(w, bc, y0)
 
 
 def _fwd(cfg, q, k, w, bb):
-  """-> (q^, k^, E, diag), and Y ([B, K, n, C, C] float32; None with fold)."""
+  """-> (q^, k^, E, diag), and the VJP's Y: [B, K, n, C, C] float32 (keep_inverse "bf16": its
+  bf16 rounding); None with fold."""
   B, H, K, n, C, D, G = _dims(q, bb)
   _, one = _specs(G)
   spec_q, spec_1 = _input_specs(cfg, G, C, D)
   bc, br = bb[..., None], bb[..., None, :]   # beta as a column [.., C, 1] and a row [.., 1, C]
   out_shape, out_specs = _outs(cfg, B, H, K, n, C, D)
-  y = bc if cfg.fold else _inverse(cfg, w, bc, spec_1)
+  rounded = cfg.keep_inverse == "bf16" and not cfg.fold
+  y = bc if cfg.fold else _inverse(cfg, w, bc, spec_1, rounded=rounded)
+  y, kept = y if rounded else (y, y)
   kernel = functools.partial(_ops_kernel, cfg=cfg)
   in_specs = [spec_q, spec_1, spec_1, one(*y.shape[-2:]), one(1, C)]
   ops = tuple(_call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(q, k, w, y, br))
-  return ops, None if cfg.fold else y
+  return ops, None if cfg.fold else kept
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -334,6 +364,8 @@ def _transport_bwd(cfg, res, cts):
   f32 = jnp.float32
   if y is None:   # recomputed unless kept (keep_inverse): [C, C] float32 per chunk and kv head
     y = _inverse(cfg, w, bc, spec_1)
+  elif y.dtype != jnp.float32:   # its bf16 rounding kept: one Newton step
+    y = _refined_inverse(cfg, w, bc, y, spec_1)
   if cfg.uz:
     return _uz_bwd(cfg, q, k, w, bb, y, cts)
   in_specs = [spec_q, spec_1, spec_1, one(C, C), one(1, C), one(C, 1),
@@ -395,7 +427,7 @@ def auto_warps(head_dim: int):
   2.2 and 2.3 KB a thread in the resource report), the inverse (0.47 / 1.08), its VJP
   (0.39 / 0.79) and the VJP's kv part (1.09 / 1.74) keep 4."""
   wide = 8 if head_dim >= 128 else 4
-  return (("_inv_kernel", 4), ("_inv_bwd_kernel", 4), ("_ops_kernel", wide),
+  return (("_inv_kernel", 4), ("_refine_kernel", 4), ("_inv_bwd_kernel", 4), ("_ops_kernel", wide),
           ("_ops_bwd_kernel", 4), ("_ops_bwd_kv_kernel", 4), ("_ops_bwd_q_kernel", wide),
           ("_ops_bwd_uz_kernel", 4), ("_t_pullback_kernel", 4))
 
@@ -452,9 +484,21 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
   return "jnp"
 
 
+def kept_inverse(keep_inverse, inv_precision):
+  """What the VJP keeps of Y for keep_inverse (False, True or "bf16") when the inverse's
+  products run at inv_precision: "bf16" only with the bf16 halves (BF16_BF16_F32_X3), whose
+  own error the refining step matches (prepass_chunk.chunk_inverse_refine); finer products
+  (float32 inputs, the TPU) keep float32 Y (True), which the step would make coarser."""
+  if keep_inverse not in (False, True, "bf16"):
+    raise ValueError(f"keep_inverse={keep_inverse!r} must be False, True or 'bf16'")
+  if keep_inverse == "bf16" and inv_precision != jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3:
+    return True
+  return keep_inverse
+
+
 def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precision=None,
                      variant: str = "split", num_warps: int | None = 4,
-                     keep_inverse: bool = False, late_wk: bool = False):
+                     keep_inverse: bool | str = False, late_wk: bool = False):
   """Drop-in for prepass.transport_jnp (same arguments, shapes and dtypes) as Pallas kernels on
   `backend`: q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C].
 
@@ -492,7 +536,12 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   and 36 (D 64). num_warps sets the pre-pass kernels' warps; None: each
   kernel's own, by head_dim (auto_warps). keep_inverse: the split variants keep Y from the
   forward for the VJP (one inverse kernel less there, for a [C, C] float32 residual per chunk
-  and kv head); the fold variants form Y inside their kernels and ignore it. late_wk ("split2_*"
+  and kv head); "bf16" keeps its bf16 rounding (half the residual) and the VJP restores float32
+  accuracy by one Newton step, a 7-pass kernel in place of the inverse's 33
+  (prepass_chunk.chunk_inverse_refine), where the inverse's products are bf16 halves (16-bit
+  inputs on the GPU: the step is as accurate as they are); finer products (float32 inputs,
+  the TPU) keep float32 Y. The fold variants form
+  Y inside their kernels and ignore it. late_wk ("split2_*"
   only): the pullback of WK = strictLower(W K^T) (two products) runs in the inverse-VJP kernel,
   not the q part's, which spills its tiles to DRAM (NOTES_kernel round 22); dwk and a float32
   dk go through HBM between them.
@@ -517,7 +566,8 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
              inv_precision=accurate, odt=odt, hilo=hilo, fold=variant.startswith("fold"),
              time_major=time_major, vjp2=variant.startswith("split2"),
              num_warps=auto_warps(q.shape[-1]) if num_warps is None else num_warps,
-             keep_inverse=keep_inverse, late_wk=late_wk and variant.startswith("split2"),
+             keep_inverse=kept_inverse(keep_inverse, accurate),
+             late_wk=late_wk and variant.startswith("split2"),
              uz=variant.startswith("uz"))
   if not time_major:
     C = bb.shape[-1]

@@ -21,6 +21,24 @@ def test_auto_lanes_fill_the_last_wave():
     kp.BlockSizes(prepass_num_warps=6).validate(64)
 
 
+def test_kept_inverse_bf16_only_with_bf16_halves():
+  """prepass_keep_inverse="bf16" keeps Y's bf16 rounding where the inverse's products are the
+  bf16 halves (16-bit inputs on the GPU and in the interpreter); float32 inputs (three-pass
+  TF32) and the TPU (HIGHEST) keep float32 Y."""
+  from kernels_pallas.path_attention import calls
+  from kernels_pallas.path_attention.prepass_kernel import kept_inverse
+  assert kept_inverse("bf16", calls.bf16x3_precision("gpu")) == "bf16"
+  assert kept_inverse("bf16", calls.bf16x3_precision("interpret")) == "bf16"
+  assert kept_inverse("bf16", calls.float32_precision("gpu")) is True
+  assert kept_inverse("bf16", calls.bf16x3_precision("tpu")) is True
+  assert kept_inverse(False, calls.bf16x3_precision("gpu")) is False
+  assert kept_inverse(True, calls.bf16x3_precision("gpu")) is True
+  with pytest.raises(ValueError, match="keep_inverse"):
+    kept_inverse("f16", None)
+  with pytest.raises(ValueError, match="prepass_keep_inverse"):
+    kp.BlockSizes(prepass_keep_inverse="yes").validate(64)
+
+
 @pytest.mark.parametrize("backend,dtype,G,D,transport,fused", [
     ("gpu", jnp.bfloat16, 2, 64, True, True),      # built on the H100
     ("gpu", jnp.bfloat16, 1, 128, True, False),    # asked for 240 KiB there

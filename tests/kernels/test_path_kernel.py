@@ -344,6 +344,24 @@ class TestInterpret(PathKernelBase):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, T=8 * self.block - 12,
                 block_sizes=bs, segments=segments, determinism=True)
 
+  def test_prepass_keep_inverse_bf16_interpret(self, key, monkeypatch):
+    """BlockSizes(prepass_keep_inverse="bf16") through path_attention: the forward keeps Y's
+    bf16 rounding and the VJP's _refine_kernel restores it by a Newton step (the interpreter
+    forms the GPU's bf16 halves, where the option applies; the test sees the kernel run);
+    correlated w, grouped heads, gate."""
+    from kernels_pallas.path_attention import prepass_kernel
+    ran, refine = [], prepass_kernel._refine_kernel
+
+    def _refine_kernel(*refs, cfg):   # the same name: auto_warps looks kernels up by name
+      ran.append(cfg)
+      return refine(*refs, cfg=cfg)
+
+    monkeypatch.setattr(prepass_kernel, "_refine_kernel", _refine_kernel)
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, prepass_keep_inverse="bf16")
+    self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=False,
+                w_mode="shared:0.01", block_sizes=bs)
+    assert ran, "the VJP did not refine a kept bf16 Y"
+
   # The shared:0.01 bf16 case keeps this code path (no gate, no segments, one kv head);
   # test_tf32_products_correlated_w runs shared:0.01 and antiparallel with the GPU's TF32
   # rounding emulated, and test_chunk_inverse_correlated_w holds the inverse to float64 for
@@ -507,11 +525,23 @@ class TestGPU(PathKernelBase):
     self.D = 128
     self._check(key, H=2, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520)
 
-  def test_prepass_keep_inverse_bf16(self, key):
+  @pytest.mark.parametrize("keep", [True, "bf16"])
+  def test_prepass_keep_inverse_bf16(self, key, keep):
     """BlockSizes(prepass_keep_inverse=True): the pre-pass VJP reads the forward's Y instead of
-    running the inverse kernel again; gradients against the oracle, grouped heads, gate."""
+    running the inverse kernel again ("bf16": refines Y's bf16 rounding by a Newton step);
+    gradients against the oracle, grouped heads, gate."""
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=False,
-                block_sizes=kp.BlockSizes(prepass_keep_inverse=True))
+                block_sizes=kp.BlockSizes(prepass_keep_inverse=keep))
+
+  @pytest.mark.parametrize("D", [64, 128])
+  def test_prepass_keep_inverse_bf16_correlated(self, key, D):
+    """prepass_keep_inverse="bf16" on the correlated w whose pre-pass products cancel
+    (test_path_correlated_w's inputs), at both pre-pass forms ("uz_hilo" at 64, "split2_hilo"
+    at 128): the Newton step must restore the float32 Y there."""
+    self.D = D
+    self._check(key, H=2, K=2, dtype=jnp.bfloat16, gate=False, segments=False,
+                w_mode="shared:0.01", B=4,
+                block_sizes=kp.BlockSizes(prepass_keep_inverse="bf16"))
 
   def test_prepass_late_wk_correlated_bf16(self, key):
     """BlockSizes(prepass_late_wk=True): the pre-pass VJP's q part leaves WK's pullback to the

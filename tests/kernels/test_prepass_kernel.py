@@ -96,6 +96,32 @@ def test_chunk_inverse_correlated_w(key, w_mode):
   assert_rel_rms(got, expected, 1e-4, "Y")
 
 
+@pytest.mark.parametrize("w_mode", ["random", "shared:1.0", "shared:0.1", "shared:0.01",
+                                    "antiparallel"])
+def test_chunk_inverse_refine_correlated_w(key, w_mode):
+  """chunk_inverse_refine (keep_inverse "bf16": the VJP's Y from its kept bf16 rounding by one
+  Newton step) against float64 numpy at C = 64, with the bf16 halves it runs with: within twice
+  the error of the inverse it replaces (chunk_inverse at the same products; over 300 seeds
+  a layout the ratio's worst was 1.62, at w shared to 0.01). The rounding itself is ~200x the
+  inverse's error on random w."""
+  import numpy as np
+  from kernels_pallas.path_attention import prepass_chunk as pk
+  from tests.util import rel_rms
+  C = D = 64
+  w, beta = transport_vectors(key, 1, C, 1, D, mode=w_mode)
+  w, beta = w[0, :, 0], beta[0, :, 0]
+  w64, b64 = np.asarray(w, np.float64), np.asarray(beta, np.float64)
+  expected = np.linalg.inv(np.eye(C) + np.tril(b64[:, None] * (w64 @ w64.T), -1))
+  prec = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+  y = pk.chunk_inverse(w, beta[:, None], precision=prec)
+  y0 = y.astype(jnp.bfloat16).astype(jnp.float32)
+  got = pk.chunk_inverse_refine(w, beta[:, None], y0, precision=prec)
+  bound = 2 * rel_rms(y, expected)
+  assert_rel_rms(got, expected, bound, "Y")
+  if w_mode == "random":
+    assert rel_rms(y0, expected) > 10 * bound
+
+
 @pytest.mark.parametrize("D", [16, 32])
 @pytest.mark.parametrize("precision", ["highest", "bf16x3"])
 def test_chunk_inverse_vjp_matches_autodiff(key, D, precision):
@@ -135,12 +161,15 @@ def test_chunk_inverse_vjp_matches_autodiff(key, D, precision):
        (jnp.float32, "split2", "interpret", True, True)]
     + [(jnp.bfloat16, "uz_hilo", "interpret", False, False),
        (jnp.float32, "uz", "interpret", True, False)]
+    + [(jnp.bfloat16, "uz_hilo", "interpret", "bf16", False),     # Y kept in bf16, refined
+       (jnp.bfloat16, "split2_hilo", "interpret", "bf16", False),
+       (jnp.float32, "uz", "interpret", "bf16", False)]           # (float32 Y)
     + [(jnp.float32, "fold_bf16", "tpu_interpret", False, False),   # TPU: blocked inputs
        (jnp.float32, "uz", "tpu_interpret", False, False)])
 def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse, late_wk):
   """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass; with
-  keep_inverse the VJP reads the forward's Y instead of recomputing it; with late_wk WK's
-  pullback runs in the inverse-VJP kernel."""
+  keep_inverse the VJP reads the forward's Y instead of recomputing it ("bf16": refines its
+  bf16 rounding); with late_wk WK's pullback runs in the inverse-VJP kernel."""
   import functools
   from kernels_pallas.path_attention import prepass, prepass_kernel
   B, H, K, n, C, D = 2, 4, 2, 3, 16, 16

@@ -19,12 +19,13 @@ def _kept_beyond_inputs_and_output(cfg, *args):
 
 
 @pytest.mark.parametrize("backend,keep_inverse", [("gpu", False), ("interpret", False),
-                                                  ("gpu", True)])
+                                                  ("gpu", True), ("gpu", "bf16")])
 def test_path_residuals_are_the_backward_operands(backend, keep_inverse):
   """PaTH with the default BlockSizes (keep_operands): the backward kernels' operands q^, k^,
   blocked v, E, the in-chunk logits, the log-sum-exp and the pre-pass pullback's blocked beta;
   no blocked copy of the output (Delta comes from the time-major output the caller holds).
-  prepass_keep_inverse adds the pre-pass's float32 Y and nothing else."""
+  prepass_keep_inverse adds the pre-pass's float32 Y ("bf16": its bf16 rounding) and nothing
+  else."""
   B, T, H, K, D, C = 2, 256, 4, 2, 32, 64          # n = 4 whole chunks (padding adds copies)
   n = -(-T // C)
   bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
@@ -38,5 +39,5 @@ def test_path_residuals_are_the_backward_operands(backend, keep_inverse):
                   + B * H * n * C * C         # in-chunk logits
                   + B * K * n * C)            # blocked beta
   expected += 4 * B * H * n * C               # float32 log-sum-exp
-  expected += 4 * B * K * n * C * C * keep_inverse   # float32 Y
+  expected += {False: 0, True: 4, "bf16": 2}[keep_inverse] * B * K * n * C * C   # Y
   assert _kept_beyond_inputs_and_output(cfg, *args) == expected
