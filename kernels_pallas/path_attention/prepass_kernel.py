@@ -309,13 +309,11 @@ def _inverse(cfg, w, bc, spec_w, *, rounded: bool = False):
   """-> Y [B, K, n, C, C] float32, or (Y, its bf16 rounding) with rounded."""
   B, K, n, C, _ = bc.shape
   _, one = _specs(1)
-  sd = jax.ShapeDtypeStruct((B, K, n, C, C), jnp.float32)
-  if not rounded:
-    return _call(cfg, functools.partial(_inv_kernel, cfg=cfg), (B, K, n), [spec_w, one(C, 1)],
-                 one(C, C), sd)(w, bc)
-  return tuple(_call(cfg, functools.partial(_inv_kernel, cfg=cfg), (B, K, n),
-                     [spec_w, one(C, 1)], [one(C, C)] * 2,
-                     [sd, jax.ShapeDtypeStruct(sd.shape, jnp.bfloat16)])(w, bc))
+  dtypes = (jnp.float32, jnp.bfloat16) if rounded else (jnp.float32,)
+  out = _call(cfg, functools.partial(_inv_kernel, cfg=cfg), (B, K, n), [spec_w, one(C, 1)],
+              [one(C, C)] * len(dtypes),
+              [jax.ShapeDtypeStruct((B, K, n, C, C), d) for d in dtypes])(w, bc)
+  return tuple(out) if rounded else out[0]
 
 
 def _refined_inverse(cfg, w, bc, y0, spec_w):
@@ -427,9 +425,9 @@ def auto_warps(head_dim: int):
   2.2 and 2.3 KB a thread in the resource report), the inverse (0.47 / 1.08), its VJP
   (0.39 / 0.79) and the VJP's kv part (1.09 / 1.74) keep 4."""
   wide = 8 if head_dim >= 128 else 4
-  return (("_inv_kernel", 4), ("_refine_kernel", 4), ("_inv_bwd_kernel", 4), ("_ops_kernel", wide),
-          ("_ops_bwd_kernel", 4), ("_ops_bwd_kv_kernel", 4), ("_ops_bwd_q_kernel", wide),
-          ("_ops_bwd_uz_kernel", 4), ("_t_pullback_kernel", 4))
+  return (("_inv_kernel", 4), ("_refine_kernel", 4), ("_inv_bwd_kernel", 4),
+          ("_ops_kernel", wide), ("_ops_bwd_kernel", 4), ("_ops_bwd_kv_kernel", 4),
+          ("_ops_bwd_q_kernel", wide), ("_ops_bwd_uz_kernel", 4), ("_t_pullback_kernel", 4))
 
 
 VARIANTS = ("split", "fold", "split_bf16", "fold_bf16", "split_bf16x3", "split_hilo",
@@ -540,11 +538,10 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   accuracy by one Newton step, a 7-pass kernel in place of the inverse's 33
   (prepass_chunk.chunk_inverse_refine), where the inverse's products are bf16 halves (16-bit
   inputs on the GPU: the step is as accurate as they are); finer products (float32 inputs,
-  the TPU) keep float32 Y. The fold variants form
-  Y inside their kernels and ignore it. late_wk ("split2_*"
-  only): the pullback of WK = strictLower(W K^T) (two products) runs in the inverse-VJP kernel,
-  not the q part's, which spills its tiles to DRAM (NOTES_kernel round 22); dwk and a float32
-  dk go through HBM between them.
+  the TPU) keep float32 Y. The fold variants form Y inside their kernels and ignore it.
+  late_wk ("split2_*" only): the pullback of WK = strictLower(W K^T) (two products) runs in
+  the inverse-VJP kernel, not the q part's, which spills its tiles to DRAM (NOTES_kernel round
+  22); dwk and a float32 dk go through HBM between them.
 
   Measured in the interpreter with w_t = normalize(a + eps n_t), beta = 2 (C = D = 64, T = 256,
   bf16 q, k, v, relative RMS against the float32 oracle): float32-accurate products 3-4e-3 in
