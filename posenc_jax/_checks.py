@@ -63,24 +63,30 @@ def check_implementation(implementation, allowed: Sequence[str], *,
                      "sizes of the PaTH / FoX Pallas kernels ('pallas:bwd_lanes=0,...')")
 
 
+def kernel_options(options: str) -> dict:
+  """"bwd_lanes=0,fwd_kernel=mosaic,prepass_keep_inverse=true" -> BlockSizes keyword arguments.
+  Values: integers, true / false (booleans), else strings; "" -> {}."""
+  kw = {}
+  for item in filter(None, options.split(",")):
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+      raise ValueError(f"kernel option {item!r} is not KEY=VALUE")
+    low = value.lower()
+    kw[key] = (int(value) if value.lstrip("-").isdigit() else
+               low == "true" if low in ("true", "false") else value)
+  return kw
+
+
 def kernel_block_sizes(implementation: str):
   """"pallas:bwd_lanes=0,fwd_kernel=mosaic" -> kernels_pallas.BlockSizes(bwd_lanes=0,
-  fwd_kernel="mosaic"); None without options. Values: integers, true / false, else strings."""
+  fwd_kernel="mosaic"); None without options (kernel_options parses them)."""
   _, _, options = implementation.partition(":")
   if not options:
     return None
   import kernels_pallas  # imported lazily: the kernels are optional on CPU
-  kw = {}
-  for item in options.split(","):
-    key, eq, value = item.partition("=")
-    if not eq or not key:
-      raise ValueError(f"implementation={implementation!r}: {item!r} is not KEY=VALUE")
-    low = value.lower()
-    kw[key] = (int(value) if value.lstrip("-").isdigit() else
-               low == "true" if low in ("true", "false") else value)
   try:
-    return kernels_pallas.BlockSizes(**kw)
-  except TypeError as e:
+    return kernels_pallas.BlockSizes(**kernel_options(options))
+  except (TypeError, ValueError) as e:
     raise ValueError(f"implementation={implementation!r}: {e}") from None
 
 

@@ -2,6 +2,7 @@
 changes one BlockSizes field from the library's defaults, and forcing a pre-pass bypasses the
 shared-memory routing only while it is active."""
 import jax.numpy as jnp
+import pytest
 
 import kernels_pallas as kp
 from experiments.benchmarks.path_kernel import _block_sizes_of, _prepass_as_requested
@@ -40,3 +41,15 @@ def test_forced_prepass_bypasses_the_routing_only_inside():
   with _prepass_as_requested(False):
     assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
   assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
+
+
+def test_phases_block_sizes_parse_like_the_model_options():
+  """path_kernel_phases / path_kernel_memory / triton_resources --bs "K=V,...": integers,
+  booleans and strings, as the model's "pallas:K=V,..." (posenc_jax._checks.kernel_options)."""
+  from experiments.benchmarks.path_kernel_phases import _block_sizes
+  assert _block_sizes("") == {}
+  assert _block_sizes("bwd_lanes=0,prepass_keep_inverse=true,dq_pairs=False,prepass=uz") == dict(
+      bwd_lanes=0, prepass_keep_inverse=True, dq_pairs=False, prepass="uz")
+  assert kp.BlockSizes(**_block_sizes("prepass_keep_inverse=bf16")).prepass_keep_inverse == "bf16"
+  with pytest.raises(ValueError, match="KEY=VALUE"):
+    _block_sizes("bwd_lanes")

@@ -30,12 +30,10 @@ SPAN_PHASES = ("span_boundary", "span_far_dq", "span_far_dkv", "span_y", "span_b
 
 
 def _block_sizes(spec):
-  """"dq_pairs=0,bwd_num_warps=8" -> BlockSizes keyword arguments (ints; strings kept)."""
-  kw = {}
-  for item in filter(None, spec.split(",")):
-    key, _, val = item.partition("=")
-    kw[key] = int(val) if val.lstrip("-").isdigit() else val
-  return kw
+  """"dq_pairs=0,prepass_keep_inverse=true" -> BlockSizes keyword arguments (ints, booleans,
+  else strings: posenc_jax._checks.kernel_options, as the model's "pallas:..." options)."""
+  from posenc_jax._checks import kernel_options
+  return kernel_options(spec)
 
 
 def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
