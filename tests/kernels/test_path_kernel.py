@@ -344,6 +344,8 @@ class TestInterpret(PathKernelBase):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, T=8 * self.block - 12,
                 block_sizes=bs, segments=segments, determinism=True)
 
+  @pytest.mark.slow   # an option, not a default (67 s on CI's 2 cores); its pre-pass rows in
+                      # test_prepass_kernel_matches_jnp and its residual and routing tests stay
   def test_prepass_keep_inverse_bf16_interpret(self, key, monkeypatch):
     """BlockSizes(prepass_keep_inverse="bf16") through path_attention: the forward keeps Y's
     bf16 rounding and the VJP's _refine_kernel restores it by a Newton step (the interpreter
