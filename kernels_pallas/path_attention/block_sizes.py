@@ -6,6 +6,7 @@ import dataclasses
 
 GATE_COLSUMS = ("reduce", "carry", "mma")   # BlockSizes.gate_colsum
 CHAIN_PRODUCTS = ("bf16x3", "tf32")          # BlockSizes.chain_products
+KEEP_INVERSE = (False, True, "bf16")         # BlockSizes.prepass_keep_inverse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,9 +262,9 @@ class BlockSizes:
       if getattr(self, field) not in (None, "triton", "mosaic"):
         raise ValueError(f"{field}={getattr(self, field)!r} must be None (auto), 'triton' or "
                          "'mosaic'")
-    if self.prepass_keep_inverse not in (False, True, "bf16"):
-      raise ValueError(f"prepass_keep_inverse={self.prepass_keep_inverse!r} must be False, "
-                       "True (float32 Y) or 'bf16'")
+    if self.prepass_keep_inverse not in KEEP_INVERSE:
+      raise ValueError(f"prepass_keep_inverse={self.prepass_keep_inverse!r} must be one of "
+                       f"{KEEP_INVERSE} (True: float32 Y)")
     if self.prepass_num_warps not in (None, 1, 2, 4, 8, 16):
       raise ValueError(f"prepass_num_warps={self.prepass_num_warps} must be None (each "
                        "kernel's own), 1, 2, 4, 8 or 16")

@@ -103,6 +103,13 @@ def _inverse_products(precision) -> Products:
   return Products(precision)
 
 
+def _a_matrix(w, beta_c, strict, p):
+  """A = strictLower(diag(beta) W W^T) [C, C], float32-accurate as p forms products; strict:
+  the row > col mask."""
+  W = p.acc(w)
+  return jnp.where(strict, beta_c * p.mm(W, W, tb=True), 0.0)
+
+
 def chunk_inverse(w, beta_c, *, precision):
   """Y = (I + A)^{-1}, A = strictLower(diag(beta) W W^T): w [C, D], beta_c [C, 1] float32.
 
@@ -128,8 +135,7 @@ def chunk_inverse(w, beta_c, *, precision):
   row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
   col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
   lower, bits = row > col, row ^ col
-  W = p.acc(w)
-  a = jnp.where(lower, beta_c * p.mm(W, W, tb=True), 0.0)
+  a = _a_matrix(w, beta_c, lower, p)
   y = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
   half = 1
   while half < C:
@@ -158,8 +164,7 @@ def chunk_inverse_refine(w, beta_c, y0, *, precision):
   C = w.shape[0]
   p = _inverse_products(precision)
   strict, _, eye = _masks(C)
-  W = p.acc(w)
-  a = jnp.where(strict, beta_c * p.mm(W, W, tb=True), 0.0)
+  a = _a_matrix(w, beta_c, strict, p)
   Y0 = p.hi(y0)
   r = eye - y0 - p.mm(p.acc(a), Y0)
   return y0 + p.mm(Y0, p.acc(r))

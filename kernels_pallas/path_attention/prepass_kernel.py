@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import calls
 from kernels_pallas.path_attention import prepass
+from kernels_pallas.path_attention.block_sizes import KEEP_INVERSE
 from kernels_pallas.path_attention.prepass_chunk import (Products, chunk_inverse,
                                                          chunk_inverse_refine,
                                                          chunk_inverse_vjp, chunk_operands,
@@ -333,13 +334,16 @@ def _fwd(cfg, q, k, w, bb):
   spec_q, spec_1 = _input_specs(cfg, G, C, D)
   bc, br = bb[..., None], bb[..., None, :]   # beta as a column [.., C, 1] and a row [.., 1, C]
   out_shape, out_specs = _outs(cfg, B, H, K, n, C, D)
-  rounded = cfg.keep_inverse == "bf16" and not cfg.fold
-  y = bc if cfg.fold else _inverse(cfg, w, bc, spec_1, rounded=rounded)
-  y, kept = y if rounded else (y, y)
+  if cfg.fold:   # Y formed inside the operands kernel, from beta as a column
+    y, kept = bc, None
+  elif cfg.keep_inverse == "bf16":
+    y, kept = _inverse(cfg, w, bc, spec_1, rounded=True)
+  else:
+    y = kept = _inverse(cfg, w, bc, spec_1)
   kernel = functools.partial(_ops_kernel, cfg=cfg)
   in_specs = [spec_q, spec_1, spec_1, one(*y.shape[-2:]), one(1, C)]
   ops = tuple(_call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(q, k, w, y, br))
-  return ops, None if cfg.fold else kept
+  return ops, kept
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -487,8 +491,8 @@ def kept_inverse(keep_inverse, inv_precision):
   products run at inv_precision: "bf16" only with the bf16 halves (BF16_BF16_F32_X3), whose
   own error the refining step matches (prepass_chunk.chunk_inverse_refine); finer products
   (float32 inputs, the TPU) keep float32 Y (True), which the step would make coarser."""
-  if keep_inverse not in (False, True, "bf16"):
-    raise ValueError(f"keep_inverse={keep_inverse!r} must be False, True or 'bf16'")
+  if keep_inverse not in KEEP_INVERSE:
+    raise ValueError(f"keep_inverse={keep_inverse!r} must be one of {KEEP_INVERSE}")
   if keep_inverse == "bf16" and inv_precision != jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3:
     return True
   return keep_inverse
