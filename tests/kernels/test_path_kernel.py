@@ -12,23 +12,8 @@ import kernels_pallas as kp
 from kernels_pallas.path_attention import calls
 from posenc_jax import householder
 from posenc_jax import unipotent
-from tests.kernels.transport_inputs import transport_vectors
+from tests.kernels.transport_inputs import segment_ids, transport_vectors
 from tests.util import assert_rel_rms
-
-
-def _segments(key, B, T, mode):
-  """[B, T] int32 ids. "few": 2-4 packed documents per row; "short": packed documents of ~8
-  tokens (most chunk pairs of a causal walk lie before the query's document: the kernels skip
-  them); "interleaved": ids 0-2 at random, a document's tokens not contiguous (the skipping
-  must stay exact for any layout); "alternating:N": two documents in alternating runs of N
-  tokens (a document's chunks come back after the other's)."""
-  if mode == "interleaved":
-    return jax.random.randint(key, (B, T), 0, 3).astype(jnp.int32)
-  if mode.startswith("alternating:"):
-    run = int(mode.partition(":")[2])
-    return jnp.broadcast_to((jnp.arange(T) // run) % 2, (B, T)).astype(jnp.int32)
-  rate = {"few": 3.0 / T, "short": 1.0 / 8}[mode]
-  return jnp.cumsum(jax.random.uniform(key, (B, T)) < rate, axis=1).astype(jnp.int32)
 
 
 def _inputs(key, B, T, H, K, D, dtype, *, gate, segments, w_mode="random"):
@@ -40,46 +25,9 @@ def _inputs(key, B, T, H, K, D, dtype, *, gate, segments, w_mode="random"):
   lf = jax.nn.log_sigmoid(jax.random.normal(ks[5], (B, T, H)) + 2.0) if gate else None
   seg = None
   if segments:  # True: "few"; else a _segments mode. Never attended across.
-    seg = _segments(ks[6], B, T, "few" if segments is True else segments)
+    seg = segment_ids(ks[6], B, T, "few" if segments is True else segments)
   do = jax.random.normal(ks[7], (B, T, H, D), dtype)
   return q, k, v, w, beta, lf, seg, do
-
-
-@pytest.mark.parametrize("n,span", [(7, 2), (9, 4), (16, 4), (5, 4), (64, 8)])
-def test_boundary_layout_packs_each_state_once(n, span):
-  """The packed boundary-state layout (kernels.boundary_offset): boundary j's chunks
-  c = (j + 1) span .. n-1 take the rows 0 .. R-1 once each, in (j, c) order, and the traced
-  offset (the kernels' j is an int32 scalar) agrees with the Python one."""
-  from kernels_pallas.path_attention.kernels import boundary_offset
-  nb = (n - 1) // span
-  rows = [boundary_offset(j, n=n, span=span) + c - (j + 1) * span
-          for j in range(nb) for c in range((j + 1) * span, n)]
-  assert rows == list(range(boundary_offset(nb, n=n, span=span)))
-  traced = jax.jit(lambda j: boundary_offset(j, n=n, span=span))
-  assert [int(traced(jnp.int32(j))) for j in range(nb + 1)] == [
-      boundary_offset(j, n=n, span=span) for j in range(nb + 1)]
-
-
-@pytest.mark.parametrize("n,span,H,K", [(7, 2, 2, 1), (16, 4, 2, 2), (9, 4, 1, 1), (5, 4, 1, 1)])
-def test_far_queries_y_kernel(key, n, span, H, K):
-  """The span backward's Y_J = sum qb^T A (calls_span.far_queries_y, a launch reading the packed
-  states where they lie) against its jnp oracle (einsums over slices), with grouped heads and
-  an odd chunk count; boundary 0 (and a single boundary) is zero. A mutation check: reading
-  A from block j instead of j - 1 fails it (relative RMS ~1.4)."""
-  from kernels_pallas.path_attention import calls_span
-  from kernels_pallas.path_attention.kernels import boundary_array_rows
-  C, D, B = 16, 16, 2
-  R = boundary_array_rows(n=n, span=span, C=C)
-  kq, ka = jax.random.split(key)
-  qb = jax.random.normal(kq, (B, H, R, D), jnp.float32)
-  a = jax.random.normal(ka, (B, H, R, D), jnp.float32)
-  kw = dict(K=K, n=n, chunk=C, span=span, precision=jax.lax.Precision.HIGHEST)
-  got = calls_span.far_queries_y(qb, a, backend="interpret", bs=calls.BlockSizes(), **kw)
-  want = calls_span.far_queries_y_reference(qb, a, **kw)
-  assert got.shape == want.shape == (B, K, (n - 1) // span, D, D)
-  assert float(jnp.abs(got[:, :, 0]).max()) == 0.0
-  if (n - 1) // span > 1:
-    assert_rel_rms(got, want, 1e-5, "Y")
 
 
 class PathKernelBase:
@@ -389,7 +337,8 @@ class TestInterpret(PathKernelBase):
     super().test_path_layer_inputs_bf16(key)
 
   # "interleaved" reads the same chunk bounds as "short" (kept) in the kernels;
-  # test_chunk_bounds_cover_every_visible_pair[interleaved] holds the bounds sound there.
+  # test_span_layout.py::test_chunk_bounds_cover_every_visible_pair[interleaved] holds the
+  # bounds sound there.
   @pytest.mark.parametrize("segments", [
       "short", pytest.param("interleaved", marks=pytest.mark.slow)])
   def test_path_skips_chunks_before_the_document(self, key, segments):
@@ -606,27 +555,3 @@ def test_argument_errors():
   with pytest.raises(ValueError, match="head_dim=24"):
     y = jnp.zeros((1, 8, 2, 24))
     kp.path_attention(y, y, y, y, beta, interpret=True)
-
-
-@pytest.mark.parametrize("mode", ["few", "short", "interleaved"])
-def test_chunk_bounds_cover_every_visible_pair(key, mode):
-  """lo_c <= m and hi_m >= c for every chunk pair (c >= m) holding a same-segment (query, key)
-  pair; for packed documents the bounds are tight (the first / last such chunk)."""
-  from kernels_pallas.path_attention import prepass
-  B, T, C = 3, 101, 8
-  seg = _segments(key, B, T, mode)
-  lo, hi = prepass.chunk_bounds(seg, C=C)
-  n = -(-T // C)
-  chunk = jnp.arange(T) // C
-  same = (seg[:, :, None] == seg[:, None, :]) & (jnp.arange(T)[:, None] >= jnp.arange(T)[None])
-  # visible[b, c, m]: some query of chunk c sees some key of chunk m
-  onehot = jax.nn.one_hot(chunk, n, dtype=jnp.int32)
-  visible = jnp.einsum("tc,bts,sm->bcm", onehot, same.astype(jnp.int32), onehot) > 0
-  c_idx, m_idx = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
-  assert bool(jnp.all(~visible | (lo[:, :, None] <= m_idx)))
-  assert bool(jnp.all(~visible | (hi[:, None, :] >= c_idx)))
-  if mode != "interleaved":
-    assert bool(jnp.all(lo == jnp.argmax(visible, axis=2)))
-    assert bool(jnp.all(hi == n - 1 - jnp.argmax(visible[:, ::-1, :], axis=1)))
-  if mode == "short":  # the case the skipping is for: most pairs below the diagonal go
-    assert int(jnp.sum(c_idx - lo[:, :, None] >= 0)) > 0 and bool(jnp.any(lo > 0))
