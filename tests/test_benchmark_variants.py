@@ -27,6 +27,7 @@ def test_tokens_change_the_defaults():
   assert _block_sizes_of("mfar") == (kp.BlockSizes(fwd_far="mosaic"), False)
   assert _block_sizes_of("tfar") == (kp.BlockSizes(fwd_far="triton"), False)
   assert _block_sizes_of("ky") == (kp.BlockSizes(prepass_keep_inverse=True), False)
+  assert _block_sizes_of("ky0") == (kp.BlockSizes(prepass_keep_inverse=False), False)
   assert _block_sizes_of("sp16kyb") == (kp.BlockSizes(dkv_span=16, prepass_keep_inverse="bf16"),
                                         False)
 

@@ -196,8 +196,9 @@ def _block_sizes_of(spec):
   dk/dv tile (far_dkv_pairs off), nkm / km the far dk/dv kernel's tiles query-major / key-major
   (far_dkv_keys_major), ndm / dm the dk/dv kernel's likewise (dkv_keys_major), fr32 the far
   dk/dv kernel's query rows a step (far_dkv_rows), fdw4 the far dq kernel's warps
-  (far_dq_num_warps), ky the pre-pass keeps its inverse Y for its VJP (prepass_keep_inverse;
-  kyb: its bf16 rounding, refined there),
+  (far_dq_num_warps), ky the pre-pass keeps its inverse Y in float32 for its VJP
+  (prepass_keep_inverse True; kyb: its bf16 rounding, refined there, the default; ky0: none,
+  the VJP runs the inverse again),
   lw the pre-pass VJP's WK pullback in its inverse-VJP kernel (prepass_late_wk), ft / fx the span
   forward's and backward's D x D operator chains in one TF32 pass / three bf16 passes
   (chain_products "tf32" / "bf16x3"), mfar / tfar the span forward's far keys on Mosaic GPU /
@@ -245,6 +246,7 @@ def _block_sizes_of(spec):
   fdw = num(r"fdw(\d+)")
   changes.update({"far_dq_num_warps": fdw} if fdw else {})
   changes.update({"prepass_keep_inverse": "bf16"} if "kyb" in spec else
+                 {"prepass_keep_inverse": False} if "ky0" in spec else
                  {"prepass_keep_inverse": True} if "ky" in spec else {})
   changes.update({"prepass_late_wk": True} if "lw" in spec else {})
   changes.update({"chain_products": "tf32"} if "ft" in spec else

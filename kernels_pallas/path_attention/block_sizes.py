@@ -52,23 +52,25 @@ class BlockSizes:
                                  # build on the GPU to "jnp"
   prepass_num_warps: int | None = None  # the pre-pass kernels' warps; None: each kernel's
                                  # own by head_dim (prepass_kernel.auto_warps, measured)
-  prepass_keep_inverse: bool | str = False  # the split pre-pass keeps Y = (I + A)^{-1} from
-                                 # the forward for its VJP instead of running the inverse kernel
-                                 # again (True): [B, K, T, C] float32 more per layer (0.5 GiB at
-                                 # 32,2048,32,64) for one inverse kernel less; "bf16" keeps its
-                                 # bf16 rounding, half that, and the VJP refines it by one Newton
-                                 # step (a 7-pass kernel for the inverse's 33; 16-bit inputs on
-                                 # the GPU, else float32 Y). H200 (2026-11-27), fwd+bwd ms (peak
-                                 # GiB), off / "bf16" / True in one call: 24.15 (4.70) / 23.20
-                                 # (4.95) / 22.59 (5.20) at 32,2048,32,64; 63.02 (11.17) / 61.56
-                                 # (11.67) / 59.87 (12.17) at 32,4096,32,64; 46.98 (5.56) /
-                                 # 45.57 (5.81) / 46.00 (6.06) at 8,8192,32,64; 19.78 (3.25) /
-                                 # 19.63 (3.31) / 19.11 (3.38) at 8,4096,16,128; 89.56 (6.42) /
-                                 # 89.00 (6.54) / 90.35 (6.67) at 4,16384,16,128. The 125M model
-                                 # at T = 8192 (one call): 190,546 / 194,760 tok/s ("bf16",
-                                 # +2.2%), peak 23.28 / 23.32 GiB. Off by default until the GPU
-                                 # class has run with it on; True costs a model two q-sized
-                                 # arrays a layer at head_dim 64
+  prepass_keep_inverse: bool | str = "bf16"  # the split pre-pass keeps Y = (I + A)^{-1}
+                                 # from the forward for its VJP instead of running the inverse
+                                 # kernel again. True: Y in float32, [B, K, T, C] more per layer
+                                 # (0.5 GiB at 32,2048,32,64) for one inverse kernel less.
+                                 # "bf16": its bf16 rounding, half that, which the VJP refines
+                                 # by one Newton step (a 7-pass kernel for the inverse's 33);
+                                 # only where the inverse's products are bf16 halves (16-bit
+                                 # inputs on the GPU), else recomputed as with False
+                                 # (prepass_kernel.kept_inverse). H200 (2026-11-27), fwd+bwd ms
+                                 # (peak GiB), False / "bf16" / True in one call: 24.15 (4.70)
+                                 # / 23.20 (4.95) / 22.59 (5.20) at 32,2048,32,64; 63.02
+                                 # (11.17) / 61.56 (11.67) / 59.87 (12.17) at 32,4096,32,64;
+                                 # 46.98 (5.56) / 45.57 (5.81) / 46.00 (6.06) at 8,8192,32,64;
+                                 # 19.78 (3.25) / 19.63 (3.31) / 19.11 (3.38) at 8,4096,16,128;
+                                 # 89.56 (6.42) / 89.00 (6.54) / 90.35 (6.67) at 4,16384,16,128.
+                                 # The 125M model at T = 8192: 190,546 / 194,760 tok/s (+2.2%),
+                                 # peak 23.28 / 23.32 GiB. True keeps twice "bf16"'s bytes for
+                                 # -2.7% to +1.5% of its time. The default since the GPU class
+                                 # passed with it (2026-11-27)
   prepass_late_wk: bool = False  # "split2_*" pre-pass: the q part of its VJP leaves WK's
                                  # pullback (two products) to the inverse-VJP kernel, dwk and
                                  # dk going through HBM as float32. The q part spills to DRAM

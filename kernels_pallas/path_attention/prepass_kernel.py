@@ -489,18 +489,20 @@ def usable_variant(requested: str, *, backend: str, dtype, heads_per_kv: int = 1
 def kept_inverse(keep_inverse, inv_precision):
   """What the VJP keeps of Y for keep_inverse (False, True or "bf16") when the inverse's
   products run at inv_precision: "bf16" only with the bf16 halves (BF16_BF16_F32_X3), whose
-  own error the refining step matches (prepass_chunk.chunk_inverse_refine); finer products
-  (float32 inputs, the TPU) keep float32 Y (True), which the step would make coarser."""
+  own error the refining step matches (prepass_chunk.chunk_inverse_refine). Finer products
+  (float32 inputs, the TPU) recompute Y (False): the step would make it coarser, and a float32
+  Y kept by default would add a [B, K, T, C] float32 array to every layer the user did not ask
+  for (True asks)."""
   if keep_inverse not in KEEP_INVERSE:
     raise ValueError(f"keep_inverse={keep_inverse!r} must be one of {KEEP_INVERSE}")
   if keep_inverse == "bf16" and inv_precision != jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3:
-    return True
+    return False
   return keep_inverse
 
 
 def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precision=None,
                      variant: str = "split", num_warps: int | None = 4,
-                     keep_inverse: bool | str = False, late_wk: bool = False):
+                     keep_inverse: bool | str = "bf16", late_wk: bool = False):
   """Drop-in for prepass.transport_jnp (same arguments, shapes and dtypes) as Pallas kernels on
   `backend`: q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C].
 
@@ -542,7 +544,7 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   accuracy by one Newton step, a 7-pass kernel in place of the inverse's 33
   (prepass_chunk.chunk_inverse_refine), where the inverse's products are bf16 halves (16-bit
   inputs on the GPU: the step is as accurate as they are); finer products (float32 inputs,
-  the TPU) keep float32 Y. The fold variants form Y inside their kernels and ignore it.
+  the TPU) recompute Y (kept_inverse). The fold variants form Y inside their kernels and ignore it.
   late_wk ("split2_*" only): the pullback of WK = strictLower(W K^T) (two products) runs in
   the inverse-VJP kernel, not the q part's, which spills its tiles to DRAM (NOTES_kernel round
   22); dwk and a float32 dk go through HBM between them.

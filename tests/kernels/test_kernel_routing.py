@@ -24,13 +24,14 @@ def test_auto_lanes_fill_the_last_wave():
 def test_kept_inverse_bf16_only_with_bf16_halves():
   """prepass_keep_inverse="bf16" keeps Y's bf16 rounding where the inverse's products are the
   bf16 halves (16-bit inputs on the GPU and in the interpreter); float32 inputs (three-pass
-  TF32) and the TPU (HIGHEST) keep float32 Y."""
+  TF32) and the TPU (HIGHEST) recompute Y, as with False: a float32 Y is kept only when asked
+  for (True)."""
   from kernels_pallas.path_attention import calls
   from kernels_pallas.path_attention.prepass_kernel import kept_inverse
   assert kept_inverse("bf16", calls.bf16x3_precision("gpu")) == "bf16"
   assert kept_inverse("bf16", calls.bf16x3_precision("interpret")) == "bf16"
-  assert kept_inverse("bf16", calls.float32_precision("gpu")) is True
-  assert kept_inverse("bf16", calls.bf16x3_precision("tpu")) is True
+  assert kept_inverse("bf16", calls.float32_precision("gpu")) is False
+  assert kept_inverse("bf16", calls.bf16x3_precision("tpu")) is False
   assert kept_inverse(False, calls.bf16x3_precision("gpu")) is False
   assert kept_inverse(True, calls.bf16x3_precision("gpu")) is True
   with pytest.raises(ValueError, match="keep_inverse"):

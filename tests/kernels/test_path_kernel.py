@@ -292,13 +292,14 @@ class TestInterpret(PathKernelBase):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, T=8 * self.block - 12,
                 block_sizes=bs, segments=segments, determinism=True)
 
-  @pytest.mark.slow   # an option, not a default (67 s on CI's 2 cores); its pre-pass rows in
-                      # test_prepass_kernel_matches_jnp and its residual and routing tests stay
-  def test_prepass_keep_inverse_bf16_interpret(self, key, monkeypatch):
-    """BlockSizes(prepass_keep_inverse="bf16") through path_attention: the forward keeps Y's
-    bf16 rounding and the VJP's _refine_kernel restores it by a Newton step (the interpreter
-    forms the GPU's bf16 halves, where the option applies; the test sees the kernel run);
-    correlated w, grouped heads, gate."""
+  @pytest.mark.parametrize("keep", [pytest.param("bf16", marks=pytest.mark.slow), False])
+  def test_prepass_keep_inverse_interpret(self, key, monkeypatch, keep):
+    """BlockSizes.prepass_keep_inverse through path_attention. "bf16" (the default): the
+    forward keeps Y's bf16 rounding and the VJP's _refine_kernel restores it by a Newton step
+    (the interpreter forms the GPU's bf16 halves, where it applies; the test sees the kernel
+    run). False: the VJP runs the inverse kernel again and never the refining one. Correlated
+    w, grouped heads, gate. ("bf16" is under -m slow: every bf16 case of the default set runs
+    it already; this one checks that it did.)"""
     from kernels_pallas.path_attention import prepass_kernel
     ran, refine = [], prepass_kernel._refine_kernel
 
@@ -307,10 +308,10 @@ class TestInterpret(PathKernelBase):
       return refine(*refs, cfg=cfg)
 
     monkeypatch.setattr(prepass_kernel, "_refine_kernel", _refine_kernel)
-    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, prepass_keep_inverse="bf16")
+    bs = kp.BlockSizes(block_q=self.block, block_k=self.block, prepass_keep_inverse=keep)
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=False,
                 w_mode="shared:0.01", block_sizes=bs)
-    assert ran, "the VJP did not refine a kept bf16 Y"
+    assert bool(ran) == (keep == "bf16"), f"refining kernel ran {len(ran)} times for {keep!r}"
 
   # The shared:0.01 bf16 case keeps this code path (no gate, no segments, one kv head);
   # test_tf32_products_correlated_w runs shared:0.01 and antiparallel with the GPU's TF32
@@ -476,11 +477,11 @@ class TestGPU(PathKernelBase):
     self.D = 128
     self._check(key, H=2, K=2, dtype=jnp.bfloat16, gate=True, segments=True, T=520)
 
-  @pytest.mark.parametrize("keep", [True, "bf16"])
+  @pytest.mark.parametrize("keep", [True, False])
   def test_prepass_keep_inverse_bf16(self, key, keep):
-    """BlockSizes(prepass_keep_inverse=True): the pre-pass VJP reads the forward's Y instead of
-    running the inverse kernel again ("bf16": refines Y's bf16 rounding by a Newton step);
-    gradients against the oracle, grouped heads, gate."""
+    """BlockSizes(prepass_keep_inverse=True): the pre-pass VJP reads the forward's float32 Y
+    (False: runs the inverse kernel again) where the default refines Y's bf16 rounding by a
+    Newton step; gradients against the oracle, grouped heads, gate."""
     self._check(key, H=4, K=2, dtype=jnp.bfloat16, gate=True, segments=False,
                 block_sizes=kp.BlockSizes(prepass_keep_inverse=keep))
 

@@ -163,7 +163,7 @@ def test_chunk_inverse_vjp_matches_autodiff(key, D, precision):
        (jnp.float32, "uz", "interpret", True, False)]
     + [(jnp.bfloat16, "uz_hilo", "interpret", "bf16", False),     # Y kept in bf16, refined
        (jnp.bfloat16, "split2_hilo", "interpret", "bf16", False),
-       (jnp.float32, "uz", "interpret", "bf16", False)]           # (float32 Y)
+       (jnp.float32, "uz", "interpret", "bf16", False)]           # (recomputed)
     + [(jnp.float32, "fold_bf16", "tpu_interpret", False, False),   # TPU: blocked inputs
        (jnp.float32, "uz", "tpu_interpret", False, False)])
 def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse, late_wk):

@@ -24,8 +24,8 @@ def test_path_residuals_are_the_backward_operands(backend, keep_inverse):
   """PaTH with the default BlockSizes (keep_operands): the backward kernels' operands q^, k^,
   blocked v, E, the in-chunk logits, the log-sum-exp and the pre-pass pullback's blocked beta;
   no blocked copy of the output (Delta comes from the time-major output the caller holds).
-  prepass_keep_inverse adds the pre-pass's float32 Y ("bf16": its bf16 rounding) and nothing
-  else."""
+  prepass_keep_inverse adds the pre-pass's float32 Y (True) or its bf16 rounding ("bf16", the
+  default, where the GPU's bf16 halves run the inverse) and nothing else."""
   B, T, H, K, D, C = 2, 256, 4, 2, 32, 64          # n = 4 whole chunks (padding adds copies)
   n = -(-T // C)
   bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
