@@ -1,10 +1,37 @@
 """Shared fixtures: a fresh random key per test (seed printed on failure), tolerance helpers."""
 import os
 import secrets
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# On the CPU (CI: 2 cores) compiling is most of the default set's time: the interpreted
+# kernels, the oracles and the train steps are large programs run once at small shapes. Two
+# settings cut it, only on the CPU (not where .ci/gpu runs: JAX_PLATFORMS=cuda) and only where
+# the caller has not set them:
+# - LLVM at -O1 instead of XLA's -O2 (XLA's own HLO passes are unchanged): an interpreted PaTH
+#   case's backward compiles in ~9 s instead of ~14 s. Seen on jax 0.10.2 (2026-11-27): the
+#   interpreted kernel's forward and gradients (float32 and bf16) and the chunked PaTH and FoX
+#   gradients bitwise equal to -O2's, a train step's losses bitwise and its parameters within
+#   an ulp or two. Not -O0: it moved rounding everywhere and gave NaN gradients in
+#   unipotent.forgetting_attention_chunked. XLA_FLAGS=--xla_backend_optimization_level=2 runs
+#   the tests at the shipping level.
+# - A persistent compilation cache for this session only: a fresh temporary directory, shared
+#   by the xdist workers and the CLI subprocesses through the environment and removed at the
+#   end. A program compiled again unchanged (the train step of a resumed train.run, in its new
+#   Trainer) is loaded instead: the same executable.
+_CACHE_OWNED = None
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                        "--xla_backend_optimization_level=1"]).strip()
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE_OWNED = tempfile.mkdtemp(prefix="posenc-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_OWNED
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
 @pytest.fixture
@@ -21,6 +48,11 @@ def pytest_addoption(parser):
   parser.addoption("--shard", default=None, metavar="I/N",
                    help="run every N-th collected test from the I-th on (1-based): splits a run "
                         "that does not fit one device call into N calls (.ci/gpu)")
+
+
+def pytest_unconfigure(config):
+  if _CACHE_OWNED and not hasattr(config, "workerinput"):   # the xdist controller, or no xdist
+    shutil.rmtree(_CACHE_OWNED, ignore_errors=True)
 
 
 def pytest_configure(config):
