@@ -41,9 +41,13 @@ def _gpu_rounding_dot(dot):
   return emulated
 
 
+# ("shared:0.01", "split") runs the code of ("antiparallel", "split") on other inputs: the
+# default set keeps each of these pre-pass forms once, on antiparallel neighbours (beta = 2),
+# and the shared:0.01 inputs through test_path_correlated_w[shared:0.01-bfloat16] (exact
+# products). CI time.
 @pytest.mark.parametrize("w_mode,prepass", [
-    ("shared:0.01", "split"), ("antiparallel", "split"), ("antiparallel", "split2_hilo"),
-    ("antiparallel", "uz_hilo")] + [
+    ("antiparallel", "split"), ("antiparallel", "split2_hilo"), ("antiparallel", "uz_hilo"),
+    pytest.param("shared:0.01", "split", marks=pytest.mark.slow)] + [
     pytest.param(*case, marks=pytest.mark.slow)   # variants that are not a default (CI time)
     for case in (("shared:0.01", "split_bf16x3"), ("shared:0.01", "split_hilo"),
                  ("antiparallel", "split_hilo"))])

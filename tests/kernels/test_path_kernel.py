@@ -358,6 +358,23 @@ class TestInterpret(PathKernelBase):
   def test_bwd_spans(self, key, mode, dtype, pairs, alternating):
     super().test_bwd_spans(key, mode, dtype, pairs, alternating)
 
+  # The default BlockSizes in bf16 stays in the default set through
+  # test_path_correlated_w[shared:0.01-bfloat16] (H = 2, K = 1, no gate); the gate in bf16
+  # through test_prepass_keep_inverse_interpret[False] (the default blocks but the option, with
+  # grouped heads) and test_recomputed_operands_one_lane_bf16. CI time.
+  @pytest.mark.slow
+  def test_path_gate_bf16(self, key):
+    super().test_path_gate_bf16(key)
+
+  # The alternating documents' walk of the sequential sweep (dkv_span 2, bwd_spans 0) stays in
+  # the default set through test_dkv_span_reads_only_stored_states (the same layout, with the
+  # unstored states poisoned), the gate, grouped heads and bitwise repeats through the
+  # [float32-2-False] row, one lane through test_recomputed_operands_one_lane_bf16. CI time.
+  @pytest.mark.parametrize("dtype,lanes,alternating", [
+      (jnp.float32, 2, False), pytest.param(jnp.float32, None, True, marks=pytest.mark.slow)])
+  def test_dkv_span(self, key, dtype, lanes, alternating):
+    super().test_dkv_span(key, dtype, lanes, alternating)
+
   @pytest.mark.parametrize("pairs,lanes", [(True, 2), (False, 0)])
   def test_path_even_chunks_lanes_f32(self, key, pairs, lanes):
     """The sequential sweep (bwd_spans=0) at n = 4 (with pairs: query-chunk pairs only, no odd
@@ -513,6 +530,9 @@ class TestGPU(PathKernelBase):
                 block_sizes=kp.BlockSizes(bwd_spans=mode))
 
 
+# test_tpu_backward_interpret's float32 rows check this very forward (the same backend,
+# shapes, gate, segments, 16-blocks and tolerance) before their gradients: CI time.
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", [True, False])
 def test_tpu_kv_grid_forward_interpret(key, transport):
   """The TPU forward (key-chunk grid axis, VMEM scratch) in the TPU interpreter vs the oracle."""
