@@ -260,8 +260,11 @@ class TestInterpret(PathKernelBase):
   overrides below move cases that repeat one of them to -m slow. TestGPU runs every case."""
   backend = "interpret"
 
-  @pytest.mark.parametrize("pairs,walk", [(True, "far_dq"), (False, "far_dq"),
-                                          (True, "far_dkv")])
+  # [False-far_dq]: its far_states_kernel without pairs (far_dq_pairs None is False at head_dim
+  # 16) runs in test_span_sweep_mosaic_f32[mosaic], the far dq launch's wiring at n = 7 in
+  # [True-far_dq] (CI time).
+  @pytest.mark.parametrize("pairs,walk", [
+      (True, "far_dq"), pytest.param(False, "far_dq", marks=pytest.mark.slow), (True, "far_dkv")])
   def test_far_backward_mosaic_f32(self, key, pairs, walk):
     """BlockSizes(far_dq="mosaic"): the span backward's boundary states from a launch of their
     own (bwd_span.far_states_kernel), the far dq walk and the A chain in another; or
@@ -327,7 +330,11 @@ class TestInterpret(PathKernelBase):
 
   # head_dim 128 repeats the 64 case's code path here (test_prepass_kernel_matches_jnp and
   # test_chunk_uz_vjp_matches_autodiff hold the chunk math at D > C): it matters on TestGPU.
-  @pytest.mark.parametrize("D", [64, pytest.param(128, marks=pytest.mark.slow)])
+  # "uz_hilo" is the default pre-pass, which the interpreter runs as asked
+  # (usable_variant): test_path_correlated_w[shared:0.01-bfloat16] runs the 64 case's inputs
+  # (bf16, shared:0.01, 8 rows, two query heads a kv head, no gate) through it (CI time).
+  @pytest.mark.parametrize("D", [pytest.param(64, marks=pytest.mark.slow),
+                                 pytest.param(128, marks=pytest.mark.slow)])
   def test_prepass_uz_bf16(self, key, D):
     super().test_prepass_uz_bf16(key, D)
 
@@ -355,8 +362,18 @@ class TestInterpret(PathKernelBase):
       pytest.param(1, jnp.float32, True, False, marks=pytest.mark.slow),
       pytest.param(3, jnp.float32, False, False, marks=pytest.mark.slow)] + [
       pytest.param(mode, jnp.bfloat16, True, False, marks=pytest.mark.slow) for mode in (1, 2, 3)])
-  def test_bwd_spans(self, key, mode, dtype, pairs, alternating):
+  def test_bwd_spans(self, key, monkeypatch, mode, dtype, pairs, alternating):
+    # With the rows the launches do not write poisoned (test_bwd_spans_read_only_written_rows)
+    self._poison_unwritten_span_rows(monkeypatch, span=2)
     super().test_bwd_spans(key, mode, dtype, pairs, alternating)
+
+  # No gate, no segments, one query head a kv head: the float32 default blocks run in the
+  # default set through test_path_gate_segments_gqa_f32, the kernels without gate and segments
+  # through test_path_correlated_w[shared:0.01-bfloat16]; the interpreter's repeats are one
+  # executable run twice, so the bitwise check matters on TestGPU (CI time).
+  @pytest.mark.slow
+  def test_path_plain_f32_deterministic(self, key):
+    super().test_path_plain_f32_deterministic(key)
 
   # The default BlockSizes in bf16 stays in the default set through
   # test_path_correlated_w[shared:0.01-bfloat16] (H = 2, K = 1, no gate); the gate in bf16
@@ -403,16 +420,13 @@ class TestInterpret(PathKernelBase):
     self._check(key, H=2, K=1, dtype=jnp.float32, gate=False, T=T, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}")
 
-  @pytest.mark.parametrize("mode", [pytest.param(1, marks=pytest.mark.slow), 2, 3])  # 1: CI time
-  def test_bwd_spans_read_only_written_rows(self, key, monkeypatch, mode):
-    """The span-parallel backward must not use a row its launches did not write (on the GPU
-    that is uninitialised memory): the boundary kernel writes no kb for the last span, and
-    the packed qb, A (kernels.boundary_offset) end with boundary nb - 1's last chunk. The kb
-    rows are set to NaN and NaN rows are appended to qb and A past their end (a read there
-    would clamp to real rows in the interpreter), and the gradients must stay exact
-    (documents alternating every two chunks)."""
+  def _poison_unwritten_span_rows(self, monkeypatch, span):
+    """Rows the span-parallel backward's launches do not write (on the GPU, uninitialised
+    memory) made NaN, so that a read of one shows in the gradients: the boundary kernel writes
+    no kb for the last span, and the packed qb, A (kernels.boundary_offset) end with boundary
+    nb - 1's last chunk. The kb rows are set to NaN and NaN rows are appended to qb and A past
+    their end (a read there would clamp to real rows in the interpreter)."""
     from kernels_pallas.path_attention import calls_span
-    T, span = 7 * self.block - 12, 2
     real_dq, real_boundary = calls_span._far_dq, calls_span._boundary
 
     def far_dq(*args, **kw):
@@ -428,6 +442,16 @@ class TestInterpret(PathKernelBase):
 
     monkeypatch.setattr(calls_span, "_far_dq", far_dq)
     monkeypatch.setattr(calls_span, "_boundary", boundary)
+
+  # Here every row of test_bwd_spans runs with the unwritten rows poisoned (forms 1, 2 and 3,
+  # documents alternating or not), so this test's rows repeat them (CI time).
+  @pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) for m in (1, 2, 3)])
+  def test_bwd_spans_read_only_written_rows(self, key, monkeypatch, mode):
+    """The span-parallel backward must not use a row its launches did not write
+    (_poison_unwritten_span_rows): the gradients must stay exact (documents alternating every
+    two chunks)."""
+    T, span = 7 * self.block - 12, 2
+    self._poison_unwritten_span_rows(monkeypatch, span)
     bs = kp.BlockSizes(block_q=self.block, block_k=self.block, dkv_span=span, bwd_spans=mode)
     self._check(key, H=2, K=1, dtype=jnp.float32, gate=True, T=T, block_sizes=bs,
                 segments=f"alternating:{2 * self.block}")
