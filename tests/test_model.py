@@ -23,6 +23,11 @@ def _tokens(key, B=2, T=13):
   return jax.random.randint(key, (B, T), 0, V)
 
 
+# Model calls and gradients run jitted: one compile each instead of eager op-by-op dispatch,
+# whose per-op compiles (and every eager lax.scan's) were most of this file's CI time.
+_forward = nnx.jit(lambda model, tokens, **kw: model(tokens, **kw))
+
+
 # Encodings whose state accumulates along the sequence (forget gates, contextual phases,
 # token-dependent angles, Householder transport) plus the kv_shift modifier: the ones where
 # a wiring mistake would leak across time or across packed documents.
@@ -38,7 +43,7 @@ def test_future_tokens_do_not_change_past_logits(encoding, kv_shift, key):
   tok = _tokens(k2)
   t = 6
   changed = tok.at[:, t + 1:].set((tok[:, t + 1:] + jax.random.randint(k3, (), 1, V)) % V)
-  a, b = model(tok), model(changed)
+  a, b = _forward(model, tok), _forward(model, changed)
   np.testing.assert_allclose(a[:, :t + 1], b[:, :t + 1], rtol=1e-5, atol=1e-5)
   assert np.abs(np.asarray(a[:, t + 1:] - b[:, t + 1:])).max() > 1e-3  # the future did change
 
@@ -52,10 +57,10 @@ def test_packed_documents_are_isolated(encoding, kv_shift, key):
   split = 5
   seg = jnp.where(jnp.arange(13) < split, 1, 2)[None]
   pos = jnp.where(seg == 1, jnp.arange(13), jnp.arange(13) - split)
-  packed = model(tok, positions_BT=pos, segment_ids_BT=seg)
-  alone = model(tok[:, split:])
+  packed = _forward(model, tok, positions_BT=pos, segment_ids_BT=seg)
+  alone = _forward(model, tok[:, split:])
   assert_rel_rms(packed[:, split:], alone, 1e-5, "packed doc 2")
-  assert_rel_rms(packed[:, :split], model(tok[:, :split]), 1e-5, "packed doc 1")
+  assert_rel_rms(packed[:, :split], _forward(model, tok[:, :split]), 1e-5, "packed doc 1")
 
 
 def test_grouped_query_attention_equals_repeated_kv_heads(key):
@@ -71,7 +76,7 @@ def test_grouped_query_attention_equals_repeated_kv_heads(key):
   nnx.replace_by_pure_dict(state, params)
   nnx.update(mha, state)
   tok = _tokens(k2)
-  assert_rel_rms(mha(tok), gqa(tok), 1e-5, "logits")
+  assert_rel_rms(_forward(mha, tok), _forward(gqa, tok), 1e-5, "logits")
 
 
 @pytest.mark.parametrize("block", ["llama", "acc_rot"])
@@ -80,9 +85,9 @@ def test_bfloat16_compute_tracks_float32(block, key):
   f32 = _model(k1, "rope", block=block, qk_norm=block == "llama")
   bf16 = _model(k1, "rope", block=block, qk_norm=block == "llama", dtype="bfloat16")
   tok = _tokens(k2)
-  out = bf16(tok)
+  out = _forward(bf16, tok)
   assert out.dtype == jnp.float32
-  assert_rel_rms(out, f32(tok), 3e-2, "bf16 logits")
+  assert_rel_rms(out, _forward(f32, tok), 3e-2, "bf16 logits")
 
 
 def test_dropout_only_in_training_and_keyed_by_rngs(key):
@@ -104,7 +109,7 @@ def test_tied_embeddings_share_the_table(key):
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   assert "head" not in params
   tok = _tokens(k2) % 3  # token 3 never appears in the input...
-  grads = nnx.to_pure_dict(nnx.grad(lambda m: m(tok)[:, -1, 3].sum())(model))
+  grads = nnx.to_pure_dict(nnx.jit(nnx.grad(lambda m: m(tok)[:, -1, 3].sum()))(model))
   # ...so its embedding row gets gradient only as the output row of logit 3.
   assert np.abs(np.asarray(grads["embed"]["embedding"][3])).sum() > 0
   assert np.abs(np.asarray(grads["embed"]["embedding"][4])).sum() == 0
@@ -131,9 +136,16 @@ def test_scanned_layers_match_the_loop(encoding, kv_shift, key):
   kw = dict(num_layers=3, kv_shift=kv_shift, qk_norm=True)
   loop, scanned = (_model(k1, encoding, scan_layers=s, **kw) for s in (False, True))
   tok = _tokens(k2)
-  assert_rel_rms(scanned(tok), loop(tok), 1e-5, "logits")
-  loss = lambda m: jnp.sum(jax.nn.log_softmax(m(tok))[..., 0])
-  g_loop, g_scan = (nnx.to_pure_dict(nnx.grad(loss)(m)) for m in (loop, scanned))
+
+  def loss(m):
+    logits = m(tok)
+    return jnp.sum(jax.nn.log_softmax(logits)[..., 0]), logits
+
+  # The logits and the gradients from one compile of each model.
+  (_, logits_loop), g_loop = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(loop)
+  (_, logits_scan), g_scan = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(scanned)
+  assert_rel_rms(logits_scan, logits_loop, 1e-5, "logits")
+  g_loop, g_scan = nnx.to_pure_dict(g_loop), nnx.to_pure_dict(g_scan)
   modules = {}
   for path, g in jax.tree_util.tree_leaves_with_path(g_loop):
     got = g_scan
