@@ -27,10 +27,11 @@ def in_float64(fn, *args):
   """Runs an oracle in float64 on float32 test inputs (pytrees), returning numpy arrays.
 
   A float32 oracle carries rounding error of the same size as the fast path's: comparing two
-  float32 computations at 1e-5 then judges the oracle as much as the code under test.
+  float32 computations at 1e-5 then judges the oracle as much as the code under test. The
+  oracle runs jitted: one compile instead of eager op-by-op dispatch (CI time).
   """
   import jax.numpy as jnp
   with jax.enable_x64(True):
     args64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64)
                           if np.issubdtype(np.asarray(a).dtype, np.floating) else a, args)
-    return jax.tree.map(np.asarray, fn(*args64))
+    return jax.tree.map(np.asarray, jax.jit(fn)(*args64))
