@@ -140,11 +140,15 @@ def test_softmax_implementation_matches_reference(key, implementation, tol):
     return lambda q, k, v: jnp.sum(attention.softmax_attention(
         q, k, v, segment_ids=seg, implementation=impl) * do)
 
+  def attend(impl):   # jitted: one compile instead of eager op-by-op dispatch (CI time)
+    return jax.jit(lambda q, k, v: attention.softmax_attention(q, k, v, segment_ids=seg,
+                                                              implementation=impl))
+
   with jax.default_matmul_precision("highest"):
-    o_ref = attention.softmax_attention(q, k, v, segment_ids=seg, implementation="reference")
-    g_ref = jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
-    o = attention.softmax_attention(q, k, v, segment_ids=seg, implementation=implementation)
-    g = jax.grad(loss(implementation), argnums=(0, 1, 2))(q, k, v)
+    o_ref = attend("reference")(q, k, v)
+    g_ref = jax.jit(jax.grad(loss("reference"), argnums=(0, 1, 2)))(q, k, v)
+    o = attend(implementation)(q, k, v)
+    g = jax.jit(jax.grad(loss(implementation), argnums=(0, 1, 2)))(q, k, v)
   assert o.shape == o_ref.shape == (2, 37, 4, 8)
   assert_rel_rms(o, o_ref, tol, "o")
   for name, a, b in zip(("dq", "dk", "dv"), g, g_ref):
@@ -266,11 +270,13 @@ def test_pallas_kernel_options_reach_the_path_kernel(key, monkeypatch):
   w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
   beta = 2 * jax.random.uniform(ks[4], (B, T, H))
   impl = "pallas:block_q=16,block_k=16,bwd_lanes=0,dkv_in_dq=true"
-  out = attention.path_attention(q, k, v, w, beta, implementation=impl)
+  # Both jitted: one compile instead of eager op-by-op dispatch (CI time).
+  out = jax.jit(lambda *a: attention.path_attention(*a, implementation=impl))(q, k, v, w, beta)
   assert seen == [kernels_pallas.BlockSizes(block_q=16, block_k=16, bwd_lanes=0,
                                             dkv_in_dq=True)]
   with jax.default_matmul_precision("highest"):
-    ref = householder.path_attention_reference(q, k, v, w, beta, scale=D ** -0.5)
+    ref = jax.jit(lambda *a: householder.path_attention_reference(*a, scale=D ** -0.5))(
+        q, k, v, w, beta)
   assert_rel_rms(out, ref, 1e-4, "forward")
 
 
