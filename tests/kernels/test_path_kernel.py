@@ -59,29 +59,34 @@ class PathKernelBase:
                                             w_mode=w_mode)
     bs = block_sizes or kp.BlockSizes(block_q=self.block, block_k=self.block)
     scale = D ** -0.5
+    # The oracle takes the segment ids as an argument, and both gradients the cotangent, not
+    # as constants: the oracle's programs are then one for every case of a shape, which the
+    # session's compilation cache (tests/conftest.py) compiles once on the CPU (CI time).
     if fox:
       args = (q, k, v, lf)
       fast = lambda q, k, v, lf: kp.forgetting_attention(q, k, v, lf, segment_ids=seg,
                                                          block_sizes=bs, backend=self.backend)
-      ref = lambda q, k, v, lf: unipotent.forgetting_attention_reference(
+      ref = lambda q, k, v, lf, seg: unipotent.forgetting_attention_reference(
           q, k, v, lf, segment_ids=seg, scale=scale)
     else:
       args = (q, k, v, w, beta) + ((lf,) if gate else ())
       fast = lambda *a: kp.path_attention(*a, segment_ids=seg, block_sizes=bs, backend=self.backend)
       ref = lambda *a: householder.path_attention_reference(
-          *a[:5], log_forget=a[5] if gate else None, segment_ids=seg, scale=scale)
+          *a[:5], log_forget=a[5] if gate else None, segment_ids=a[-1], scale=scale)
     # Everything runs jitted: one compile each instead of eager op-by-op dispatch (the
     # interpreter's grid loops and the oracle's scans recompile at every eager call).
-    grad = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
-                                       argnums=tuple(range(len(args)))))
+    # grad(fn)(*args, *rest, do): d/d(args) of <fn(*args, *rest), do>.
+    grad = lambda fn: jax.jit(jax.grad(
+        lambda *a: jnp.sum(fn(*a[:-1]).astype(jnp.float32) * a[-1]),
+        argnums=tuple(range(len(args)))))
     def oracle():
       with jax.default_matmul_precision("highest"):
-        return [jax.jit(ref)(*args), *grad(ref)(*args)]
+        return [jax.jit(ref)(*args, seg), *grad(ref)(*args, seg, do)]
 
     fwd, bwd = jax.jit(fast), grad(fast)
     names = ("q", "k", "v", "log_forget") if fox else ("q", "k", "v", "w", "beta", "log_forget")
     names = ("forward",) + tuple(f"d{name}" for name in names[:len(args)])
-    return (lambda: [fwd(*args), *bwd(*args)]), oracle, names
+    return (lambda: [fwd(*args), *bwd(*args, do)]), oracle, names
 
   def test_path_gate_segments_gqa_f32(self, key):
     self._check(key, H=4, K=2, dtype=jnp.float32, gate=True, segments=True)
