@@ -57,8 +57,9 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
   fwd = jax.jit(lambda ops: calls.forward(ops, **kw))
   o, lse = fwd(ops)
   C, n = bs.block_q, ops.q.shape[2]
-  do_b = prepass.blocked(prepass.pad_time(do, n * C), C)
-  delta = jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1, keepdims=True)
+  do_b = prepass.chunked(prepass.pad_time(do, n * C), C)   # as api._attend_bwd passes it
+  delta = prepass.heads_major(jnp.sum(o.astype(jnp.float32) * do_b.astype(jnp.float32), -1,
+                                      keepdims=True))   # [B, H, n, C, 1], as lse
   span, kw["bs"] = routing.span_backward(ops, bs, backend)   # as calls.backward routes it
   if span:
     timed_span = _span_phases(ops, do_b, lse, delta, span=span, **kw)

@@ -13,7 +13,7 @@ bwd_tpu.py on the TPU) give gradients of the kernel's operands, and the pre-pass
 Pallas kernel of prepass_kernel.py for the transport operands, jax.vjp for padding, layout and
 gate prefix sums) carries them to q, k, v, w, beta, log_forget.
 Residuals are the inputs, the output (time-major, as returned), the log-sum-exp and, with
-BlockSizes(keep_operands=True) (the default), the pre-pass's outputs (q^, k^, blocked v, E,
+BlockSizes(keep_operands=True) (the default), the pre-pass's outputs (q^, k^, v, E,
 in-chunk logits, gate sums) and its VJP's residuals, so the backward does not run the pre-pass
 again: O(T) memory either way.
 """
@@ -78,7 +78,7 @@ def _span_boundary(cfg, ops, dtype):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(cfg, q, k, v, w, beta, log_forget, seg):
   o, _ = _forward(cfg, q, k, v, w, beta, log_forget, seg)
-  return prepass.unblocked(o)[:, :cfg.T]
+  return prepass.unchunked(o)[:, :cfg.T]
 
 
 def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
@@ -91,10 +91,9 @@ def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
   boundary = _span_boundary(cfg, ops, q.dtype)
   o, lse = _attend_ops(cfg, ops, q.dtype, boundary)
   kept = None if kept is None else (*kept, boundary)
-  # The residual is the time-major output itself, which the caller holds anyway (a model's
-  # output projection keeps it for its own gradient), not the kernel's blocked o: one [B, T, H, D]
-  # array less per layer. The backward needs o only for Delta.
-  out = prepass.unblocked(o)[:, :cfg.T]
+  # The residual is the output itself, which the caller holds anyway (a model's output
+  # projection keeps it for its own gradient). The backward needs o only for Delta.
+  out = prepass.unchunked(o)[:, :cfg.T]   # the kernels write o time-major: a reshape
   return out, (q, k, v, w, beta, log_forget, seg, out, lse, kept)
 
 
@@ -103,7 +102,7 @@ def _attend_bwd(cfg, res, do):
   C = cfg.block_sizes.block_q
   Tp = lse.shape[2] * C
   do = do.astype(q.dtype)
-  do_b = prepass.blocked(prepass.pad_time(do, Tp), C)
+  do_b = prepass.chunked(prepass.pad_time(do, Tp), C)   # [B, n, C, H, D], as the kernels read it
   # Delta_i = dO_i . o_i in float32, time-major, then blocked as lse is ([B, H, n, C, 1]; padded
   # rows 0).
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)

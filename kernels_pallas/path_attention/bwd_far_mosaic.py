@@ -45,9 +45,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
+from kernels_pallas.path_attention import prepass
 from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, dims, gate_vectors, launch,
                                                             query_pair, slot_types)
-from kernels_pallas.path_attention.fwd_mosaic import (LOG2E, gate_and_mask, smem_tile,
+from kernels_pallas.path_attention.fwd_mosaic import (LOG2E, chunk_of, gate_and_mask, smem_tile,
                                                         two_products)
 
 HALVES = ("pi_hi", "pi_lo")   # the span operators' bf16 halves (pi_halves)
@@ -66,7 +67,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
   a gate): far_dq_reference's.
 
   ops: the pre-pass Operands (v, and the gate's fq / fk and the segment ids sq / sk where
-  present); do [B, H, n, C, D]; lse, delta [B, H, n, C, 1] float32 (natural log); kb
+  present); do [B, n, C, H, D] (chunked); lse, delta [B, H, n, C, 1] float32 (natural log); kb
   [B, K, n, C, D] the keys moved to their span's end; qb [B, H, R, D] the packed boundary states;
   pi [B, K, nb, D, D] float32 the span operators. slots: the key ring's depth."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -101,8 +102,8 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
       def fetch(t, names):
         slot = lax.rem(t, jnp.array(slots, t.dtype))
         for name in names:
-          plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), t], smem[name].at[slot],
-                                  bars[name].at[slot])
+          plgpu.copy_gmem_to_smem(chunk_of(refs, name, b, head_of(name), t),
+                                  smem[name].at[slot], bars[name].at[slot])
 
       def fetch_pi(J):
         for name in HALVES:
@@ -151,7 +152,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
       def fetch_state(J):
         plgpu.copy_gmem_to_smem(refs["qb"].at[b, h, row_of(J)], state, state_bar)
 
-      plgpu.copy_gmem_to_smem(refs["do"].at[b, h, c], do_at, bars["do"].at[wg])
+      plgpu.copy_gmem_to_smem(chunk_of(refs, "do", b, h, c), do_at, bars["do"].at[wg])
       vectors = [name for name in head if name != "do"]
       for name in vectors:
         plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), c], smem[name].at[wg],
@@ -275,9 +276,9 @@ def far_dq_reference(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int
   f32 = jnp.float32
   hp = lax.Precision.HIGHEST
   rep = lambda x: jnp.repeat(x, G, axis=1).astype(f32)
-  kbh, vh, pih = rep(kb), rep(ops.v), rep(pi)
+  kbh, vh, pih = rep(kb), rep(prepass.heads_major(ops.v)), rep(pi)
   qbc = qb.reshape(B, H, qb.shape[2] // C, C, D).astype(f32)
-  do32 = do.astype(f32)
+  do32 = prepass.heads_major(do).astype(f32)
   a = jnp.zeros(qbc.shape, f32)
   dfqs = []
   for c in range(n):
@@ -357,9 +358,9 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
         i, g = lax.div(t, jnp.array(G, t.dtype)), lax.rem(t, jnp.array(G, t.dtype))
         h = kh * G + g
         for name in ring:
-          at = ((b, h, kernels.boundary_offset(j, n=n, span=span) + i) if name == "qb" else
-                (b, 0 if name == "sq" else h, first + i))
-          plgpu.copy_gmem_to_smem(refs[name].at[at], smem[name].at[slot], bars[name].at[slot])
+          src = (refs[name].at[b, h, kernels.boundary_offset(j, n=n, span=span) + i]
+                 if name == "qb" else chunk_of(refs, name, b, 0 if name == "sq" else h, first + i))
+          plgpu.copy_gmem_to_smem(src, smem[name].at[slot], bars[name].at[slot])
 
       steps = chunks * G
       for i in range(slots):
@@ -382,7 +383,7 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
             plgpu.copy_gmem_to_smem(refs[name].at[b, kh * G + g, m], smem[name].at[wg, g],
                                     bars[name].at[wg * G + g])
         else:
-          plgpu.copy_gmem_to_smem(refs[name].at[b, 0 if name == "sk" else kh, m],
+          plgpu.copy_gmem_to_smem(chunk_of(refs, name, b, 0 if name == "sk" else kh, m),
                                   smem[name].at[wg], bars[name].at[wg])
       for name in keys:
         if name == "fk":
@@ -484,9 +485,9 @@ def far_dkv_reference(ops, do, lse, delta, kb, qb, *, scale: float, span: int):
                  kernels.boundary_offset(j + 1, n=n, span=span) * C)
     ks = slice(j * span, first)
     kj = kb[:, :, ks].reshape(B, K, span * C, D).astype(f32)
-    vj = ops.v[:, :, ks].reshape(B, K, span * C, D).astype(f32)
+    vj = prepass.heads_major(ops.v)[:, :, ks].reshape(B, K, span * C, D).astype(f32)
     qj = heads(qb[:, :, rows]).astype(f32)                       # [B, K, G, Q, D]
-    doj = heads(do[:, :, first:].reshape(B, H, -1, D)).astype(f32)
+    doj = heads(prepass.heads_major(do)[:, :, first:].reshape(B, H, -1, D)).astype(f32)
     col = lambda x: heads(x[:, :, first:].reshape(B, H, 1, -1))   # a query-side row vector
     st = scale * jnp.einsum("bkmd,bkgqd->bkgmq", kj, qj, precision=hp)
     if ops.fq is not None:

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention.kernels import (NEG_INF, boundary_rows, chunk_bound, chunk_id,
-                                                   dot, logits, tile_mask)
+from kernels_pallas.path_attention.kernels import (NEG_INF, HeadsMinor, boundary_rows,
+                                                   chunk_bound, chunk_id, dot, logits, tile_mask)
 
 
 def _unpack(refs, spec):
@@ -276,6 +276,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
               ("fdfk", far_in and gate)]
   r = _unpack(refs, _in_spec(transport, gate, segments, bounds) + far_spec
               + [("dk", True), ("dv", True), ("dfk", gate), ("a", far_out)])
+  r["do"] = HeadsMinor(r["do"])   # time-major, the group's heads minor (calls._bwd_inputs)
   G, n, C, D = r["q"].shape
   f32 = jnp.float32
   m = chunk_id(n, axis=chunk_axis, reverse=False)  # chunk 0 (the longest walk) first
@@ -372,6 +373,7 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
               + [("dq", True), ("ddiag", transport), ("dp", transport), ("st", transport),
                  ("qb", transport and span > 0), ("dfq", gate), ("dka", kv), ("dva", kv),
                  ("dfka", kv and gate)])
+  r["do"] = HeadsMinor(r["do"])   # time-major, the group's heads minor (calls._bwd_inputs)
   G = r["q"].shape[0]
   n, C, D = r["k"].shape
   dt = r["q"].dtype

@@ -37,8 +37,8 @@ from jax.experimental import pallas as pl
 from kernels_pallas.path_attention.bwd_kernels import (_eye, _in_spec, _unpack, col_sums_init,
                                                        col_total, dkv_step, dkv_step_keys, dq_step,
                                                        pair_state, tile_grads)
-from kernels_pallas.path_attention.kernels import (boundary_offset, boundary_rows, chunk_bound,
-                                                  chunk_id, dot)
+from kernels_pallas.path_attention.kernels import (HeadsMinor, boundary_offset, boundary_rows,
+                                                  chunk_bound, chunk_id, dot)
 
 
 def per_tile(tile, first, *, n, C, pairs):
@@ -216,6 +216,7 @@ def far_dkv_kernel(*refs, scale, span, gate, segments, bounds, precision, chunk_
                      ("delta", True), ("fq", gate), ("fk", gate), ("sq", segments),
                      ("sk", segments), ("lo", bounds), ("hi", bounds), ("a", True), ("dv", True),
                      ("dfk", gate)])
+  r["do"] = HeadsMinor(r["do"])   # [n, C, G, D] time-major, read as [G, n, C, D]
   G, n, C, D = r["do"].shape
   f32 = jnp.float32
   walk = dkv_step_keys if keys_major else dkv_step
@@ -309,6 +310,7 @@ def span_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fine,
               + [("a", True), ("y", True), ("afar", True), ("dvfar", kv), ("dfkfar", gate and kv),
                  ("dq", sweeps), ("ddiag", True), ("dp", True), ("dk", kv), ("dv", kv),
                  ("st", sweeps), ("dfq", gate), ("dfk", gate and kv)])
+  r["do"] = HeadsMinor(r["do"])   # time-major, the group's heads minor (calls._bwd_inputs)
   G = r["q"].shape[0]
   n, C, D = r["k"].shape
   dt = r["q"].dtype

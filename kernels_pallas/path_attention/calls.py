@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import bwd_kernels
 from kernels_pallas.path_attention import kernels
+from kernels_pallas.path_attention import prepass
 from kernels_pallas.path_attention import routing
 from kernels_pallas.path_attention.block_sizes import BlockSizes
 from kernels_pallas.path_attention.prepass import Operands
@@ -130,6 +131,24 @@ def _full(x, ids, head_of):
                       lambda *p: (ids(*p)[0], head_of(ids(*p)[1])) + (0,) * (nd - 2))
 
 
+def time_major_spec(x, ids, head_of, heads=None):
+  """Whole-sequence block of a time-major array (v, dO, dv: chunked [B, n, C, X, D] or merged
+  [B, Tp, X, D]) -> the kernel's ref [n, C, D] / [Tp, D] of one head (heads None), or of
+  `heads` adjacent heads [n, C, heads, D] / [Tp, heads, D], block index head_of(h), which the
+  kernels read through kernels.HeadsMinor. Rows are strided (X * D elements apart): the same
+  tiles as the blocked layout's, without the transposes into and out of it."""
+  lead = x.shape[1:-2]
+  return pl.BlockSpec((None,) + lead + (heads, x.shape[-1]),
+                      lambda *p: (ids(*p)[0],) + (0,) * len(lead) + (head_of(ids(*p)[1]), 0))
+
+
+def time_major_chunk(x, ids):
+  """One chunk's [C, D] block of a chunked [B, n, C, X, D] array; ids maps program ids to
+  (b, head, chunk)."""
+  return pl.BlockSpec((None, None, x.shape[2], None, x.shape[4]),
+                      lambda *p: (ids(*p)[0], ids(*p)[2], 0, ids(*p)[1], 0))
+
+
 def _flags(ops: Operands):
   return dict(transport=ops.e is not None, gate=ops.fq is not None, segments=ops.sq is not None)
 
@@ -143,11 +162,13 @@ def _bounds(ops: Operands, backend: str) -> bool:
 
 def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes,
             boundary=None):
-  """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32. With
+  """-> o [B, n, C, H, D] (chunked: time-major, as the caller takes it; v's dtype), lse
+  [B, H, n, C, 1] float32. With
   routing.forward_span(...) > 0 the kernel reads the keys moved to their span's end and the span
   operators, `boundary` (span_boundary's; computed here when None)."""
   if backend in ("tpu", "tpu_interpret"):
-    return _forward_kv(ops, scale=scale, precision=precision, backend=backend, bs=bs)
+    o, lse = _forward_kv(ops, scale=scale, precision=precision, backend=backend, bs=bs)
+    return prepass.time_major(o), lse
   if bs.fwd_kernel == "mosaic":
     from kernels_pallas.path_attention import fwd_mosaic
     why = fwd_mosaic.supported(ops, bs)
@@ -164,7 +185,8 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
     return pl.BlockSpec((None, None, None) + x.shape[3:], lambda *p: ids(*p) + (0, 0))
 
   kv = lambda x: _full(x, ids, lambda h: h // G)
-  args, specs = [ops.q, ops.k, ops.v], [chunk(ops.q), kv(ops.k), kv(ops.v)]
+  args = [ops.q, ops.k, ops.v]
+  specs = [chunk(ops.q), kv(ops.k), time_major_spec(ops.v, ids, lambda h: h // G)]
   if f["transport"]:
     args += [ops.e, ops.diag]
     specs += [kv(ops.e), chunk(ops.diag)]
@@ -191,9 +213,10 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
     specs += [kv(kb), kv(pi)]
     fine = calls_span.chain_precision(ops.q, precision=precision, backend=backend, bs=bs)
   # with the far keys in a launch of their own, the near part's o stays float32 for the merge
-  out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), jnp.float32 if far else ops.v.dtype),
+  # o time-major: the caller's [B, T, H, D] is a reshape of it (no transpose pass)
+  out_shape = [jax.ShapeDtypeStruct((B, n, C, H, D), jnp.float32 if far else ops.v.dtype),
                jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
-  out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
+  out_specs = [time_major_chunk(out_shape[0], ids), chunk(out_shape[1])]
   if span:   # the query states at the span boundaries, packed (the far launch reads them)
     out_shape.append(jax.ShapeDtypeStruct(
         (B, H, kernels.boundary_array_rows(n=n, span=span, C=C), D), ops.q.dtype))
@@ -213,6 +236,7 @@ def forward(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSi
 def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: BlockSizes):
   """TPU form: grid (B, H, n, n) with the key-chunk axis j last ("arbitrary"); step j reads key
   chunk max(c - j, 0), so skipped steps (j > c) keep the block index and fetch nothing."""
+  ops = ops._replace(v=prepass.heads_major(ops.v))   # TPU blocks: [C, D] tiles of [.., n, C, D]
   B, H, n, C, D = ops.q.shape
   G = H // ops.k.shape[1]
   f = _flags(ops)
@@ -246,8 +270,9 @@ def _forward_kv(ops: Operands, *, scale: float, precision, backend: str, bs: Blo
 
 def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend: str,
              bs: BlockSizes, boundary=None):
-  """Gradients w.r.t. the operands: dict(q [B,H,..], k, v [B,K,..], diag? in the kernel dtype;
-  dp [B,K,n,D,D]? (dL/dP per chunk), fq?, fk? float32). PaTH with a span boundary inside the
+  """Gradients w.r.t. the operands: dict(q [B,H,..], k [B,K,..], v [B,n,C,K,D] (chunked, as
+  ops.v), diag? in the kernel dtype; dp [B,K,n,D,D]? (dL/dP per chunk), fq?, fk? float32).
+  do [B, n, C, H, D] (chunked); lse, delta [B, H, n, C, 1]. PaTH with a span boundary inside the
   sequence takes the span-parallel form (bwd_spans, calls_span.backward); otherwise two
   kernels: dq/dP sequential per (batch, kv head, lane), then dk/dv parallel over key chunks (it
   reads dq/dP's boundary states with dkv_span). The TPU takes bwd_tpu.backward (one chunk per
@@ -255,7 +280,9 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
   kw = dict(scale=scale, precision=precision, backend=backend, bs=bs)
   if backend in ("tpu", "tpu_interpret"):
     from kernels_pallas.path_attention import bwd_tpu
-    return bwd_tpu.backward(ops, do, lse, delta, **kw)
+    g = bwd_tpu.backward(ops._replace(v=prepass.heads_major(ops.v)), prepass.heads_major(do),
+                         lse, delta, **kw)
+    return {**g, "v": prepass.time_major(g["v"])}
   if routing.fused_dkv(ops, bs, backend):
     return backward_dq(ops, do, lse, delta, **kw)
   span, kw["bs"] = routing.span_backward(ops, bs, backend)
@@ -281,7 +308,8 @@ def span_boundary(ops: Operands, *, precision, backend: str, bs: BlockSizes):
 
 def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv, *, bounds: bool):
   """Operands and BlockSpecs of both backward kernels; grid_kv maps program ids to (b, kv head).
-  bounds: append the chunk bounds (lo, hi) last."""
+  bounds: append the chunk bounds (lo, hi) last. v and do are time-major (chunked, or do merged
+  [B, Tp, H, D]): one kv head's v, the group's G heads of do."""
   G = ops.q.shape[1] // ops.k.shape[1]
   f = _flags(ops)
   grp = lambda x: pl.BlockSpec((None, G) + x.shape[2:],
@@ -290,12 +318,14 @@ def _bwd_inputs(ops: Operands, do, lse, delta, grid_kv, *, bounds: bool):
                                lambda *i: grid_kv(*i) + (0,) * (x.ndim - 2))
   seg = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
                                lambda *i: (grid_kv(*i)[0], 0) + (0,) * (x.ndim - 2))
-  args, specs = [ops.q, ops.k, ops.v], [grp(ops.q), kvh(ops.k), kvh(ops.v)]
+  ids = lambda *i: grid_kv(*i) + (None,)
+  args, specs = [ops.q, ops.k, ops.v], [grp(ops.q), kvh(ops.k),
+                                        time_major_spec(ops.v, ids, lambda h: h)]
   if f["transport"]:
     args.append(ops.e)
     specs.append(kvh(ops.e))
   args += [do, lse, delta]
-  specs += [grp(do), grp(lse), grp(delta)]
+  specs += [time_major_spec(do, ids, lambda h: h, heads=G), grp(lse), grp(delta)]
   if f["gate"]:
     args += [ops.fq, ops.fk]
     specs += [grp(ops.fq), grp(ops.fk)]
@@ -347,8 +377,8 @@ def backward_dkv(ops: Operands, do, lse, delta, *, scale: float, precision, back
     args.append(qb)
     specs.append(grp(qb))
   gdt = ops.q.dtype  # gradients leave in the kernel dtype (accumulated in float32 on chip)
-  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt)] * 2
-  out_specs = [chunk(out_shape[0]), chunk(out_shape[1])]
+  out_shape = [jax.ShapeDtypeStruct((B, K, n, C, D), gdt), jax.ShapeDtypeStruct(ops.v.shape, gdt)]
+  out_specs = [chunk(out_shape[0]), time_major_chunk(out_shape[1], ids)]
   if f["gate"]:
     out_shape.append(jax.ShapeDtypeStruct((B, H, n) + vec, f32))
     out_specs.append(pl.BlockSpec((None, G, None) + vec, lambda *p: ids(*p) + (0, 0)))
@@ -413,7 +443,7 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
   merged = ops._replace(q=_merged(ops.q), diag=_merged(ops.diag), fq=_merged(ops.fq),
                         sq=_merged(ops.sq))
   bounds = _bounds(ops, backend)
-  args, specs, grp = _bwd_inputs(merged, _merged(do), _merged(lse), _merged(delta),
+  args, specs, grp = _bwd_inputs(merged, prepass.unchunked(do), _merged(lse), _merged(delta),
                                  lambda b, kh, l: (b, kh), bounds=bounds)
   lane = lambda s: pl.BlockSpec((None, None) + s.shape[2:],
                                 lambda b, kh, l: (b, kh * L + l) + (0,) * (len(s.shape) - 2))
@@ -452,8 +482,8 @@ def backward_dq(ops: Operands, do, lse, delta, *, scale: float, precision, backe
     if name in more:
       x = more[name]
       more[name] = x.reshape(B, K, L, *x.shape[2:]).sum(2)
-  if kv:  # as the dk/dv kernel leaves them: k, v in the kernel dtype, fk [B, H, n, 1, C]
-    more["k"], more["v"] = more["k"].astype(gdt), more["v"].astype(gdt)
+  if kv:  # as the dk/dv kernel leaves them: k, v (chunked) in the kernel dtype, fk [B, H, n, 1, C]
+    more["k"], more["v"] = more["k"].astype(gdt), prepass.time_major(more["v"].astype(gdt))
     if "fk" in more:
       more["fk"] = more["fk"].reshape(B, H, n, 1, C)
   return more

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas.path_attention import bwd_span
 from kernels_pallas.path_attention import calls
 from kernels_pallas.path_attention import kernels
+from kernels_pallas.path_attention import prepass
 from kernels_pallas.path_attention import routing
 from kernels_pallas.path_attention.prepass import Operands
 
@@ -99,14 +100,15 @@ def _far_dq(ops: Operands, do, lse, delta, kb, pi, *, scale, span, nb, precision
   float32 of far tiles).
   Query chunks two at a time with BlockSizes.far_dq_pairs (bwd_span.far_dq_kernel)."""
   B, H, n, C, D = ops.q.shape
+  G = H // ops.k.shape[1]
   f = calls._flags(ops)
   bounds = calls._bounds(ops, backend)
   pairs, grid, ids, axis, own, kv, warps = _query_tiles(ops, bs, backend)
   seg = lambda x: calls._full(x, ids, lambda h: 0)
   m = calls._merged
-  args = [m(ops.q), kb, ops.v, ops.e, pi, m(do), m(lse), m(delta)]
-  specs = [own(args[0]), kv(kb), kv(ops.v), kv(ops.e), kv(pi), own(args[5]), own(args[6]),
-           own(args[7])]
+  args = [m(ops.q), kb, ops.v, ops.e, pi, prepass.unchunked(do), m(lse), m(delta)]
+  specs = [own(args[0]), kv(kb), calls.time_major_spec(ops.v, ids, lambda h: h // G), kv(ops.e),
+           kv(pi), calls.time_major_spec(args[5], ids, lambda h: h), own(args[6]), own(args[7])]
   more, more_specs = _optional_inputs(ops._replace(fq=m(ops.fq), sq=m(ops.sq)), bounds,
                                      query=own, seg=seg, hi=False)
   args, specs = args + more, specs + more_specs
@@ -168,9 +170,10 @@ def _far_dkv(ops: Operands, do, lse, delta, kb, qb, *, scale, span, precision, b
   keys = lambda x: None if x is None else x.reshape(
       x.shape[:2] + ((n * C, 1) if keys_major else (1, n * C)))
   rows = calls.as_rows if keys_major else (lambda x: x)
-  kbm, vm = calls._merged(kb), calls._merged(ops.v)
+  kbm, vm = calls._merged(kb), prepass.unchunked(ops.v)
   args = [qb, kbm, vm, do, rows(lse), rows(delta)]
-  specs = [grp(qb), kv(kbm), kv(vm), grp(do), grp(args[4]), grp(args[5])]
+  specs = [grp(qb), kv(kbm), calls.time_major_spec(vm, ids, lambda h: h),
+           calls.time_major_spec(do, ids, lambda h: h, heads=G), grp(args[4]), grp(args[5])]
   more, more_specs = _optional_inputs(
       ops._replace(fq=rows(ops.fq), fk=keys(ops.fk), sq=rows(ops.sq), sk=keys(ops.sk)), bounds,
       query=grp, seg=seg, hi=True)
@@ -291,7 +294,7 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
                         fq=calls._merged(ops.fq), sq=calls._merged(ops.sq))
   bounds = calls._bounds(ops, backend)
   grid_kv = lambda j, kh, b: (b, kh)
-  args, specs, grp = calls._bwd_inputs(merged, calls._merged(do), calls._merged(lse),
+  args, specs, grp = calls._bwd_inputs(merged, prepass.unchunked(do), calls._merged(lse),
                                        calls._merged(delta), grid_kv, bounds=bounds)
   kvh = lambda x: pl.BlockSpec((None, None) + x.shape[2:],
                                lambda *i: grid_kv(*i) + (0,) * (x.ndim - 2))
@@ -345,7 +348,7 @@ def backward(ops: Operands, do, lse, delta, *, scale: float, precision, backend:
     if name in g:
       g[name] = g[name].reshape(B, H, n, C, *g[name].shape[3:])
   if kv:
-    g["k"], g["v"] = g["k"].astype(gdt), g["v"].astype(gdt)
+    g["k"], g["v"] = g["k"].astype(gdt), prepass.time_major(g["v"].astype(gdt))
   else:
     g.update(key_side)
   if f["gate"]:

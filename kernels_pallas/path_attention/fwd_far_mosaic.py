@@ -49,7 +49,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
-from kernels_pallas.path_attention.fwd_mosaic import LOG2E, gate_and_mask, smem_tile
+from kernels_pallas.path_attention import prepass
+from kernels_pallas.path_attention.fwd_mosaic import LOG2E, chunk_of, gate_and_mask, smem_tile
 
 
 def supported(ops) -> str | None:
@@ -89,8 +90,9 @@ def gate_vectors(ops, C, *, query_side, key_side):
 
 
 def slot_types(arrays, slots, C, D):
-  """Shared-memory rings of `slots` chunks for the [B, heads, n, C(, D)] arrays (name -> type):
-  a [C] vector plain, a [C, D] tile as wgmma reads it (smem_tile)."""
+  """Shared-memory rings of `slots` chunks for the [B, heads, n, C] vectors and the [C, D] tiles
+  of [B, heads, n, C, D] or chunked [B, n, C, heads, D] arrays (name -> type): a [C] vector
+  plain, a [C, D] tile as wgmma reads it (smem_tile)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   return {name: (plgpu.SMEM((slots, C), x.dtype) if x.ndim == 4
                  else smem_tile(x.dtype, slots, C, D)) for name, x in arrays.items()}
@@ -192,7 +194,7 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
     def fetch(i, names):
       slot = lax.rem(i, jnp.array(slots, i.dtype))
       for name in names:
-        plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), i], smem[name].at[slot],
+        plgpu.copy_gmem_to_smem(chunk_of(refs, name, b, head_of(name), i), smem[name].at[slot],
                                 bars[name].at[slot])
 
     key_side = [name for name in ring if name != "v"]   # read by the logits: k's barrier
@@ -316,7 +318,7 @@ def far_reference(ops, kb, qb, *, scale: float, span: int):
   f32 = jnp.float32
   qbc = qb.reshape(B, H, qb.shape[2] // C, C, D).astype(f32)
   kbh = jnp.repeat(kb, G, axis=1).astype(f32)
-  vh = jnp.repeat(ops.v, G, axis=1).astype(f32)
+  vh = jnp.repeat(prepass.heads_major(ops.v), G, axis=1).astype(f32)
   os_, lses = [], []
   for c in range(n):
     jc = c // span
@@ -346,10 +348,13 @@ def far_reference(ops, kb, qb, *, scale: float, span: int):
 
 
 def merge_far(o_near, lse_near, o_far, lse_far, *, dtype):
-  """One softmax over the near and far keys from the two partial ones: o_near [B, H, n, C, D],
-  lse_near [B, H, n, C, 1] (every row has its diagonal: finite), o_far, lse_far [B, H, n, C]
-  (far_forward's; -inf where a row has no far key) -> (o in `dtype`, lse [B, H, n, C, 1])."""
+  """One softmax over the near and far keys from the two partial ones: o_near [B, n, C, H, D]
+  (chunked, the near kernel's), lse_near [B, H, n, C, 1] (every row has its diagonal: finite),
+  o_far [B, H, n, C, D], lse_far [B, H, n, C] (far_forward's; -inf where a row has no far key)
+  -> (o [B, n, C, H, D] in `dtype`, lse [B, H, n, C, 1]). One XLA fusion: the far o's
+  transpose rides in it."""
   lse_far = lse_far[..., None]
   lse = jnp.logaddexp(lse_near, lse_far)
-  o = o_near * jnp.exp(lse_near - lse) + o_far * jnp.exp(lse_far - lse)
+  tm = prepass.time_major
+  o = o_near * tm(jnp.exp(lse_near - lse)) + tm(o_far * jnp.exp(lse_far - lse))
   return o.astype(dtype), lse

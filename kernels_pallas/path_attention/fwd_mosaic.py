@@ -25,6 +25,18 @@ from jax.experimental import pallas as pl
 
 LOG2E = math.log2(math.e)
 
+# The launches' time-major inputs: v (Operands.v) and dO, chunked [B, n, C, heads, D]
+# (prepass.chunked); every other array is blocked [B, heads, n, ...].
+TIME_MAJOR = frozenset({"v", "vd", "do"})
+
+
+def chunk_of(refs, name, b, head, m):
+  """The GMEM ref of chunk m of `head`'s rows in array `name`: a blocked array's [C, ...]
+  block, or for TIME_MAJOR a strided [C, D] box (rows heads * D elements apart; TMA takes the
+  stride, as jax's own Mosaic GPU attention reads its [B, T, H, D] operands)."""
+  ref = refs[name]
+  return ref.at[b, m, :, head] if name in TIME_MAJOR else ref.at[b, head, m]
+
 
 def smem_tile(dtype, *shape):
   """A shared-memory [.., rows, cols] tile laid out as wgmma reads it: 128-byte swizzle, tiles of
@@ -79,7 +91,7 @@ def supported(ops, bs) -> str | None:
 
 
 def forward(ops, *, scale: float, slots: int = 2):
-  """-> o [B, H, n, C, D] (v's dtype), lse [B, H, n, C, 1] float32, as calls.forward.
+  """-> o [B, n, C, H, D] (chunked; v's dtype), lse [B, H, n, C, 1] float32, as calls.forward.
 
   The gate and segment ids travel as [.., n, C] vectors: the query chunk's once per program
   (a row vector), the key chunk's with each walk step's k, v, E (a column vector), so a tile's
@@ -117,11 +129,11 @@ def forward(ops, *, scale: float, slots: int = 2):
     def fetch(i):  # walk step i (key chunk c - 1 - i) into ring slot i % slots
       m, slot = c - 1 - i, lax.rem(i, jnp.array(slots, i.dtype))
       for name in ring:
-        plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), m], smem[name].at[slot],
+        plgpu.copy_gmem_to_smem(chunk_of(refs, name, b, head_of(name), m), smem[name].at[slot],
                                 bars[name].at[slot])
 
     for name in head:
-      plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name), c], smem[name], bars[name])
+      plgpu.copy_gmem_to_smem(chunk_of(refs, name, b, head_of(name), c), smem[name], bars[name])
     for i in range(slots):
       pl.when(i < c)(lambda i=i: fetch(jnp.int32(i)))
     for name in head:
@@ -181,12 +193,13 @@ def forward(ops, *, scale: float, slots: int = 2):
     smem["q"][...] = (acc / lax.broadcast_in_dim(l_i, (C, D), [0])).astype(dt)  # q's tile, reused
     smem["lse"][...] = (m_i + jnp.log2(l_i)) * (1.0 / LOG2E)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem["q"], refs["o"].at[b, h, c])
+    plgpu.copy_smem_to_gmem(smem["q"], refs["o"].at[b, c, :, h])   # time-major: a strided box
     plgpu.copy_smem_to_gmem(smem["lse"], refs["lse"].at[b, h, c])
     plgpu.wait_smem_to_gmem(0)
 
   def scratch_of(name, x, ring_slots=None):
-    shape = x.shape[3:] if ring_slots is None else (ring_slots,) + x.shape[3:]
+    tile = (x.shape[2], x.shape[4]) if name in TIME_MAJOR else x.shape[3:]
+    shape = tile if ring_slots is None else (ring_slots,) + tile
     if x.ndim == 4:  # a [C] vector: no tiling
       return plgpu.SMEM(shape, x.dtype)
     return smem_tile(dt, *shape)
@@ -212,7 +225,7 @@ def forward(ops, *, scale: float, slots: int = 2):
 
   o, lse = plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
+      out_type=(jax.ShapeDtypeStruct((B, n, C, H, D), ops.v.dtype),
                 jax.ShapeDtypeStruct((B, H, n, C), f32)),
       grid=(n, H, B), grid_names=("c", "heads", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -2,7 +2,9 @@
 
 Operands come from prepass.py, head-major and blocked: a [n, C, D] ref holds a whole sequence
 of chunks for one (batch, head) and `ref[m]` reads chunk m (a dynamic index on a leading,
-untiled dimension, which both backends lower).
+untiled dimension, which both backends lower). v and dO are time-major in HBM ([B, n, C, heads,
+D]); on the GPU their BlockSpecs (calls.time_major_spec) give the same [n, C, D] refs with
+strided rows, and a GQA group's heads come through HeadsMinor.
 
 fwd_kernel (GPU), one program per (batch, query head, query chunk c): diagonal chunk from the
   pre-computed in-chunk logits, then key chunks m = c-1 .. 0 right to left in a loop with an
@@ -32,6 +34,29 @@ def dot(a, b, *, ta=False, tb=False, precision=None):
   """a @ b (a^T, b^T with ta, tb) with float32 accumulation."""
   dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
+
+
+class HeadsMinor:
+  """A time-major ref of a group's heads, [..rows, G, D] (calls.time_major_spec with `heads`),
+  read as the head-major [G, ..rows, D] the kernel bodies index: x[g, i, ..] = ref[i, .., g, :].
+  Only reads (v and dO are inputs)."""
+
+  def __init__(self, ref):
+    self.ref = ref
+
+  @property
+  def shape(self):
+    s = tuple(self.ref.shape)
+    return (s[-2],) + s[:-2] + (s[-1],)
+
+  @property
+  def dtype(self):
+    return self.ref.dtype
+
+  def __getitem__(self, idx):
+    g, *rows = idx if isinstance(idx, tuple) else (idx,)
+    rows += [slice(None)] * (len(self.ref.shape) - 2 - len(rows))
+    return self.ref[tuple(rows) + (g,)]
 
 
 def tile_mask(C, *, causal, fq=None, fk=None, sq=None, sk=None):

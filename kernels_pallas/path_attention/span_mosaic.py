@@ -54,9 +54,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.path_attention import kernels
+from kernels_pallas.path_attention import prepass
 from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, dims, gate_vectors,
                                                             launch, slot_types)
-from kernels_pallas.path_attention.fwd_mosaic import (LOG2E, gate_and_mask, smem_tile,
+from kernels_pallas.path_attention.fwd_mosaic import (LOG2E, chunk_of, gate_and_mask, smem_tile,
                                                         two_products)
 
 
@@ -78,7 +79,7 @@ def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 
   """-> dq^ [B, H, n, C, D] (kernel dtype), dfq [B, H, n, C, 1] float32 (the sweeps' share;
   None without a gate), dp + the sweeps' share of dL/dP [B, K, n, D, D] float32.
 
-  ops: the pre-pass Operands; do [B, H, n, C, D]; lse, delta [B, H, n, C, 1] float32 (natural
+  ops: the pre-pass Operands; do [B, n, C, H, D] (chunked); lse, delta [B, H, n, C, 1] float32 (natural
   log); a [B, H, R, D] the far dq launch's packed adjoints (kernels.boundary_offset); dp the span
   kernel's dL/dP (updated in place). sweeps_reference is the oracle."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -128,8 +129,8 @@ def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 
           slot = lax.rem(t, jnp.array(slots, t.dtype))
           pl.when(t >= slots)(lambda: plgpu.barrier_wait(consumed["ring"].at[slot]))
           for name in ring:
-            plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name, h), m], smem[name].at[slot],
-                                    bars[name].at[slot])
+            plgpu.copy_gmem_to_smem(chunk_of(refs, name, b, head_of(name, h), m),
+                                    smem[name].at[slot], bars[name].at[slot])
 
           @pl.when(m < c)
           def _():   # the stored state; the tile's first waits until both warpgroups stored
@@ -190,7 +191,7 @@ def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 
         for name in head:
           dst = qs if name == "q" else smem[name].at[wg]
           at = arow if name == "a" else cw
-          plgpu.copy_gmem_to_smem(refs[name].at[b, head_of(name, h), at], dst,
+          plgpu.copy_gmem_to_smem(chunk_of(refs, name, b, head_of(name, h), at), dst,
                                   bars[name].at[wg])
         own_e(c, u)
         for name in head:
@@ -336,8 +337,8 @@ def sweeps_reference(ops, do, lse, delta, a, dp, *, scale: float, span: int):
   hp = lax.Precision.HIGHEST
   mm = lambda spec, *x: jnp.einsum(spec, *x, precision=hp)
   rep = lambda x: jnp.repeat(x, G, axis=1).astype(f32)
-  q, k, v, e = ops.q.astype(f32), rep(ops.k), rep(ops.v), rep(ops.e)
-  do32 = do.astype(f32)
+  q, k, v, e = ops.q.astype(f32), rep(ops.k), rep(prepass.heads_major(ops.v)), rep(ops.e)
+  do32 = prepass.heads_major(do).astype(f32)
   a32 = a.reshape(B, H, a.shape[2] // C, C, D).astype(f32)
   dq = jnp.zeros((B, H, n, C, D), f32)
   dfq = jnp.zeros((B, H, n, C), f32)

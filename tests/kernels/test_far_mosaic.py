@@ -27,10 +27,10 @@ def _far_inputs(key, D, gate_segments):
   nb = (n - 1) // span
   ks = jax.random.split(key, 10)
   bf = jnp.bfloat16
-  v = jax.random.normal(ks[0], (B, K, n, C, D), bf)
+  v = jax.random.normal(ks[0], (B, n, C, K, D), bf)   # v and dO time-major (Operands.v)
   kb = jax.random.normal(ks[1], (B, K, n, C, D), bf)
   qb = jax.random.normal(ks[2], (B, H, boundary_array_rows(n=n, span=span, C=C), D), bf)
-  do = jax.random.normal(ks[5], (B, H, n, C, D), bf)
+  do = jax.random.normal(ks[5], (B, n, C, H, D), bf)
   lse = 6.0 + jax.random.normal(ks[6], (B, H, n, C, 1))
   delta = jax.random.normal(ks[7], (B, H, n, C, 1))
   pi = (jnp.eye(D) + jax.random.normal(ks[8], (B, K, nb, D, D)) * D ** -0.5) * 0.7
@@ -117,9 +117,9 @@ def test_span_sweep_mosaic_kernel_against_reference(key, gate_segments):
   bf = jnp.bfloat16
   nrm = lambda k, shape, s=1.0: (s * jax.random.normal(k, shape)).astype(bf)
   ops = prepass.Operands(q=nrm(ks[0], (B, H, n, C, D)), k=nrm(ks[1], (B, K, n, C, D)),
-                         v=nrm(ks[2], (B, K, n, C, D)), e=nrm(ks[3], (B, K, n, D, D), 0.3 / D),
+                         v=nrm(ks[2], (B, n, C, K, D)), e=nrm(ks[3], (B, K, n, D, D), 0.3 / D),
                          diag=None, fq=None, fk=None, sq=None, sk=None)
-  do = nrm(ks[4], (B, H, n, C, D))
+  do = nrm(ks[4], (B, n, C, H, D))   # time-major, as v
   lse = 6.0 + jax.random.normal(ks[5], (B, H, n, C, 1))
   delta = jax.random.normal(ks[6], (B, H, n, C, 1))
   a = nrm(ks[7], (B, H, boundary_array_rows(n=n, span=span, C=C), D), 0.3)
