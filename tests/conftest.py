@@ -16,8 +16,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #   case's backward compiles in ~9 s instead of ~14 s. Seen on jax 0.10.2 (2026-11-27): the
 #   interpreted kernel's forward and gradients (float32 and bf16) and the chunked PaTH and FoX
 #   gradients bitwise equal to -O2's, a train step's losses bitwise and its parameters within
-#   an ulp or two. Not -O0: it moved rounding everywhere and gave NaN gradients in
-#   unipotent.forgetting_attention_chunked. XLA_FLAGS=--xla_backend_optimization_level=2 runs
+#   an ulp or two. Not -O0: it moved rounding everywhere and gave NaN gradients in the chunked
+#   FoX and GRAPE-AP (path_integral.right_to_left_attention). That is XLA:CPU's -O0 code for
+#   one fused step, not the math: the step's parts differentiate finitely alone at -O0 on the
+#   same moderate values (|logits| < 10), and the whole step does too at -O0 with HLO fusion
+#   off or at -O1 (jax 0.10.2, 2026-11-27). XLA_FLAGS=--xla_backend_optimization_level=2 runs
 #   the tests at the shipping level.
 # - A persistent compilation cache for this session only: a fresh temporary directory, shared
 #   by the xdist workers and the CLI subprocesses through the environment and removed at the
