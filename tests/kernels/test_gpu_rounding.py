@@ -10,6 +10,7 @@ import pytest
 
 import kernels_pallas as kp
 from tests.kernels.test_path_kernel import PathKernelBase
+from tests.kernels.test_path_kernel import _inputs
 from tests.util import rel_rms
 
 
@@ -93,15 +94,28 @@ def _check_gpu_rounding(key, monkeypatch, *, w_mode, T, block_sizes):
   from kernels_pallas.path_attention import bwd_kernels, bwd_span, kernels, prepass_chunk
   case = PathKernelBase()
   case.T = T
-  kw = dict(H=2, K=1, dtype=jnp.bfloat16, gate=False, segments=False, w_mode=w_mode, B=8,
-            block_sizes=block_sizes)
-  run, oracle, names = case._cases(key, **kw)
+  B, H, K, dtype = 8, 2, 1, jnp.bfloat16
+  _, oracle, names = case._cases(key, H=H, K=K, dtype=dtype, gate=False, segments=False,
+                                 w_mode=w_mode, B=B, block_sizes=block_sizes)
+  q, k, v, w, beta, _, _, do = _inputs(key, B, T, H, K, case.D, dtype, gate=False,
+                                       segments=False, w_mode=w_mode)   # _cases' inputs
+
+  def run():
+    """The kernel's [output, *gradients] on those inputs (the cotangent do, as in _cases) from
+    one program: _cases' run compiles the forward twice, alone and inside the gradients'
+    program (CI time). Traced anew at each call, so a monkeypatch made before it reaches the
+    kernel."""
+    def fwd_bwd(args, do):
+      o, pull = jax.vjp(lambda *a: kp.path_attention(*a, block_sizes=block_sizes,
+                                                     backend="interpret"), *args)
+      return [o, *pull(do.astype(o.dtype))]
+    return jax.jit(fwd_bwd)((q, k, v, w, beta), do)
+
   ref = oracle()   # once: the same inputs below
   exact = [rel_rms(a, b) for a, b in zip(run(), ref)]
   emulated = _gpu_rounding_dot(kernels.dot)
   for module in (kernels, bwd_kernels, bwd_span, prepass_chunk):
     monkeypatch.setattr(module, "dot", emulated)
-  run, _, _ = case._cases(key, **kw)   # traced anew: every kernel product rounded
   tol = case.tol[jnp.bfloat16]
   for name, a, b, floor in zip(names, run(), ref, exact):
     err = rel_rms(a, b)
