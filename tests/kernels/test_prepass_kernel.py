@@ -186,15 +186,18 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse, 
   outs = jax.eval_shape(ref, q, k, w, bb)
   cts = tuple(jax.random.normal(k_, s.shape) for k_, s in zip(ks[4:], outs))
 
-  def value_and_pull(fn):   # jitted: one compile instead of eager op-by-op dispatch
-    def run(*a):
+  # Jitted: one compile instead of eager op-by-op dispatch. The cotangents are an argument,
+  # not constants: the jnp pre-pass's program is then one for every row of a dtype, which the
+  # session's compilation cache (tests/conftest.py) compiles once (CI time).
+  def value_and_pull(fn):
+    def run(a, cts):
       out, pull = jax.vjp(fn, *a)
       return out, pull(cts)
     return jax.jit(run)
 
   with jax.default_matmul_precision("highest"):
-    o_ref, g_ref = value_and_pull(ref)(q, k, w, bb)
-  o_fast, g_fast = value_and_pull(fast)(q, k, w, bb)
+    o_ref, g_ref = value_and_pull(ref)((q, k, w, bb), cts)
+  o_fast, g_fast = value_and_pull(fast)((q, k, w, bb), cts)
   # float32 inputs: float32 products throughout. bf16 inputs: bf16 operands in the "_bf16"
   # variants, bf16 halves where the output is insensitive in "split_hilo" (designed for <=
   # 2.5e-4 per chunk: _Products), and bf16 gradients of q, k.
