@@ -47,7 +47,9 @@ def _layer(key, name):
     return enc.apply(params, x=x, q=q, k=k, v=v, positions=pos, segment_ids=segment_ids,
                      tokens=tokens, rng=None, train=False, implementation=implementation)
 
-  return f
+  # Jitted (one compile per program instead of eager op-by-op dispatch: CI time); the model
+  # runs its encodings under jit too.
+  return jax.jit(f, static_argnames="implementation")
 
 
 def _inputs(key):
@@ -67,7 +69,7 @@ def test_causal_by_gradients(name, key):
   f = _layer(k1, name)
   x, tokens = _inputs(k2)
   t = T // 2
-  g = jax.grad(lambda x: jnp.sum(f(x, tokens, None)[:, : t + 1] ** 2))(x)
+  g = jax.jit(jax.grad(lambda x: jnp.sum(f(x, tokens, None)[:, : t + 1] ** 2)))(x)
   past, future = np.abs(np.asarray(g[:, : t + 1])), np.abs(np.asarray(g[:, t + 1:]))
   assert past.max() > 0, "output does not depend on its own past: the test would prove nothing"
   assert future.max() <= 1e-6 * past.max(), f"output at t <= {t} depends on inputs after t"
@@ -102,7 +104,7 @@ def test_segments_are_isolated(name, key):
   o1, o2 = f(x, tokens, seg), f(x2, tokens2, seg)
   np.testing.assert_allclose(np.asarray(o1[:, cut:]), np.asarray(o2[:, cut:]), rtol=1e-5, atol=1e-6)
   # And by gradients: nothing flows from the first document into the second.
-  g = jax.grad(lambda x: jnp.sum(f(x, tokens, seg)[:, cut:] ** 2))(x)
+  g = jax.jit(jax.grad(lambda x: jnp.sum(f(x, tokens, seg)[:, cut:] ** 2)))(x)
   assert np.abs(np.asarray(g[:, :cut])).max() <= 1e-6 * np.abs(np.asarray(g[:, cut:])).max()
 
 
