@@ -59,18 +59,35 @@ def _loss_grads(fn, args, seg, cot, **kw):
   return jax.jit(jax.grad(loss))({n: args[n] for n in names}, rest, seg)
 
 
+def _out_and_grads(fn, args, seg, cot, **kw):
+  """(fn(inputs), d/d(inputs) of sum(fn(inputs) * cot)) from one jit-compiled program (the
+  forward is compiled once, not again apart from the gradients': CI time)."""
+  names = [n for n in ("q", "k", "v", "w", "beta", "log_forget") if args[n] is not None]
+  scale = args["q"].shape[-1] ** -0.5
+
+  def run(diff, rest, s):
+    def f(diff):
+      a = {**rest, **diff}
+      return fn(a["q"], a["k"], a["v"], a["w"], a["beta"], log_forget=a["log_forget"],
+                segment_ids=s, scale=scale, **kw)
+    out, pull = jax.vjp(f, diff)
+    return out, pull(cot)[0]
+
+  rest = {n: a for n, a in args.items() if n not in names}
+  return jax.jit(run)({n: args[n] for n in names}, rest, seg)
+
+
 @pytest.mark.parametrize("forget,segments", [(False, False), (True, True), (True, False)])
 def test_fast_paths_match_reference(key, forget, segments):
   """Both fast forms against one oracle run (its compiles shared: CI time)."""
   k1, k2 = jax.random.split(key)
   args, seg = _inputs(k1, forget=forget, segments=segments)
-  ref = _call(householder.path_attention_reference, args, seg)
-  cot = jax.random.normal(k2, ref.shape)
-  g_ref = _loss_grads(householder.path_attention_reference, args, seg, cot)
+  cot = jax.random.normal(k2, args["q"].shape)   # the output's shape (head_dim of v = of q)
+  ref, g_ref = _out_and_grads(householder.path_attention_reference, args, seg, cot)
+  assert ref.shape == cot.shape
   for impl in ("scan", "chunked"):
-    out = _call(FAST[impl], args, seg, chunk_size=16)
+    out, g = _out_and_grads(FAST[impl], args, seg, cot, chunk_size=16)
     assert_rel_rms(out, ref, 1e-5, f"{impl} forward")
-    g = _loss_grads(FAST[impl], args, seg, cot, chunk_size=16)
     for name in g_ref:
       assert_rel_rms(g[name], g_ref[name], 1e-5, f"{impl} d/d{name}")
 
@@ -136,8 +153,10 @@ def test_beta_two_swaps_coordinates(key):
   D, T = 6, 12
   rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**31 - 1)))
   pairs = [tuple(rng.choice(D, 2, replace=False)) for _ in range(T)]
-  P = posenc_jax.householder_product(jnp.asarray(_swap_w(pairs, D))[None, :, None],
-                                     jnp.full((1, T, 1), 2.0))[0, :, 0]
+  # Jitted here and below: one compile instead of eager op-by-op dispatch; numpy copies for
+  # the loops, where each eager index of a jax array compiles an op (CI time).
+  P = np.asarray(jax.jit(posenc_jax.householder_product)(
+      jnp.asarray(_swap_w(pairs, D))[None, :, None], jnp.full((1, T, 1), 2.0))[0, :, 0])
   perm = np.eye(D)
   for t, (x, y) in enumerate(pairs):
     swap = np.eye(D)
@@ -147,18 +166,19 @@ def test_beta_two_swaps_coordinates(key):
   # In attention: the logit of (i, j) is q_i against k_j with swaps j+1..i applied.
   q = jax.random.normal(key, (1, T, 1, D))
   k = jax.random.normal(jax.random.fold_in(key, 1), (1, T, 1, D))
+  qn, kn = np.asarray(q[0, :, 0]), np.asarray(k[0, :, 0])
   logits = np.full((T, T), -np.inf)
   for j in range(T):
-    kj = np.asarray(k[0, j, 0], np.float64)
+    kj = np.asarray(kn[j], np.float64)
     for i in range(j, T):
       if i > j:
         x, y = pairs[i]
         kj[[x, y]] = kj[[y, x]]
-      logits[i, j] = float(q[0, i, 0] @ kj) * D**-0.5
+      logits[i, j] = float(qn[i] @ kj) * D**-0.5
   a = np.exp(logits - logits.max(1, keepdims=True))
-  expected = (a / a.sum(1, keepdims=True)) @ np.asarray(k[0, :, 0])
-  out = posenc_jax.path_attention(q, k, k, jnp.asarray(_swap_w(pairs, D))[None, :, None],
-                                  jnp.full((1, T, 1), 2.0), implementation="chunked")
+  expected = (a / a.sum(1, keepdims=True)) @ kn
+  attend = jax.jit(functools.partial(posenc_jax.path_attention, implementation="chunked"))
+  out = attend(q, k, k, jnp.asarray(_swap_w(pairs, D))[None, :, None], jnp.full((1, T, 1), 2.0))
   assert_rel_rms(out[0, :, 0], expected, 1e-5)
 
 
@@ -249,7 +269,9 @@ def test_decoding_matches_full_attention(key):
   args, _ = _inputs(key, B=1, T=27, forget=False, segments=False)
   q, k, v, w, beta = (args[n] for n in ("q", "k", "v", "w", "beta"))
   T = q.shape[1]
-  full = householder.path_attention_reference(q, k, v, w, beta, scale=8**-0.5)
+  # Jitted here and below: one compile instead of eager op-by-op dispatch (CI time).
+  full = jax.jit(functools.partial(householder.path_attention_reference, scale=8**-0.5))(
+      q, k, v, w, beta)
 
   def step(cache, t):
     cache = householder.transport_keys(cache, w[:, t], beta[:, t]).at[:, t].set(k[:, t])
@@ -260,4 +282,5 @@ def test_decoding_matches_full_attention(key):
 
   cache, o = jax.jit(lambda: jax.lax.scan(step, jnp.zeros_like(k), jnp.arange(T)))()
   assert_rel_rms(jnp.moveaxis(o, 0, 1), full, 1e-5, "decoding")
-  assert_rel_rms(householder.prefill_keys(k, w, beta, chunk_size=8), cache, 1e-5, "prefill")
+  prefill = jax.jit(functools.partial(householder.prefill_keys, chunk_size=8))
+  assert_rel_rms(prefill(k, w, beta), cache, 1e-5, "prefill")
