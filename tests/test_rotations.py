@@ -177,8 +177,9 @@ def test_learned_basis_stays_orthogonal_after_a_step(key):
     return jnp.sum((_logits(grape_m.basis_rotate(q, a, b), grape_m.basis_rotate(k, a, b)) - target) ** 2)
 
   param = jnp.zeros((H, D, D))
+  grad = jax.jit(jax.grad(loss))   # one compile instead of eager op-by-op dispatch (CI time)
   for _ in range(3):
-    g = jax.grad(loss)(param)
+    g = grad(param)
     assert float(jnp.abs(g).max()) > 0
     param = param - 0.05 * g / jnp.abs(g).max()
   b = grape_m.orthogonal_from_param(param)
@@ -278,7 +279,9 @@ def test_thin_compression_matches_expm(key):
     J = jnp.kron(jnp.diag(theta), jnp.array([[0.0, -1.0], [1.0, 0.0]], theta.dtype))
     return expm(n.astype(theta.dtype) * (E @ Tm @ J @ Tm.T @ E.T)) @ x
 
-  assert_rel_rms(fast(e, t, theta, x), in_float64(oracle, e, t, theta, x), 1e-5, "forward")
+  # jitted: one compile instead of eager op-by-op dispatch (CI time)
+  assert_rel_rms(jax.jit(fast)(e, t, theta, x), in_float64(oracle, e, t, theta, x), 1e-5,
+                 "forward")
   # Gradients: the identity checked with both sides in float64. In float32 the gradient through
   # two expm's (Pade + squaring) at rotation angles n theta up to ~70 rad carries ~1e-5 rounding
   # (seed 781404662: 1.2e-5 on dt), which is float32 conditioning, not the identity under test.

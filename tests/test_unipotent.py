@@ -1,4 +1,6 @@
 """FoX/ALiBi, GRAPE-AP and GRAPE-A math: blocked vs dense, the unipotent lift, special cases."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,13 +98,16 @@ def test_public_entry_points_dispatch(key):
   q, k, v = _qkv(k1)
   g = _log_forget(k2)
   p, alpha = _probes(k3)
-  fox = {i: posenc_jax.forgetting_attention(q, k, v, g, segment_ids=SEG, implementation=i)
-         for i in ("reference", "chunked")}
-  ap = {i: posenc_jax.path_integral_attention(q, k, v, p, alpha, segment_ids=SEG, implementation=i)
-        for i in ("reference", "chunked")}
+  # Jitted: one compile each instead of eager op-by-op dispatch (CI time); the entry points'
+  # checks of concrete values are test_value_errors'.
+  fox = {i: jax.jit(functools.partial(posenc_jax.forgetting_attention, implementation=i))(
+      q, k, v, g, segment_ids=SEG) for i in ("reference", "chunked")}
+  ap = {i: jax.jit(functools.partial(posenc_jax.path_integral_attention, implementation=i))(
+      q, k, v, p, alpha, segment_ids=SEG) for i in ("reference", "chunked")}
   assert_rel_rms(fox["chunked"], fox["reference"], 1e-5, "forgetting_attention")
   assert_rel_rms(ap["chunked"], ap["reference"], 1e-5, "path_integral_attention")
-  assert_rel_rms(fox["reference"], _fox("reference")(q, k, v, g, SEG), 1e-6, "default scale")
+  assert_rel_rms(fox["reference"], jax.jit(_fox("reference"))(q, k, v, g, SEG), 1e-6,
+                 "default scale")
 
 
 def test_forgetting_bias_is_the_path_sum(key):
@@ -177,9 +182,10 @@ def test_relative_law_under_time_shift(key):
   s = 9
   junk = lambda x: jnp.concatenate([jax.random.normal(k3, x[:, :s].shape) - 1.0, x[:, :-s]], 1)
   seg = jnp.broadcast_to((jnp.arange(T) >= s).astype(jnp.int32), (B, T))
+  fox = jax.jit(_fox("chunked"))   # one compile instead of eager op-by-op dispatch (CI time)
   for gate in (g, unipotent.alibi_log_forget(B, T, H)):
-    base = _fox("chunked")(q, k, v, gate, None)[:, :T - s]
-    moved = _fox("chunked")(junk(q), junk(k), junk(v), jnp.minimum(junk(gate), 0.0), seg)[:, s:]
+    base = fox(q, k, v, gate, None)[:, :T - s]
+    moved = fox(junk(q), junk(k), junk(v), jnp.minimum(junk(gate), 0.0), seg)[:, s:]
     assert_rel_rms(moved, base, 1e-5, "shifted document")
   bias = np.asarray(unipotent.forgetting_bias(unipotent.alibi_log_forget(B, T, H)))
   np.testing.assert_allclose(bias[:, :, 3:, 3:], bias[:, :, :-3, :-3], atol=1e-4)  # Toeplitz
@@ -214,12 +220,15 @@ def test_causal_and_segment_isolated_by_gradients(key, family):
     f = lambda seg, *a: _ap("chunked")(*a, alpha, seg)
   args = (q, k, v) + extra
   t = 20
-  grads = jax.grad(lambda *a: jnp.sum(f(None, *a)[:, :t + 1] ** 2), argnums=(0, 1, 2, 3))(*args)
+  # Jitted: one compile each instead of eager op-by-op dispatch (CI time).
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(None, *a)[:, :t + 1] ** 2),
+                           argnums=(0, 1, 2, 3)))(*args)
   for gr in grads:
     gr = np.abs(np.asarray(gr))
     assert gr[:, :t + 1].max() > 0 and gr[:, t + 1:].max() == 0.0, "output depends on the future"
   seg = jnp.broadcast_to((jnp.arange(T) >= 13).astype(jnp.int32), (B, T))
-  grads = jax.grad(lambda *a: jnp.sum(f(seg, *a)[:, 13:] ** 2), argnums=(0, 1, 2, 3))(*args)
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(seg, *a)[:, 13:] ** 2),
+                           argnums=(0, 1, 2, 3)))(*args)
   for gr in grads:
     gr = np.abs(np.asarray(gr))
     assert gr[:, 13:].max() > 0 and gr[:, :13].max() == 0.0, "a document sees its predecessor"
