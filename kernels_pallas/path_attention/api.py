@@ -46,18 +46,61 @@ def _precision(dtype, backend):
   return calls.float32_precision(backend) if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
-  """Kernel operands; the transport part (q^, k^, E, diag) comes from the Pallas pre-pass."""
+def _transport_kwargs(cfg, q, k):
+  """The Pallas pre-pass's keyword arguments (prepass_kernel.transport_pallas), or None where
+  the batched jnp pre-pass runs instead (prepass_kernel.usable_variant)."""
   variant = prepass_kernel.usable_variant(cfg.block_sizes.prepass, backend=cfg.backend,
                                           dtype=q.dtype, heads_per_kv=q.shape[2] // k.shape[2],
                                           head_dim=q.shape[-1])
-  transport = prepass.transport_jnp if variant == "jnp" else functools.partial(
-      prepass_kernel.transport_pallas, backend=cfg.backend, variant=variant,
-      num_warps=cfg.block_sizes.prepass_num_warps,
-      keep_inverse=cfg.block_sizes.prepass_keep_inverse,
-      late_wk=cfg.block_sizes.prepass_late_wk)
+  if variant == "jnp":
+    return None
+  return dict(backend=cfg.backend, variant=variant, num_warps=cfg.block_sizes.prepass_num_warps,
+              keep_inverse=cfg.block_sizes.prepass_keep_inverse,
+              late_wk=cfg.block_sizes.prepass_late_wk)
+
+
+def _prepare(cfg, q, k, v, w, beta, log_forget, seg):
+  """Kernel operands; the transport part (q^, k^, E, diag) comes from the Pallas pre-pass."""
+  kw = _transport_kwargs(cfg, q, k)
+  transport = prepass.transport_jnp if kw is None else functools.partial(
+      prepass_kernel.transport_pallas, **kw)
   return prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale,
                          C=cfg.block_sizes.block_q, dtype=q.dtype, transport=transport)
+
+
+def _prepare_vjp(cfg, q, k, v, w, beta, log_forget, seg):
+  """(ops, pullback) as jax.vjp(_prepare) gives them (pullback a pytree: a residual), except
+  that pullback reads the E cotangent as the backward kernels leave it: dL/dP in float32
+  (P = I - E). The Pallas pre-pass's VJP kernels negate and round it as they read it
+  (transport_pallas_vjp), so it runs outside jax.vjp here; elsewhere (no transport, the jnp
+  pre-pass) one XLA pass makes dL/dE."""
+  kw = _transport_kwargs(cfg, q, k)
+  if w is None or kw is None:
+    ops, pull = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget)
+    e_dtype = None if ops.e is None else ops.e.dtype
+    return ops, jax.tree_util.Partial(functools.partial(_pullback_de, e_dtype), pull)
+  C = cfg.block_sizes.block_q
+
+  def rest(q, k, v, w, beta, log_forget):   # everything but the transport, and its inputs
+    ops = prepass.prepare(q, k, v, w, beta, log_forget, seg, scale=cfg.scale, C=C,
+                          dtype=q.dtype, transport=None)
+    return ops, prepass.transport_inputs(q, k, w, beta, C=C)
+
+  (ops, inputs), pull_rest = jax.vjp(rest, q, k, v, w, beta, log_forget)
+  (qh, kh, e, diag), pull_transport = prepass_kernel.transport_pallas_vjp(
+      *inputs, scale=cfg.scale, dtype=q.dtype, **kw)
+  ops = ops._replace(q=qh, k=kh, e=e, diag=diag)
+  return ops, jax.tree_util.Partial(_pullback_dp, pull_rest, pull_transport)
+
+
+def _pullback_de(e_dtype, pull, ct):
+  e = None if ct.e is None else (-ct.e).astype(e_dtype)   # dL/dE = -dL/dP in E's dtype
+  return pull(ct._replace(e=e))
+
+
+def _pullback_dp(pull_rest, pull_transport, ct):
+  d_inputs = pull_transport((ct.q, ct.k, ct.e, ct.diag))
+  return pull_rest((ct._replace(q=None, k=None, e=None, diag=None), d_inputs))
 
 
 def _forward(cfg, q, k, v, w, beta, log_forget, seg):
@@ -83,7 +126,7 @@ def _attend(cfg, q, k, v, w, beta, log_forget, seg):
 
 def _attend_fwd(cfg, q, k, v, w, beta, log_forget, seg):
   # keep_operands: the pre-pass's outputs and its pullback's residuals become residuals too.
-  kept = jax.vjp(lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget) \
+  kept = _prepare_vjp(cfg, q, k, v, w, beta, log_forget, seg) \
       if cfg.block_sizes.keep_operands else None
   ops = kept[0] if kept else _prepare(cfg, q, k, v, w, beta, log_forget, seg)
   # With the span forward (BlockSizes.fwd_spans) the keys moved to their span's end are made
@@ -109,15 +152,15 @@ def _attend_bwd(cfg, res, do):
   delta = prepass.blocked(prepass.pad_time(delta, Tp), C)
   # Recompute the pre-pass under jax.vjp (its residuals are only the inputs) unless the forward
   # kept it, run the backward kernels on it, then pull the operand gradients back.
-  ops, pullback, boundary = kept if kept is not None else jax.vjp(
-      lambda *a: _prepare(cfg, *a, seg), q, k, v, w, beta, log_forget) + (None,)
+  ops, pullback, boundary = kept if kept is not None else _prepare_vjp(
+      cfg, q, k, v, w, beta, log_forget, seg) + (None,)
   g = calls.backward(ops, do_b, lse, delta, scale=cfg.scale,
                      precision=_precision(q.dtype, cfg.backend),
                      backend=cfg.backend, bs=cfg.block_sizes, boundary=boundary)
-  # P_m = I - E_m, so dL/dE_m = -dL/dP_m (float32, as the kernel accumulated it).
-  de = None if w is None else (-g["dp"]).astype(ops.e.dtype)
+  # The E cotangent goes to the pullback as dL/dP (float32, as the kernels accumulated it):
+  # it makes dL/dE = -dL/dP itself (_prepare_vjp).
   ct = ops._replace(
-      q=g["q"], k=g["k"], v=g["v"], e=de,
+      q=g["q"], k=g["k"], v=g["v"], e=None if w is None else g["dp"],
       diag=None if w is None else g["diag"].astype(ops.diag.dtype), fq=g.get("fq"),
       fk=g.get("fk"), sq=None if seg is None else jnp.zeros_like(ops.sq),
       sk=None if seg is None else jnp.zeros_like(ops.sk),

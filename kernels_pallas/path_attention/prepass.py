@@ -158,22 +158,22 @@ def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype,
 
   q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K]; log_forget [B, T, H]; seg [B, T] int.
   Padding uses beta = 0 (identity transport), a zero gate and segment id -1 (its own segment).
-  `transport` builds (q^, k^, E, diag) from the padded time-major q, k, w and the blocked beta:
-  transport_jnp here, or the Pallas pre-pass (prepass_kernel.transport_pallas).
+  `transport` builds (q^, k^, E, diag) from transport_inputs: transport_jnp here, or the Pallas
+  pre-pass (prepass_kernel.transport_pallas). transport=None leaves those four None for the
+  caller to fill (api._prepare_vjp runs the Pallas pre-pass and its VJP outside jax.vjp).
   """
   B, T, H, D = q.shape
   Tp = -(-T // C) * C
   n = Tp // C
   f32 = jnp.float32
   vb = chunked(pad_time(v, Tp), C).astype(dtype)   # [B, n, C, K, D]
-  ops = dict(v=vb, e=None, diag=None, fq=None, fk=None, sq=None, sk=None)
+  ops = dict(q=None, k=None, v=vb, e=None, diag=None, fq=None, fk=None, sq=None, sk=None)
   if w is None:
     ops.update(q=blocked(pad_time(q, Tp), C).astype(dtype),
                k=blocked(pad_time(k, Tp), C).astype(dtype))
-  else:
-    bb = jnp.moveaxis(pad_time(beta, Tp).reshape(B, n, C, -1), 3, 1)  # [B, K, n, C]
-    qhat, khat, e, diag = transport(pad_time(q, Tp), pad_time(k, Tp), pad_time(w, Tp), bb,
-                                    scale=scale, dtype=dtype)
+  elif transport is not None:
+    qhat, khat, e, diag = transport(*transport_inputs(q, k, w, beta, C=C), scale=scale,
+                                    dtype=dtype)
     ops.update(q=qhat, k=khat, e=e, diag=diag)
   if log_forget is not None:
     segp = None if seg is None else pad_time(seg, Tp, -1)
@@ -186,6 +186,15 @@ def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype,
     lo, hi = chunk_bounds(seg.astype(jnp.int32), C=C)
     ops.update(lo=lo[:, None, :, None, None], hi=hi[:, None, :, None, None])
   return Operands(**ops)
+
+
+def transport_inputs(q, k, w, beta, *, C: int):
+  """The transport's inputs: q, k, w padded to whole chunks, time-major, and beta blocked
+  [B, K, n, C] (padding: beta 0, the identity transport)."""
+  Tp = -(-q.shape[1] // C) * C
+  B = q.shape[0]
+  bb = jnp.moveaxis(pad_time(beta, Tp).reshape(B, Tp // C, C, -1), 3, 1)
+  return pad_time(q, Tp), pad_time(k, Tp), pad_time(w, Tp), bb
 
 
 def chunk_bounds(seg_BT, *, C: int):

@@ -66,6 +66,9 @@ class _Cfg:
                          # the q part's: its dwk and dk reach it through HBM (float32)
   uz: bool = False      # the VJP from dU, dZ (prepass_uz.py) as two kernels, _ops_bwd_uz_kernel
                         # then _t_pullback_kernel
+  de_from_dp: bool = False  # the VJP's E cotangent arrives as the attention backward's float32
+                            # dL/dP (P = I - E), which the kernels negate and round to E's
+                            # dtype as they read it (transport_pallas_vjp)
 
 
 def _f32(*refs):
@@ -106,8 +109,18 @@ def _putter(dq_ref, outs, cfg):
   return put
 
 
-def _cts(dqh_ref, dkh_ref, de_ref, dd_ref):
-  return (_heads(dqh_ref),) + _f32(dkh_ref, de_ref) + (_heads(dd_ref),)
+def _de_loader(ref, cfg):
+  """dL/dE for the chunk functions to read. With cfg.de_from_dp the ref holds dL/dP in float32:
+  negated and rounded to E's dtype here, it is bitwise the cotangent that an XLA
+  negate-and-convert pass over the whole [B, K, n, D, D] array used to make (0.38 ms at
+  32,4096,32,64 on the H200)."""
+  if not cfg.de_from_dp:
+    return _loader(ref)
+  return lambda: (-ref[...]).astype(cfg.dtype).astype(jnp.float32)
+
+
+def _cts(dqh_ref, dkh_ref, de_ref, dd_ref, cfg):
+  return (_heads(dqh_ref),) + _f32(dkh_ref) + (_de_loader(de_ref, cfg)(), _heads(dd_ref))
 
 
 def _inv_kernel(w_ref, bc_ref, y_ref, *y16_ref, cfg):
@@ -165,7 +178,7 @@ def _ops_bwd_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_ref
   """fold: dy_ref receives dbeta as a column (the inverse VJP runs here); else dY."""
   k, w, y = _f32(k_ref, w_ref, y_ref)
   dqs, dk, dw, dy, dbr = chunk_operands_vjp(
-      _q_heads(q_ref, cfg), k, w, y, *_f32(br_ref), _cts(dqh_ref, dkh_ref, de_ref, dd_ref),
+      _q_heads(q_ref, cfg), k, w, y, *_f32(br_ref), _cts(dqh_ref, dkh_ref, de_ref, dd_ref, cfg),
       scale=cfg.scale, precision=cfg.precision, odt=cfg.odt, hilo=cfg.hilo)
   if cfg.fold:
     dw2, dy = chunk_inverse_vjp(w, *_f32(bc_ref), y, dy, precision=cfg.inv_precision)
@@ -183,7 +196,7 @@ def _ops_bwd_kv_kernel(k_ref, w_ref, y_ref, br_ref, dkh_ref, de_ref, dw_ref, dx_
   """The first of the two operands-VJP kernels ("split2_*"): the E and k^ terms."""
   p = Products(cfg.precision, cfg.odt, cfg.hilo)
   common = vjp_common(*_f32(k_ref, w_ref, y_ref, br_ref), p)
-  dw, dx, dwk = chunk_operands_vjp_kv(common, _loader(dkh_ref), _loader(de_ref), p)
+  dw, dx, dwk = chunk_operands_vjp_kv(common, _loader(dkh_ref), _de_loader(de_ref, cfg), p)
   dw_ref[...] = dw
   dx_ref[...] = dx
   dwk_ref[...] = dwk
@@ -220,8 +233,9 @@ def _ops_bwd_uz_kernel(q_ref, k_ref, w_ref, y_ref, br_ref, bc_ref, dqh_ref, dkh_
   put = _putter(dq_ref, dict(dk=dk_ref, dw=dw_ref, t=t_ref, dbeta=dbx_ref), cfg)
 
   chunk_operands_vjp_uz(common, _q_heads(q_ref, cfg), _heads(dqh_ref), _loader(dkh_ref),
-                        _loader(de_ref), _heads(dd_ref), _loader(y_ref), _loader(w_ref),
-                        bc_ref[...].astype(jnp.float32), scale=cfg.scale, p=p, put=put)
+                        _de_loader(de_ref, cfg), _heads(dd_ref), _loader(y_ref),
+                        _loader(w_ref), bc_ref[...].astype(jnp.float32), scale=cfg.scale, p=p,
+                        put=put)
 
 
 def _t_pullback_kernel(w_ref, y_ref, bc_ref, br_ref, t_ref, dwp_ref, dbx_ref, dw_ref, dbc_ref, *,
@@ -250,7 +264,12 @@ def _uz_bwd(cfg, q, k, w, bb, y, cts):
   out_shape = [sd(q.shape, q.dtype), sd(k.shape, k.dtype), sd(w.shape, f32),
                sd((B, K, n, C, C), f32), sd((B, K, n, C, 1), f32)]
   out_specs = [spec_q, spec_1, spec_1, one(C, C), one(C, 1)]
-  dq, dk, dwp, t, dbx = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape)(
+  # dL/dP (de_from_dp: float32 [.., D, D]) becomes T in place where D = C: each program reads
+  # its own block of it before it stores T there (T depends on dE), and it has no other reader.
+  # Peak memory: without this, dL/dP stays alive beside T through the kernel (+0.11 GiB at
+  # 32,4096,32,64 on the H200 against the rounded copy it replaced).
+  aliases = {8: 3} if cfg.de_from_dp and cts[2].shape == out_shape[3].shape else None
+  dq, dk, dwp, t, dbx = _call(cfg, kernel, (B, K, n), in_specs, out_specs, out_shape, aliases)(
       q, k, w, y, br, bc, *cts)
   kernel = functools.partial(_t_pullback_kernel, cfg=cfg)
   in_specs = [spec_1, one(C, C), one(C, 1), one(1, C), one(C, C), spec_1, one(C, 1)]
@@ -555,6 +574,45 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   products (emulated: truncated to 10 mantissa bits) 5e-2 to 9e-2 (dw, dbeta at eps = 0.01 and
   for antiparallel neighbours).
   """
+  cfg = _config(q, variant=variant, scale=scale, dtype=dtype, backend=backend,
+                precision=precision, num_warps=num_warps, keep_inverse=keep_inverse,
+                late_wk=late_wk)
+  if not cfg.time_major:
+    C = bb.shape[-1]
+    q, k, w = (prepass.blocked(x, C) for x in (q, k, w))
+  return _transport(cfg, q, k, w, bb)
+
+
+def transport_pallas_vjp(q, k, w, bb, **kwargs):
+  """transport_pallas's outputs (same arguments) and their pullback, a pytree (a custom_vjp
+  may keep it as a residual): pullback((dq^, dk^, dp, ddiag)) -> (dq, dk, dw, dbb), where dp is
+  dL/dP in float32 [B, K, n, D, D], P = I - E, as the attention backward accumulates it. The
+  VJP kernels negate it and round it to E's dtype as they read it: no XLA pass over it and no
+  rounded copy of it in HBM. Bitwise the gradients of jax.vjp(transport_pallas) at
+  dE = (-dp).astype(E.dtype)."""
+  cfg = _config(q, **kwargs)
+  blocked = not cfg.time_major
+  C = bb.shape[-1]
+  if blocked:
+    q, k, w = (prepass.blocked(x, C) for x in (q, k, w))
+  ops, res = _transport_fwd(cfg, q, k, w, bb)
+  pullback = functools.partial(_pullback_from_dp, dataclasses.replace(cfg, de_from_dp=True),
+                               blocked)
+  return ops, jax.tree_util.Partial(pullback, res)
+
+
+def _pullback_from_dp(cfg, blocked, res, cts):
+  dq, dk, dw, dbb = _transport_bwd(cfg, res, cts)
+  if blocked:   # back to the caller's time-major [B, Tp, heads, D]
+    dq, dk, dw = (prepass.unchunked(prepass.time_major(x)) for x in (dq, dk, dw))
+  return dq, dk, dw, dbb
+
+
+def _config(q, *, variant: str = "split", scale: float, dtype, backend: str, precision=None,
+            num_warps: int | None = 4, keep_inverse: bool | str = "bf16",
+            late_wk: bool = False) -> _Cfg:
+  """transport_pallas's keyword arguments -> the kernels' _Cfg (q: the inputs' dtype and
+  head_dim)."""
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
   f32_inputs = jnp.dtype(q.dtype) == jnp.float32
@@ -564,15 +622,10 @@ def transport_pallas(q, k, w, bb, *, scale: float, dtype, backend: str, precisio
   if precision is None:
     precision = accurate
   odt = jnp.bfloat16 if variant.endswith("_bf16") and not f32_inputs else None
-  time_major = backend in ("gpu", "interpret")
-  cfg = _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
-             inv_precision=accurate, odt=odt, hilo=hilo, fold=variant.startswith("fold"),
-             time_major=time_major, vjp2=variant.startswith("split2"),
-             num_warps=auto_warps(q.shape[-1]) if num_warps is None else num_warps,
-             keep_inverse=kept_inverse(keep_inverse, accurate),
-             late_wk=late_wk and variant.startswith("split2"),
-             uz=variant.startswith("uz"))
-  if not time_major:
-    C = bb.shape[-1]
-    q, k, w = (prepass.blocked(x, C) for x in (q, k, w))
-  return _transport(cfg, q, k, w, bb)
+  return _Cfg(scale=float(scale), dtype=jnp.dtype(dtype), backend=backend, precision=precision,
+              inv_precision=accurate, odt=odt, hilo=hilo, fold=variant.startswith("fold"),
+              time_major=backend in ("gpu", "interpret"), vjp2=variant.startswith("split2"),
+              num_warps=auto_warps(q.shape[-1]) if num_warps is None else num_warps,
+              keep_inverse=kept_inverse(keep_inverse, accurate),
+              late_wk=late_wk and variant.startswith("split2"),
+              uz=variant.startswith("uz"))
