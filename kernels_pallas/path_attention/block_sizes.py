@@ -112,8 +112,9 @@ class BlockSizes:
                                  # the packed states of every boundary (about one q-sized
                                  # array per two boundaries, kernels.boundary_offset). Even (the
                                  # dq sweep's pairs start at even chunks). 0: off; None:
-                                 # routing.auto_span (<= 7 boundaries, spans of >= 8 chunks where
-                                 # the sequence has room: measured there). Round 12's H200,
+                                 # routing.auto_span (<= 7 boundaries, 15 at head_dim > 64,
+                                 # spans of >= 8 chunks where the sequence has room: measured
+                                 # there). Round 12's H200,
                                  # fwd+bwd: 44.58 -> 39.01 ms (+0.25 GiB) at 8,4096,16,128
                                  # (span 16; 8: 38.03, +0.75 GiB), 7.09 -> 6.75 at
                                  # 16,2048,12,64 (span 8, +0.14 GiB)

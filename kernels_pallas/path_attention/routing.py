@@ -104,32 +104,48 @@ def chain_products(bs: BlockSizes, *, head_dim: int) -> str:
   return "tf32" if head_dim <= 64 else "bf16x3"
 
 
-# auto_span: the shortest even span with at most DKV_SPAN_BOUNDARIES boundaries, but no shorter
-# than DKV_SPAN_MIN chunks unless the span of at most 3 boundaries is (short sequences)
+# auto_span: the shortest even span with at most DKV_SPAN_BOUNDARIES boundaries
+# (DKV_SPAN_BOUNDARIES_WIDE at head_dim > 64), but no shorter than DKV_SPAN_MIN chunks unless
+# the span of at most 3 boundaries is (short sequences)
 DKV_SPAN_BOUNDARIES = 7
+DKV_SPAN_BOUNDARIES_WIDE = 15
 DKV_SPAN_MIN = 8
 
 
-def auto_span(n: int) -> int:
-  """Span length in chunks (DKV_SPAN_BOUNDARIES, DKV_SPAN_MIN). More boundaries shorten the
-  span kernel's sequential sweeps and the dk/dv kernel's operator walks for one more set of
-  packed boundary states each (kernels.boundary_offset: about one q-sized array per two
-  boundaries). H200, 2026-11-25, one call, fwd+bwd (peak GiB) with spans of <= 3 / <= 7
-  boundaries: 154.26 (5.90) / 131.42 (6.42) ms at 4,16384,16,128 (spans 64 / 32; 16: 124.75,
-  7.78), 27.24 / 25.78 at 8,4096,16,128 (16 / 8), 60.35 / 56.59 at 8,8192,32,64 (32 / 16),
-  but 28.29 / 29.17 at 32,2048,32,64 (8 / 4): hence the minimum of 8. Again at
-  8,4096,16,128 on 2026-11-27's code (H200, one call), spans 4 / 8 / 16: 20.40 (3.94) / 19.73
-  (3.25) / 22.60 (2.97)."""
+def auto_span(n: int, *, head_dim: int = 64) -> int:
+  """Span length in chunks (DKV_SPAN_BOUNDARIES, DKV_SPAN_BOUNDARIES_WIDE, DKV_SPAN_MIN). More
+  boundaries shorten the span kernel's sequential sweeps and the dk/dv kernel's operator walks
+  for one more set of packed boundary states each (kernels.boundary_offset: about one q-sized
+  array per two boundaries, two such arrays in the backward; transient, not residuals).
+
+  At head_dim 64 the near work is cheap (the Mosaic sweep) and 7 boundaries stay: H200,
+  2026-11-25, one call, fwd+bwd (peak GiB) with spans of <= 3 / <= 7 boundaries: 60.35 /
+  56.59 at 8,8192,32,64 (32 / 16), but 28.29 / 29.17 at 32,2048,32,64 (8 / 4): hence the
+  minimum of 8; on 2026-11-27's code spans of 8 / 32 at 8,8192,32,64 cost +0.3% / +4.0%.
+
+  At head_dim 128 a near chunk pair costs ~9x a far one (the D x D transports of the span
+  kernel's sweep and the dk/dv walk, Triton there), so shorter spans win until the far launches'
+  extra boundaries catch up; 15 boundaries. H200, 2026-11-27, one call (session 34, call 2),
+  fwd+bwd ms (peak GiB), spans:
+  - 8,4096,16,128 (64 chunks): 8 (7 boundaries) 19.74 (3.26), 6 19.40 (3.43); on 2026-11-27's
+    earlier code 4 / 8 / 16: 20.40 (3.94) / 19.73 (3.25) / 22.60 (2.97). The minimum keeps 8.
+  - 8,8192,16,128 (128): 16 (7) 55.29 (6.52), 12 52.50 (6.87), 8 (15) 52.36 (7.75).
+  - 4,16384,16,128 (256): 32 (7) 88.56 (6.52), 16 (15) 77.15 (7.64), 12 75.97 (9.02), 8 79.30
+    (11.76); call 1: 32 / 24 / 16 89.51 / 83.09 / 79.05, with the gate 93.36 / - / 81.70.
+  - 2,32768,16,128 (512): 64 (7) 156.75 (6.52), 32 (15) 125.87 (7.64), 16 119.28 (11.64).
+  So -5% to -20% for ~+1.1 GiB of transient peak, the same at every length (the packed arrays
+  stay at ~7.5 q-sized arrays each)."""
+  boundaries = DKV_SPAN_BOUNDARIES_WIDE if head_dim > 64 else DKV_SPAN_BOUNDARIES
   even = lambda span: span + span % 2
   most = lambda boundaries: even((n - 1) // (boundaries + 1) + 1)
-  return max(most(DKV_SPAN_BOUNDARIES), min(most(3), DKV_SPAN_MIN))
+  return max(most(boundaries), min(most(3), DKV_SPAN_MIN))
 
 
 def dkv_span(ops: Operands, bs: BlockSizes, backend: str) -> int:
   """The span the backward uses: BlockSizes.dkv_span (None: auto_span) where it applies (PaTH on
   the GPU or the interpreter, at least one span boundary inside the sequence), else 0."""
   n = ops.q.shape[2]
-  span = auto_span(n) if bs.dkv_span is None else bs.dkv_span
+  span = auto_span(n, head_dim=ops.q.shape[-1]) if bs.dkv_span is None else bs.dkv_span
   use = span and ops.e is not None and backend in ("gpu", "interpret") and n > span and \
       not fused_dkv(ops, bs, backend)
   return span if use else 0

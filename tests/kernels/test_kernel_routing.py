@@ -100,17 +100,21 @@ def test_usable_variant_routes_grouped_heads_off_the_pallas_prepass(requested, b
 
 
 def test_auto_span_bounds_boundaries_and_keeps_short_spans():
-  """auto_span: an even span with at most 7 boundaries inside n chunks, never shorter than 8
-  chunks unless the span of at most 3 boundaries is (so short sequences keep that one), and
-  the shortest such span; the span-parallel form by head_dim where BlockSizes leaves it None."""
+  """auto_span: an even span with at most 7 boundaries inside n chunks (15 at head_dim > 64),
+  never shorter than 8 chunks unless the span of at most 3 boundaries is (so short sequences
+  keep that one), and the shortest such span; the span-parallel form by head_dim where
+  BlockSizes leaves it None."""
   from kernels_pallas.path_attention import routing
-  for n in range(2, 600):
-    span = routing.auto_span(n)
-    at_most = lambda b: -(-n // (b + 1))   # shortest span with <= b boundaries (before evening)
-    assert span % 2 == 0 and (n - 1) // span <= 7, n
-    assert span >= min(at_most(3) + at_most(3) % 2, 8), n
-    assert span - 2 < max(at_most(7), min(at_most(3) + at_most(3) % 2, 8)), n
-  assert [routing.auto_span(n) for n in (32, 64, 128, 256)] == [8, 8, 16, 32]   # the anchors
+  for head_dim, most in ((64, 7), (128, 15)):
+    for n in range(2, 600):
+      span = routing.auto_span(n, head_dim=head_dim)
+      at_most = lambda b: -(-n // (b + 1))   # shortest span with <= b boundaries (before evening)
+      assert span % 2 == 0 and (n - 1) // span <= most, (head_dim, n)
+      assert span >= min(at_most(3) + at_most(3) % 2, 8), (head_dim, n)
+      assert span - 2 < max(at_most(most), min(at_most(3) + at_most(3) % 2, 8)), (head_dim, n)
+  # the anchors (32, 64, 128, 256 chunks) and 512
+  assert [routing.auto_span(n) for n in (32, 64, 128, 256, 512)] == [8, 8, 16, 32, 64]
+  assert [routing.auto_span(n, head_dim=128) for n in (32, 64, 128, 256, 512)] == [8, 8, 8, 16, 32]
   assert routing.span_form(kp.BlockSizes(), head_dim=128) == 3
   assert routing.span_form(kp.BlockSizes(), head_dim=64) == 2
   # at 64, form 3 from FORM3_MIN_CHUNKS chunks, and only where its far walk is the Mosaic launch

@@ -50,10 +50,12 @@ class PathKernelBase:
         assert bool(jnp.array_equal(a, b)), f"{name} differs between two runs"
 
   def _cases(self, key, *, H, K, dtype, gate, segments, fox=False, T=None, block_sizes=None,
-             w_mode="random", B=2):
+             w_mode="random", B=2, chunked_oracle=False):
     """-> (run: the kernel's [output, *gradients] on one input, jitted and traced at its first
     call; oracle: the oracle's, at float32 precision; their names). Each call traces anew, so a
-    monkeypatch made before it reaches the kernel."""
+    monkeypatch made before it reaches the kernel. chunked_oracle: PaTH's oracle is
+    householder.path_attention_chunked (the UT algorithm, no T x T array: long sequences)
+    instead of the dense walk."""
     T, D = T or self.T, self.D
     q, k, v, w, beta, lf, seg, do = _inputs(key, B, T, H, K, D, dtype, gate=gate, segments=segments,
                                             w_mode=w_mode)
@@ -71,8 +73,10 @@ class PathKernelBase:
     else:
       args = (q, k, v, w, beta) + ((lf,) if gate else ())
       fast = lambda *a: kp.path_attention(*a, segment_ids=seg, block_sizes=bs, backend=self.backend)
-      ref = lambda *a: householder.path_attention_reference(
-          *a[:5], log_forget=a[5] if gate else None, segment_ids=a[-1], scale=scale)
+      dense = (householder.path_attention_chunked if chunked_oracle
+               else householder.path_attention_reference)
+      ref = lambda *a: dense(*a[:5], log_forget=a[5] if gate else None, segment_ids=a[-1],
+                             scale=scale)
     # Everything runs jitted: one compile instead of eager op-by-op dispatch (the interpreter's
     # grid loops and the oracle's scans recompile at every eager call), and one program each
     # for the kernel and the oracle, forward and gradients together (CI time: the forward is
@@ -567,6 +571,17 @@ class TestGPU(PathKernelBase):
     self.D = 128
     self._check(key, H=2, K=1, dtype=jnp.bfloat16, gate=True, segments=True, T=800,
                 block_sizes=kp.BlockSizes(bwd_spans=mode))
+
+  def test_auto_span_long_sequence_head_dim_128_bf16(self, key):
+    """The default span at head_dim 128 on a long sequence: T = 8192 is 128 chunks, where
+    routing.auto_span takes 15 boundaries (spans of 8; 7 at head_dim 64), so every backward
+    launch walks many packed boundary states. Gate; forward and every gradient against the
+    chunked float32 oracle (the dense walk's T x T arrays do not fit here)."""
+    from kernels_pallas.path_attention import routing
+    assert routing.auto_span(8192 // self.block, head_dim=128) == 8
+    self.D = 128
+    self._check(key, H=2, K=1, dtype=jnp.bfloat16, gate=True, segments=False, T=8192, B=1,
+                block_sizes=kp.BlockSizes(), chunked_oracle=True)
 
 
 # test_tpu_backward_interpret's float32 rows check this very forward (the same backend,
