@@ -54,3 +54,15 @@ def test_phases_block_sizes_parse_like_the_model_options():
   assert kp.BlockSizes(**_block_sizes("prepass_keep_inverse=bf16")).prepass_keep_inverse == "bf16"
   with pytest.raises(ValueError, match="KEY=VALUE"):
     _block_sizes("bwd_lanes")
+
+
+def test_cases_take_indices_and_shapes():
+  """path_kernel.py / path_kernel_phases.py --cases: an index into CASES (the anchors), or a
+  shape BxTxHxD beside them; a bad entry names itself."""
+  from experiments.benchmarks.path_kernel import CASES, case_label, case_shape
+  assert case_shape("3") == CASES[3] and case_label("3") == 3
+  assert case_shape("8x8192x16x128") == (8, 8192, 16, 128)
+  assert case_label("8x8192x16x128") == "8x8192x16x128"
+  for bad in ("8x8192x16", "0x64x2x16", str(len(CASES)), "big"):
+    with pytest.raises(ValueError, match=bad):
+      case_shape(bad)

@@ -5,6 +5,7 @@ flash-linear-attention's Triton PaTH kernel (PyTorch, fla-core 0.6.0), at the an
                                                                     # the correlated-w rows, then
                                                                     # ours vs FLA (fla_parity.py)
   python experiments/benchmarks/path_kernel.py --part jax --cases 0,1,2,3,4
+  python experiments/benchmarks/path_kernel.py --part jax --cases 4,8x8192x16x128 --variants path,path@sp8
   python experiments/benchmarks/path_kernel.py --part jax --cases 3 --variants path,path@l1rc,path@pre!=split_bf16x3
   python experiments/benchmarks/path_kernel.py --part fla --cases 0,1,2,3,4
   python experiments/benchmarks/path_kernel.py --part jax --cases 3 --variants cudnn,fox,jax_mha
@@ -36,6 +37,25 @@ CASES = [(32, 2048, 32, 64), (32, 4096, 32, 64), (8, 8192, 32, 64), (8, 4096, 16
          (4, 16384, 16, 128),
          (16, 2048, 12, 64)]   # 5: one layer of the GPU-training issue's 12-layer model
 OUT = os.environ.get("OUT", ".")
+
+
+def case_shape(case) -> tuple[int, int, int, int]:
+  """A --cases entry -> (B, T, H, D): an index into CASES, or a shape "BxTxHxD" (e.g.
+  8x8192x16x128: shapes beside the anchors, such as the span length's sweeps)."""
+  token = str(case)
+  if "x" in token:
+    shape = tuple(int(v) for v in token.split("x"))
+    if len(shape) != 4 or min(shape) < 1:
+      raise ValueError(f"--cases entry {token!r}: a shape is BxTxHxD, four positive integers")
+    return shape
+  if not token.isdigit() or int(token) >= len(CASES):
+    raise ValueError(f"--cases entry {token!r}: an index below {len(CASES)} or BxTxHxD")
+  return CASES[int(token)]
+
+
+def case_label(case):
+  """The JSON rows' "case": the index as an int, a shape as its string."""
+  return int(case) if str(case).isdigit() else str(case)
 
 
 def _median_ms(f, *a, n=10):
@@ -328,7 +348,8 @@ def part_jax(cases, variants, dtype="bfloat16", docs=0):
   import kernels_pallas as kp
   rows = []
   for ci in cases:
-    B, T, H, D = CASES[ci]
+    B, T, H, D = case_shape(ci)
+    ci = case_label(ci)
     q, k, v, w, beta, g, do = _inputs(B, T, H, D, dtype=jnp.dtype(dtype))
     res = {"case": ci, "B": B, "T": T, "H": H, "D": D, "dtype": dtype,
            **({"docs": docs} if docs else {})}
@@ -424,7 +445,8 @@ def part_fla(cases, *, gate=True):
   from fla.ops.path_attn.parallel import parallel_path_attn
   rows = []
   for ci in cases:
-    B, T, H, D = CASES[ci]
+    B, T, H, D = case_shape(ci)
+    ci = case_label(ci)
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
     q, k, v = (torch.randn(B, T, H, D, device=dev, dtype=bf, requires_grad=True) for _ in range(3))
@@ -459,7 +481,8 @@ def part_fla(cases, *, gate=True):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--part", choices=["check", "correlated", "jax", "fla"], required=True)
-  p.add_argument("--cases", default="0,1,2,3,4")
+  p.add_argument("--cases", default="0,1,2,3,4",
+                 help="comma-separated indices into CASES, or shapes BxTxHxD")
   p.add_argument("--variants", default="cudnn,path,path_fox")
   p.add_argument("--prepass", default=None, help="check: the bf16 rows' pre-pass variant")
   p.add_argument("--dtype", default="bfloat16", help="jax: input dtype (cudnn needs bf16)")
@@ -467,7 +490,9 @@ def main():
                  help="jax: packed documents of this many tokens for the PaTH variants")
   p.add_argument("--shape", default="4,2048,12,64", help="correlated: B,T,H,D")
   a = p.parse_args()
-  cases = [int(c) for c in a.cases.split(",") if c]
+  cases = [c for c in a.cases.split(",") if c]
+  for c in cases:
+    case_shape(c)   # a bad entry fails before anything is timed
   if a.part == "check":
     rows = part_check(a.prepass)
   elif a.part == "correlated":

@@ -19,8 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.benchmarks.path_kernel import (CASES, OUT, _inputs, _median_ms,  # noqa: E402
-                                                _prepass_as_requested)
+from experiments.benchmarks.path_kernel import (OUT, _inputs, _median_ms,  # noqa: E402
+                                                _prepass_as_requested, case_label, case_shape)
 
 
 PHASES = ("prepass", "fwd_kernel", "dkv_kernel", "dq_kernel", "prepass_vjp", "fwd_bwd")
@@ -41,7 +41,8 @@ def case_phases(ci, backend="gpu", variant=None, kv_heads=None, bs_spec="",
   import jax
   import jax.numpy as jnp
   from kernels_pallas.path_attention import api, calls, prepass, routing
-  B, T, H, D = CASES[ci]
+  B, T, H, D = case_shape(ci)
+  ci = case_label(ci)
   K = kv_heads or H
   q, k, v, w, beta, log_forget, do = _inputs(B, T, H, D)
   k, v, w, beta = k[:, :, :K], v[:, :, :K], w[:, :, :K], beta[:, :, :K]
@@ -137,7 +138,8 @@ def _span_phases(ops, do_b, lse, delta, *, span, scale, precision, backend, bs):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--cases", default="0,3")
+  p.add_argument("--cases", default="0,3",
+                 help="comma-separated indices into path_kernel.CASES, or shapes BxTxHxD")
   p.add_argument("--backend", default="gpu", help="interpret: a CPU smoke run of the script")
   p.add_argument("--prepass", default="",
                  help="comma-separated pre-pass variants (default: BlockSizes' default)")
@@ -160,10 +162,10 @@ def main():
       for spec in a.bs or [""]:
         try:  # a configuration that does not build (e.g. shared memory) is reported, not fatal
           with _prepass_as_requested(a.force_prepass):
-            rows.append(case_phases(int(c), a.backend, variant, a.kv_heads, spec,
+            rows.append(case_phases(c, a.backend, variant, a.kv_heads, spec,
                                     a.phases.split(","), a.reps, a.trace, a.gate))
         except Exception as e:
-          print(json.dumps(dict(case=int(c), prepass=variant, bs=spec, error=type(e).__name__
+          print(json.dumps(dict(case=case_label(c), prepass=variant, bs=spec, error=type(e).__name__
                                 + ": " + str(e).splitlines()[0][:300])), flush=True)
   with open(os.path.join(OUT, "path_kernel_phases.json"), "w") as f:
     json.dump(rows, f, indent=1)
