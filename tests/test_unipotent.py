@@ -162,16 +162,20 @@ def test_fox_equals_grape_ap_with_endpoint_independent_edges(key):
   p = jnp.broadcast_to(c, (B, T, H, P))
   pos = path_integral.segment_positions(SEG, B, T).astype(jnp.float32)   # l inside its segment
   g = alpha * jax.nn.log_sigmoid(jnp.sum(c * c, -1) * jnp.cos(pos)[..., None] / P)
-  fox = _fox("reference")(q, k, v, g, SEG)
+  # Jitted: one compile each instead of eager op-by-op dispatch (CI time).
+  fox = jax.jit(_fox("reference"))(q, k, v, g, SEG)
   for impl in ("reference", "chunked"):
-    assert_rel_rms(_ap(impl)(q, k, v, p, alpha, SEG), fox, 1e-5, f"GRAPE-AP {impl} vs FoX")
+    assert_rel_rms(jax.jit(_ap(impl))(q, k, v, p, alpha, SEG), fox, 1e-5,
+                   f"GRAPE-AP {impl} vs FoX")
 
 
 def test_grape_ap_with_zero_probes_is_alibi(key):
   q, k, v = _qkv(key)
   alpha = jnp.asarray(unipotent.alibi_slopes(H)) / np.log(2.0)   # psi = -alpha log 2 = -slope
-  o = _ap("chunked")(q, k, v, jnp.zeros((B, T, H, P)), alpha, None)
-  assert_rel_rms(o, _fox("reference")(q, k, v, unipotent.alibi_log_forget(B, T, H), None), 1e-5)
+  # Jitted: one compile each instead of eager op-by-op dispatch (CI time).
+  o = jax.jit(_ap("chunked"))(q, k, v, jnp.zeros((B, T, H, P)), alpha, None)
+  assert_rel_rms(o, jax.jit(_fox("reference"))(q, k, v, unipotent.alibi_log_forget(B, T, H), None),
+                 1e-5)
 
 
 def test_relative_law_under_time_shift(key):
