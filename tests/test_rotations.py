@@ -220,10 +220,13 @@ def test_rodrigues_matches_expm(key, norm):
 def test_rodrigues_is_finite_at_zero_s(key):
   x = jax.random.normal(key, (6,))
   a = jnp.arange(1.0, 7.0)
+  # The value and the gradients from one jitted program, compiled once for both b (CI time:
+  # eager op-by-op dispatch was most of this test).
+  both = jax.jit(lambda *p: (grape_m.rank2_apply(*p), jax.grad(
+      lambda *p: jnp.sum(grape_m.rank2_apply(*p) ** 3), argnums=(0, 1, 2, 3))(*p)))
   for b in (2.0 * a, jnp.zeros(6)):           # parallel vectors and a zero vector: s = 0
-    y = grape_m.rank2_apply(x, a, b, 3.0)
+    y, grads = both(x, a, b, 3.0)
     np.testing.assert_allclose(y, x, atol=1e-6)  # exp(0) = I
-    grads = jax.grad(lambda *p: jnp.sum(grape_m.rank2_apply(*p) ** 3), argnums=(0, 1, 2, 3))(x, a, b, 3.0)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
   gz = jax.grad(lambda s: grape_m.rodrigues_coefficients(2.0, s)[1])(0.0)
   assert np.isfinite(gz) and gz == pytest.approx(-2.0**4 / 24.0)   # d f2 / d s^2 = -phase^4 / 24
