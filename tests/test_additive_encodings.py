@@ -25,6 +25,14 @@ def _layer(key):
               positions=None, tokens=None, rng=None, train=False)
 
 
+def _jit_apply(enc, params, layer, implementation):
+  """enc.apply(params, **layer) jitted over layer's x, q, k, v: one compile instead of eager
+  op-by-op dispatch (the chunked forms' scans recompile at every eager call; CI time)."""
+  f = lambda *xqkv: enc.apply(params, **{**layer, **dict(zip("xqkv", xqkv))},
+                              implementation=implementation)
+  return jax.jit(f)(*(layer[n] for n in "xqkv"))
+
+
 def _randomise(params, key):
   """Moves every parameter away from its (often symmetric) initial value."""
   leaves, tree = jax.tree.flatten(params)
@@ -117,7 +125,7 @@ def test_initial_state_is_alibi(key, name):
   params = enc.init(k1, DIMS)
   if name == "fox":
     params = {**params, "w_f": jnp.zeros_like(params["w_f"])}   # the data-dependent part
-  alibi = encodings.get("alibi").apply({}, implementation="reference", **layer)
+  alibi = _jit_apply(encodings.get("alibi"), {}, layer, "reference")
   if name == "grape_ap":  # mean potential ~ -slope only; exact ALiBi with zero probes
     prep = enc.prepare(params, **layer)
     assert np.all(np.asarray(prep.inputs["alpha"]) >= 0)
@@ -126,7 +134,7 @@ def test_initial_state_is_alibi(key, name):
         layer["q"], layer["k"], layer["v"], jnp.zeros_like(prep.inputs["p"]), prep.inputs["alpha"],
         segment_ids=SEG, scale=D**-0.5)
   else:
-    o = enc.apply(params, implementation="reference", **layer)
+    o = _jit_apply(enc, params, layer, "reference")
   assert_rel_rms(o, alibi, 1e-5, f"{name} at init vs alibi")
 
 
@@ -198,7 +206,8 @@ def test_kv_shift_composes_with_an_encoding(key):
     k, v = additive.kv_shift_apply(shift, x=x, k=k, v=v, segment_ids=SEG)
     return enc.apply(params, **{**layer, "x": x, "k": k, "v": v}, implementation="chunked")
 
-  grads = jax.grad(lambda *a: jnp.sum(out(*a)[0, 12:] ** 2), argnums=(0, 1, 2))(
+  # Jitted: one compile instead of eager op-by-op dispatch (the chunked scans; CI time).
+  grads = jax.jit(jax.grad(lambda *a: jnp.sum(out(*a)[0, 12:] ** 2), argnums=(0, 1, 2)))(
       layer["x"], layer["k"], layer["v"])
   for g in grads:
     g = np.abs(np.asarray(g[0]))
@@ -211,8 +220,8 @@ def test_grape_a_positions_restart_per_segment(key):
   enc = encodings.get("grape_a_qk")
   params = _randomise(enc.init(k1, DIMS), k1)
   layer = _layer(k2)
-  packed = enc.apply(params, **layer, segment_ids=SEG, implementation="chunked")[0, 12:]
+  packed = _jit_apply(enc, params, {**layer, "segment_ids": SEG}, "chunked")[0, 12:]
   alone = {**layer, **{n: layer[n][:, 12:] for n in ("x", "q", "k", "v")}}
-  single = enc.apply(params, **alone, segment_ids=None, implementation="reference")[0]
+  single = _jit_apply(enc, params, {**alone, "segment_ids": None}, "reference")[0]
   assert_rel_rms(packed, single, 1e-5, "packed vs alone")
   assert path_integral.segment_positions(SEG, B, T)[0, 12] == 0
