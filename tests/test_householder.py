@@ -38,10 +38,16 @@ def _inputs(key, *, B=2, T=37, H=4, K=2, D=8, forget=True, segments=True):
 
 def _call(fn, args, seg, **kw):
   """fn on args, jit-compiled (one compile instead of many eager op dispatches)."""
-  scale = args["q"].shape[-1] ** -0.5
-  run = jax.jit(lambda a, s: fn(a["q"], a["k"], a["v"], a["w"], a["beta"],
-                                log_forget=a["log_forget"], segment_ids=s, scale=scale, **kw))
-  return run(args, seg)
+  return _jitted(fn, args["q"].shape[-1] ** -0.5, tuple(sorted(kw.items())))(args, seg)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fn, scale, kw):
+  """One jitted program per (fn, scale, keywords), shared by every call of _call: a repeat
+  (same shapes) is not traced, lowered or compiled again (CI time)."""
+  return jax.jit(lambda a, s: fn(a["q"], a["k"], a["v"], a["w"], a["beta"],
+                                 log_forget=a["log_forget"], segment_ids=s, scale=scale,
+                                 **dict(kw)))
 
 
 def _loss_grads(fn, args, seg, cot, **kw):
@@ -119,7 +125,8 @@ def test_public_entry_point(key):
 def test_householder_product_matches_loop(key):
   args, _ = _inputs(key, T=9, D=5)
   w, beta = np.asarray(args["w"], np.float64), np.asarray(args["beta"], np.float64)
-  P = posenc_jax.householder_product(args["w"], args["beta"])
+  # Jitted: one compile instead of eager op-by-op dispatch (CI time).
+  P = jax.jit(posenc_jax.householder_product)(args["w"], args["beta"])
   expected = np.zeros(P.shape)
   for b in range(w.shape[0]):
     for h in range(w.shape[2]):
