@@ -12,6 +12,7 @@ from posenc_jax.encodings import additive
 from tests.util import assert_rel_rms
 from tests.util import assert_trees_rel_rms
 from tests.util import in_float64
+from tests.util import value_and_grads
 
 B, T, C, H, K, D = 2, 29, 16, 4, 2, 8
 DIMS = encodings.Dims(d_model=C, num_heads=H, num_kv_heads=K, head_dim=D)
@@ -60,15 +61,12 @@ def test_grape_a_fast_path_matches_closed_form(key, name):
 
   args = (params, layer["q"], layer["k"], layer["v"])
   ct = jax.random.normal(k1, (B, T, H, D))
-  grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) * ct.astype(a[1].dtype)), argnums=(0, 1, 2, 3))
+  with_grads = lambda f: value_and_grads(f, lambda o: jnp.sum(o * ct.astype(o.dtype)),
+                                         (0, 1, 2, 3))
   # The oracle runs in float64: the log_omega gradient sums every logit, and a float32 oracle's
   # own rounding is of the size of the tolerance.
-  # The oracle's forward and gradients from one program, and the reference path's likewise:
-  # each gradient's forward is the same computation, compiled once (CI time). The forwards are
-  # the functions' own calls, not the gradients' primals.
-  with_grads = lambda f: lambda *a: (f(*a), grad(f)(*a))
   want, want_g = in_float64(with_grads(oracle), *args)
-  ref_out, ref_g = jax.jit(with_grads(lambda *a: fast(*a, "reference")))(*args)
+  ref_out, ref_g = with_grads(lambda *a: fast(*a, "reference"))(*args)
   assert_rel_rms(ref_out, want, 1e-5, f"{name} reference forward")
   for impl in ("chunked", "xla"):
     f = jax.jit(lambda *a: fast(*a, impl))  # noqa: B023 (one compile instead of eager dispatch)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from posenc_jax import encodings
+from tests.util import value_and_grads
 
 STANDALONE = [n for n in encodings.NAMES if n not in encodings.MODIFIERS]
 B, T, C, H, K, D, V = 2, 19, 32, 4, 2, 8, 16
@@ -101,11 +102,9 @@ def test_segments_are_isolated(name, key):
   seg = jnp.broadcast_to((jnp.arange(T) >= cut).astype(jnp.int32) + 1, (B, T))
   x2 = x.at[:, :cut].set(jax.random.normal(k3, (B, cut, C)))
   tokens2 = tokens.at[:, :cut].set((tokens[:, :cut] + 3) % V)
-  # The forward and the gradient (nothing flows from the first document into the second) from
-  # one program: the gradient's forward is the same computation, compiled once (CI time). The
-  # forward is f's own call, not the gradient's primal.
-  both = jax.jit(lambda x, tokens: (f(x, tokens, seg),
-                                    jax.grad(lambda x: jnp.sum(f(x, tokens, seg)[:, cut:] ** 2))(x)))
+  # The outputs and, from the same program, the gradient: nothing flows from the first
+  # document into the second.
+  both = value_and_grads(lambda x, tokens: f(x, tokens, seg), lambda o: jnp.sum(o[:, cut:] ** 2))
   (o1, g), (o2, _) = both(x, tokens), both(x2, tokens2)
   np.testing.assert_allclose(np.asarray(o1[:, cut:]), np.asarray(o2[:, cut:]), rtol=1e-5, atol=1e-6)
   assert np.abs(np.asarray(g[:, :cut])).max() <= 1e-6 * np.abs(np.asarray(g[:, cut:])).max()

@@ -13,6 +13,7 @@ from posenc_jax import rotations
 from tests.util import assert_rel_rms
 from tests.util import in_float64
 from tests.util import assert_trees_rel_rms
+from tests.util import value_and_grads
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -220,10 +221,8 @@ def test_rodrigues_matches_expm(key, norm):
 def test_rodrigues_is_finite_at_zero_s(key):
   x = jax.random.normal(key, (6,))
   a = jnp.arange(1.0, 7.0)
-  # The value and the gradients from one jitted program, compiled once for both b (CI time:
-  # eager op-by-op dispatch was most of this test).
-  both = jax.jit(lambda *p: (grape_m.rank2_apply(*p), jax.grad(
-      lambda *p: jnp.sum(grape_m.rank2_apply(*p) ** 3), argnums=(0, 1, 2, 3))(*p)))
+  # One program, compiled once for both b (CI time: eager dispatch was most of this test).
+  both = value_and_grads(grape_m.rank2_apply, lambda y: jnp.sum(y ** 3), (0, 1, 2, 3))
   for b in (2.0 * a, jnp.zeros(6)):           # parallel vectors and a zero vector: s = 0
     y, grads = both(x, a, b, 3.0)
     np.testing.assert_allclose(y, x, atol=1e-6)  # exp(0) = I

@@ -13,6 +13,7 @@ from posenc_jax import path_integral
 from posenc_jax import unipotent
 from tests.util import assert_rel_rms
 from tests.util import assert_trees_rel_rms
+from tests.util import value_and_grads
 
 B, T, H, K, D, P = 2, 37, 4, 2, 8, 6
 BLOCK = 16
@@ -55,14 +56,7 @@ def _ap(impl, parallel=None):
 def _value_and_grads(f, args, key):
   """f(*args) and the gradient of <f(*args), random cotangent> w.r.t. every arg (one jit)."""
   ct = jax.random.normal(key, jax.eval_shape(f, *args).shape)
-
-  def loss(*a):
-    out = f(*a)
-    return jnp.sum(out * ct), out
-
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))),
-                                               has_aux=True))(*args)
-  return out, grads
+  return value_and_grads(f, lambda out: jnp.sum(out * ct), tuple(range(len(args))))(*args)
 
 
 @pytest.mark.parametrize("segmented", [False, True])

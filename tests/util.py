@@ -23,6 +23,22 @@ def assert_trees_rel_rms(actual, expected, tol: float, what: str = "") -> None:
     assert_rel_rms(a, e, tol, f"{what}[leaf {i}]")
 
 
+def value_and_grads(f, loss, argnums=0):
+  """A jitted a -> (f(*a), the gradient of loss(f(*a)) w.r.t. a[argnums]): the output is the
+  gradient's own forward, so one program computes both and compiles once (CI time)."""
+  def with_out(*a):
+    out = f(*a)
+    return loss(out), out
+
+  grads = jax.value_and_grad(with_out, argnums=argnums, has_aux=True)
+
+  def both(*a):
+    (_, out), g = grads(*a)
+    return out, g
+
+  return jax.jit(both)
+
+
 def in_float64(fn, *args):
   """Runs an oracle in float64 on float32 test inputs (pytrees), returning numpy arrays.
 
