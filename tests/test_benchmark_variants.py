@@ -6,7 +6,7 @@ import pytest
 
 import kernels_pallas as kp
 from experiments.benchmarks.path_kernel import _block_sizes_of, _prepass_as_requested
-from kernels_pallas.path_attention import prepass_kernel
+from kernels_pallas.path_attention import prepass_variants
 
 
 def test_tokens_change_the_defaults():
@@ -34,14 +34,14 @@ def test_tokens_change_the_defaults():
 
 def test_forced_prepass_bypasses_the_routing_only_inside():
   ask = dict(backend="gpu", heads_per_kv=1, head_dim=128)
-  assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
+  assert prepass_variants.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
   with _prepass_as_requested(True):
-    assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "split_hilo"
-    assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.float32, **ask) == "split"
-    assert prepass_kernel.usable_variant("split2_hilo", dtype=jnp.float32, **ask) == "split2"
+    assert prepass_variants.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "split_hilo"
+    assert prepass_variants.usable_variant("split_hilo", dtype=jnp.float32, **ask) == "split"
+    assert prepass_variants.usable_variant("split2_hilo", dtype=jnp.float32, **ask) == "split2"
   with _prepass_as_requested(False):
-    assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
-  assert prepass_kernel.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
+    assert prepass_variants.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
+  assert prepass_variants.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
 
 
 def test_phases_block_sizes_parse_like_the_model_options():

@@ -125,7 +125,7 @@ def part_correlated(prepass=None, B=4, T=2048, H=12, D=64):
   import jax.numpy as jnp
   import numpy as np
   import kernels_pallas as kp
-  from kernels_pallas.path_attention.prepass_kernel import usable_variant
+  from kernels_pallas.path_attention.prepass_variants import usable_variant
   from posenc_jax import householder
   q, k, v, _, _, _, do = _inputs(B, T, H, D)
   bs = kp.BlockSizes(**({"prepass": prepass} if prepass else {}))
@@ -171,7 +171,7 @@ def part_check(prepass=None):
   import jax
   import jax.numpy as jnp
   import kernels_pallas as kp
-  from kernels_pallas.path_attention.prepass_kernel import usable_variant
+  from kernels_pallas.path_attention.prepass_variants import usable_variant
   from posenc_jax import householder
 
   rel = _rel
@@ -245,7 +245,7 @@ def _block_sizes_of(spec):
   gate's column sums carried / on the tensor
   cores (gate_colsum "carry" / "mma"),
   pre=VARIANT the pre-pass, pre!=VARIANT that pre-pass even where
-  prepass_kernel.usable_variant would route the shape to the jnp one (shared memory): to time
+  prepass_variants.usable_variant would route the shape to the jnp one (shared memory): to time
   whether it builds and what it gains. E.g. path@l1rc is the seventh session's defaults."""
   import dataclasses
   import re
@@ -301,16 +301,16 @@ def _block_sizes_of(spec):
 @contextlib.contextmanager
 def _prepass_as_requested(forced):
   """While active (forced=True), the kernel runs the requested pre-pass variant at every shape:
-  prepass_kernel.usable_variant keeps only its float32-inputs rule (variant_for_dtype)."""
-  from kernels_pallas.path_attention import prepass_kernel
-  saved = prepass_kernel.usable_variant
+  prepass_variants.usable_variant keeps only its float32-inputs rule (variant_for_dtype)."""
+  from kernels_pallas.path_attention import prepass_variants
+  saved = prepass_variants.usable_variant
   if forced:
-    prepass_kernel.usable_variant = lambda requested, *, dtype, **_: (
-        prepass_kernel.variant_for_dtype(requested, dtype))
+    prepass_variants.usable_variant = lambda requested, *, dtype, **_: (
+        prepass_variants.variant_for_dtype(requested, dtype))
   try:
     yield
   finally:
-    prepass_kernel.usable_variant = saved
+    prepass_variants.usable_variant = saved
 
 
 def _jax_mha(q, k, v, causal=True):

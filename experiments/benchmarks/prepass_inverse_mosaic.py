@@ -142,10 +142,11 @@ def inverse_triton(w, beta):
   import jax.numpy as jnp
   from kernels_pallas.path_attention import calls
   from kernels_pallas.path_attention import prepass_kernel as pk
+  from kernels_pallas.path_attention import prepass_variants
   x3 = calls.bf16x3_precision("gpu")
   cfg = pk._Cfg(scale=1.0, dtype=jnp.dtype(jnp.bfloat16), backend="gpu", precision=x3,
                 inv_precision=x3, hilo=True, time_major=True, vjp2=True,
-                num_warps=pk.auto_warps(w.shape[-1]))
+                num_warps=prepass_variants.auto_warps(w.shape[-1]))
   _, spec_w = pk._input_specs(cfg, 1, C, w.shape[-1])
   return pk._inverse(cfg, w, beta[..., None], spec_w)
 

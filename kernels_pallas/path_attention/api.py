@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from kernels_pallas.path_attention import calls
 from kernels_pallas.path_attention import prepass
 from kernels_pallas.path_attention import prepass_kernel
+from kernels_pallas.path_attention import prepass_variants
 from kernels_pallas.path_attention.calls import BlockSizes
 
 BACKENDS = ("gpu", "tpu", "interpret", "tpu_interpret")
@@ -48,10 +49,11 @@ def _precision(dtype, backend):
 
 def _transport_kwargs(cfg, q, k):
   """The Pallas pre-pass's keyword arguments (prepass_kernel.transport_pallas), or None where
-  the batched jnp pre-pass runs instead (prepass_kernel.usable_variant)."""
-  variant = prepass_kernel.usable_variant(cfg.block_sizes.prepass, backend=cfg.backend,
-                                          dtype=q.dtype, heads_per_kv=q.shape[2] // k.shape[2],
-                                          head_dim=q.shape[-1])
+  the batched jnp pre-pass runs instead (prepass_variants.usable_variant)."""
+  variant = prepass_variants.usable_variant(cfg.block_sizes.prepass, backend=cfg.backend,
+                                            dtype=q.dtype,
+                                            heads_per_kv=q.shape[2] // k.shape[2],
+                                            head_dim=q.shape[-1])
   if variant == "jnp":
     return None
   return dict(backend=cfg.backend, variant=variant, num_warps=cfg.block_sizes.prepass_num_warps,

@@ -31,7 +31,7 @@ class BlockSizes:
                                  # 8.81 -> 8.39 ms at 16,2048,12,64 on the H100, 52.68 -> 52.53
                                  # at 8,4096,16,128; 392.7 -> 288.1 with 2 lanes at
                                  # 4,16384,16,128 on the H200); None: 1
-  prepass: str = "uz_hilo"       # prepass_kernel.VARIANTS: float32-accurate products from bf16
+  prepass: str = "uz_hilo"       # prepass_variants.VARIANTS: float32-accurate products from bf16
                                  # hi / lo halves, split once, one half for bf16-exact operands,
                                  # the VJP from dU, dZ in two kernels (prepass_uz.py: its VJP
                                  # kernels 6.05 against 6.36 ms for "split2_hilo" at
@@ -48,10 +48,10 @@ class BlockSizes:
                                  # "*_bf16": bf16 operands, 2-4x the gradient error when the w of
                                  # a chunk share a direction; "fold*": -6% peak memory at
                                  # head_dim 64, +6% time; "jnp": batched jnp.
-                                 # prepass_kernel.usable_variant routes a shape that does not
+                                 # prepass_variants.usable_variant routes a shape that does not
                                  # build on the GPU to "jnp"
   prepass_num_warps: int | None = None  # the pre-pass kernels' warps; None: each kernel's
-                                 # own by head_dim (prepass_kernel.auto_warps, measured)
+                                 # own by head_dim (prepass_variants.auto_warps, measured)
   prepass_keep_inverse: bool | str = "bf16"  # the split pre-pass keeps Y = (I + A)^{-1}
                                  # from the forward for its VJP instead of running the inverse
                                  # kernel again. True: Y in float32, [B, K, T, C] more per layer
@@ -60,7 +60,7 @@ class BlockSizes:
                                  # by one Newton step (a 7-pass kernel for the inverse's 33);
                                  # only where the inverse's products are bf16 halves (16-bit
                                  # inputs on the GPU), else recomputed as with False
-                                 # (prepass_kernel.kept_inverse). H200 (2026-11-27), fwd+bwd ms
+                                 # (prepass_variants.kept_inverse). H200 (2026-11-27), fwd+bwd ms
                                  # (peak GiB), False / "bf16" / True in one call: 24.15 (4.70)
                                  # / 23.20 (4.95) / 22.59 (5.20) at 32,2048,32,64; 63.02
                                  # (11.17) / 61.56 (11.67) / 59.87 (12.17) at 32,4096,32,64;
@@ -256,7 +256,7 @@ class BlockSizes:
                        "(the query tile, key tile and transport chunk are one size)")
     if self.block_q < 16 or self.block_q & (self.block_q - 1):
       raise ValueError(f"block_q={self.block_q} must be a power of two >= 16")
-    from kernels_pallas.path_attention.prepass_kernel import VARIANTS
+    from kernels_pallas.path_attention.prepass_variants import VARIANTS
     if self.prepass not in VARIANTS + ("jnp",):
       raise ValueError(f"prepass={self.prepass!r} must be one of {VARIANTS + ('jnp',)}")
     if self.fwd_kernel not in ("triton", "mosaic"):

@@ -26,7 +26,7 @@ Where the first kernel stops was measured (H200, per-kernel device ms at 32,2048
 The second kernel of the first two forms spills (648 and 956 B a thread in the resource
 report at D = 64) and runs at a third of the inverse kernel's rate a pass. At head_dim 128 the
 first kernel spills (5.8 KB a thread), so "uz_*" runs at head_dim <= 64 only
-(prepass_kernel.usable_variant).
+(prepass_variants.usable_variant).
 
 ptxas serializes the first kernel's wgmmas for lack of registers (C7512: a wait after each of
 its 196 HGMMAs; triton_resources.py flags it). A three-kernel form that avoids it was measured

@@ -27,7 +27,7 @@ def test_kept_inverse_bf16_only_with_bf16_halves():
   TF32) and the TPU (HIGHEST) recompute Y, as with False: a float32 Y is kept only when asked
   for (True)."""
   from kernels_pallas.path_attention import calls
-  from kernels_pallas.path_attention.prepass_kernel import kept_inverse
+  from kernels_pallas.path_attention.prepass_variants import kept_inverse
   assert kept_inverse("bf16", calls.bf16x3_precision("gpu")) == "bf16"
   assert kept_inverse("bf16", calls.bf16x3_precision("interpret")) == "bf16"
   assert kept_inverse("bf16", calls.float32_precision("gpu")) is False
@@ -93,7 +93,7 @@ def test_usable_variant_routes_grouped_heads_off_the_pallas_prepass(requested, b
                                                                      D, expected):
   """The GPU shapes whose Pallas pre-pass VJP overflows shared memory take the jnp pre-pass;
   every other backend and shape keeps the requested variant."""
-  from kernels_pallas.path_attention.prepass_kernel import usable_variant
+  from kernels_pallas.path_attention.prepass_variants import usable_variant
   assert usable_variant(requested, backend=backend, dtype=dtype, heads_per_kv=G,
                         head_dim=D) == expected
   assert usable_variant("jnp", backend=backend, dtype=dtype, heads_per_kv=G, head_dim=D) == "jnp"
