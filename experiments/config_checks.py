@@ -48,14 +48,20 @@ def model_config(config, vocab_size: int) -> model_lib.ModelConfig:
       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
       mlp_dim=m.mlp_dim, block=m.block, qk_norm=bool(m.qk_norm), dropout=float(m.dropout),
       tie_embeddings=bool(m.tie_embeddings), dtype=m.dtype, implementation=m.implementation,
+      kernel_options=tuple(sorted((k, _plain(v)) for k, v in _kernel_options(m).items())),
       scan_layers=bool(m.scan_layers))
+
+
+def _kernel_options(m) -> dict:
+  options = m.get("kernel_options") or {}
+  return options.to_dict() if hasattr(options, "to_dict") else dict(options)
 
 
 def stored_form(mcfg: model_lib.ModelConfig) -> dict:
   """What a checkpoint records of the model: everything but the speed-only choices (kernel,
   layer scan, embedding lookup), which leave the parameters as they are."""
   d = dataclasses.asdict(mcfg)
-  for speed_only in ("implementation", "scan_layers", "embed_one_hot"):
+  for speed_only in ("implementation", "kernel_options", "scan_layers", "embed_one_hot"):
     d.pop(speed_only)
   d["encoding_kwargs"] = [list(kv) for kv in d["encoding_kwargs"]]
   return d
@@ -74,13 +80,16 @@ def check_model(config, vocab_size: int) -> model_lib.ModelConfig:
   if m.dtype not in model_lib.DTYPES:
     raise ValueError(f"config.model.dtype={m.dtype!r} must be one of {tuple(model_lib.DTYPES)}")
   if m.implementation is not None:
-    try:  # "pallas:KEY=VALUE,..." passes kernel block sizes to the PaTH / FoX kernels
+    try:  # "pallas:key=value,..." passes options to the PaTH / FoX kernels
       _checks.check_implementation(m.implementation, _checks.IMPLEMENTATIONS,
                                    kernel_options=True)
-      _checks.kernel_block_sizes(m.implementation)
     except ValueError as e:
       raise ValueError(f"config.model.implementation={m.implementation!r} must be None (auto) "
                        f"or one of {_checks.IMPLEMENTATIONS} ({e})") from None
+  try:
+    _checks.kernel_block_sizes(m.implementation, _kernel_options(m))
+  except ValueError as e:
+    raise ValueError(f"config.model.kernel_options: {e}") from None
   if not 0.0 <= float(m.dropout) < 1.0:
     raise ValueError(f"config.model.dropout={m.dropout} must be in [0, 1)")
   if m.encoding in encodings.MODIFIERS:

@@ -53,41 +53,36 @@ def check_even(name: str, d: int) -> None:
 
 def check_implementation(implementation, allowed: Sequence[str], *,
                          kernel_options: bool = False) -> None:
-  """`implementation` names one of `allowed`; "pallas:KEY=VALUE,..." (kernel_options: the
+  """`implementation` names one of `allowed`; "pallas:key=value,..." (kernel_options: the
   PaTH / FoX kernels) also passes kernels_pallas.BlockSizes fields (kernel_block_sizes)."""
   name, _, options = str(implementation).partition(":")
   if name not in allowed:
     raise ValueError(f"implementation={implementation!r} is not one of {tuple(allowed)}")
   if options and not (kernel_options and name == "pallas"):
-    raise ValueError(f"implementation={implementation!r}: options after ':' are kernel block "
-                     "sizes of the PaTH / FoX Pallas kernels ('pallas:bwd_lanes=0,...')")
+    raise ValueError(f"implementation={implementation!r}: options after ':' are the PaTH / FoX "
+                     "Pallas kernels' ('pallas:span=8,...'; or pass kernel_options)")
 
 
-def kernel_options(options: str) -> dict:
-  """"bwd_lanes=0,fwd_kernel=mosaic,prepass_keep_inverse=true" -> BlockSizes keyword arguments.
-  Values: integers, true / false (booleans), else strings; "" -> {}."""
-  kw = {}
-  for item in filter(None, options.split(",")):
-    key, eq, value = item.partition("=")
-    if not eq or not key:
-      raise ValueError(f"kernel option {item!r} is not KEY=VALUE")
-    low = value.lower()
-    kw[key] = (int(value) if value.lstrip("-").isdigit() else
-               low == "true" if low in ("true", "false") else value)
-  return kw
-
-
-def kernel_block_sizes(implementation: str):
-  """"pallas:bwd_lanes=0,fwd_kernel=mosaic" -> kernels_pallas.BlockSizes(bwd_lanes=0,
-  fwd_kernel="mosaic"); None without options (kernel_options parses them)."""
-  _, _, options = implementation.partition(":")
-  if not options:
+def kernel_block_sizes(implementation: str | None, kernel_options=None):
+  """The PaTH / FoX kernels' kernels_pallas.BlockSizes from "pallas:key=value,..." and a
+  kernel_options mapping (a dict or ConfigDict of BlockSizes fields; both may be given, for
+  different fields); None where neither sets anything."""
+  _, _, text = str(implementation or "").partition(":")
+  if not text and not kernel_options:
     return None
-  import kernels_pallas  # imported lazily: the kernels are optional on CPU
+  import kernels_pallas  # imported lazily: importing the kernels costs a second or two
+  from kernels_pallas.path_attention import options as kernel_opts
   try:
-    return kernels_pallas.BlockSizes(**kernel_options(options))
+    fields = kernel_opts.parse(text)
+    given = dict(kernel_options.to_dict() if hasattr(kernel_options, "to_dict")
+                 else kernel_options or {})
+    both = sorted(set(fields) & set(given))
+    if both:
+      raise ValueError(f"{', '.join(both)} set both in the implementation string and in "
+                       "kernel_options")
+    return kernels_pallas.BlockSizes.of({**fields, **given})
   except (TypeError, ValueError) as e:
-    raise ValueError(f"implementation={implementation!r}: {e}") from None
+    raise ValueError(f"kernel options ({implementation=}, {kernel_options=}): {e}") from None
 
 
 def is_concrete(x) -> bool:

@@ -164,10 +164,16 @@ def softmax_gpu_path(dtype, D: int, Dv: int, *, has_segments: bool, T: int) -> C
 
 
 def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim: int | None = None,
-                        has_segments: bool = False, backend: str | None = None) -> Choice:
+                        has_segments: bool = False, backend: str | None = None,
+                        batch: int | None = None, heads: int | None = None,
+                        kv_heads: int | None = None, gate: bool = False,
+                        kernel_options=None) -> Choice:
   """What `implementation=None` runs for `family` on `backend` (default: jax's), and why.
 
-  head_dim is q's (after any encoding lifts it, e.g. GRAPE-A); v_head_dim defaults to it.
+  head_dim is q's (after any encoding lifts it, e.g. GRAPE-A); v_head_dim defaults to it. With
+  batch and heads (kv_heads: default heads; gate: PaTH-FoX or FoX's gate; kernel_options: the
+  kernel's BlockSizes fields), the reason for a Pallas PaTH / FoX kernel also gives the plan it
+  runs (kernels_pallas.explain).
   """
   if family not in FAMILIES:
     raise ValueError(f"family={family!r} is not one of {FAMILIES}")
@@ -182,10 +188,32 @@ def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim
       return Choice("chunked", f"{backend}: blockwise jnp at every T ({name}: faster than dense)")
     return Choice("chunked", f"{backend}: T={T} > {name}, blockwise jnp")
   if family in _KERNEL_FAMILIES:
-    return Choice("pallas", f"{backend}: the Pallas {family} kernel")
+    reason = f"{backend}: the Pallas {family} kernel"
+    if batch is not None and heads is not None:
+      reason += "; its plan:\n  " + _kernel_plan(
+          family, batch=batch, T=T, heads=heads, kv_heads=kv_heads or heads, D=head_dim,
+          dtype=dtype, gate=gate, segments=has_segments, backend=backend,
+          kernel_options=kernel_options).replace("\n", "\n  ")
+    return Choice("pallas", reason)
   if family == "softmax" and backend == "gpu":
     return softmax_gpu_path(dtype, head_dim, Dv, has_segments=has_segments, T=T)
   return Choice("chunked", f"{backend}: blockwise jnp for {family}, never a T x T array per head")
+
+
+def _kernel_plan(family, *, batch, T, heads, kv_heads, D, dtype, gate, segments, backend,
+                 kernel_options) -> str:
+  """kernels_pallas.explain's text for a call of these shapes (no arrays needed)."""
+  import kernels_pallas  # imported lazily: importing the kernels costs a second or two
+  sd = jax.ShapeDtypeStruct
+  q = sd((batch, T, heads, D), dtype)
+  kv = sd((batch, T, kv_heads, D), dtype)
+  path = family == "path"
+  return str(kernels_pallas.explain(
+      q, kv, kv, sd(kv.shape, jnp.float32) if path else None,
+      sd((batch, T, kv_heads), jnp.float32) if path else None,
+      sd((batch, T, heads), jnp.float32) if gate else None,
+      segment_ids=sd((batch, T), jnp.int32) if segments else None,
+      block_sizes=_checks.kernel_block_sizes("pallas", kernel_options), backend=backend))
 
 
 def _pick(implementation, family: str, allowed, q, v, segment_ids, *, kernel_options=False):
@@ -230,24 +258,26 @@ def _cudnn_attention(q, k, v, segment_ids, scale):
   return o[..., :Dv]
 
 
-def _pallas_softmax(q, k, v, segment_ids, scale):
+def _pallas_softmax(q, k, v, segment_ids, scale, kernel_options):
   D, Dv = q.shape[-1], v.shape[-1]
   _check_explicit("pallas", pallas_unsupported(q.dtype, D, Dv), gpu_only=False)
   import kernels_pallas  # imported lazily: the kernels are optional on CPU
   # The FoX kernel with no gate is plain causal softmax attention (segments and GQA included).
   o = kernels_pallas.forgetting_attention(*_pad_head_dims(q, k, v, pallas_head_dim(D, Dv)), None,
                                           scale=scale, segment_ids=segment_ids,
+                                          block_sizes=_checks.kernel_block_sizes(
+                                              "pallas", kernel_options),
                                           interpret=jax.default_backend() == "cpu")
   return o[..., :Dv]
 
 
 def softmax_attention(q, k, v, *, segment_ids=None, scale=None, implementation=None,
-                      block_size: int | None = None):
+                      block_size: int | None = None, kernel_options=None):
   """Plain causal softmax attention (NoPE, and every rotation encoding after transport).
 
   q [B, T, H, D], k [B, T, K, D], v [B, T, K, Dv], segment_ids [B, T] -> o [B, T, H, Dv].
   block_size: the "chunked" form's tile edge; None: 128, grown so that T needs at most 16
-  blocks (blockwise.block_size_for).
+  blocks (blockwise.block_size_for). kernel_options: the Pallas kernel's (path_attention).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)
@@ -260,7 +290,7 @@ def softmax_attention(q, k, v, *, segment_ids=None, scale=None, implementation=N
   if impl == "cudnn":
     return _cudnn_attention(q, k, v, segment_ids, scale)
   if impl == "pallas":
-    return _pallas_softmax(q, k, v, segment_ids, scale)
+    return _pallas_softmax(q, k, v, segment_ids, scale, kernel_options)
   if impl == "xla":
     mask = None if segment_ids is None else masking.causal_dense_mask(T, segment_ids)
     Dv = v.shape[-1]  # jax wants one head dim for q, k and v
@@ -293,7 +323,7 @@ def _check_path_inputs(q, k, v, w, beta, log_forget, segment_ids):
 
 
 def path_attention(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale=None,
-                   implementation=None):
+                   implementation=None, kernel_options=None):
   """PaTH: causal attention with accumulated Householder transport (SPEC.md "PaTH").
 
   l_ij = scale * q_i^T (H_i ... H_{j+1}) k_j [+ sum_{s=j+1}^{i} log_forget_s],
@@ -301,6 +331,9 @@ def path_attention(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale
 
   q [B, T, H, D]; k, v [B, T, K, D]; w [B, T, K, D] unit rows; beta [B, T, K] in [0, 2];
   log_forget [B, T, H] <= 0 (PaTH-FoX, unscaled); segment_ids [B, T] -> o [B, T, H, D].
+  kernel_options: the Pallas kernel's kernels_pallas.BlockSizes fields (a dict or ConfigDict),
+  used where it runs; "pallas:key=value,..." sets them too (kernels_pallas.explain prints the
+  plan they give).
   """
   _, T, _, _, D = _check_path_inputs(q, k, v, w, beta, log_forget, segment_ids)
   impl = _pick(implementation, "path", ("reference", "scan", "chunked", "pallas"), q, v,
@@ -310,7 +343,8 @@ def path_attention(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale
     import kernels_pallas  # imported lazily: the kernels are optional on CPU
     return kernels_pallas.path_attention(q, k, v, w, beta, log_forget,
                                          scale=kwargs["scale"], segment_ids=segment_ids,
-                                         block_sizes=_checks.kernel_block_sizes(impl),
+                                         block_sizes=_checks.kernel_block_sizes(
+                                             impl, kernel_options),
                                          interpret=jax.default_backend() == "cpu")
   fn = {"reference": householder.path_attention_reference,
         "scan": householder.path_attention_scan,
@@ -319,7 +353,7 @@ def path_attention(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale
 
 
 def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale=None,
-                         implementation=None):
+                         implementation=None, kernel_options=None):
   """FoX: l_ij = scale * q_i . k_j + sum_{s=j+1}^{i} log_forget_s (gate unscaled).
 
   ALiBi is the constant gate log_forget[:, :, h] = -slope_h.
@@ -336,7 +370,8 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale=None,
     import kernels_pallas
     return kernels_pallas.forgetting_attention(q, k, v, log_forget, scale=scale,
                                                segment_ids=segment_ids,
-                                               block_sizes=_checks.kernel_block_sizes(impl),
+                                               block_sizes=_checks.kernel_block_sizes(
+                                                   impl, kernel_options),
                                                interpret=jax.default_backend() == "cpu")
   fn = {"reference": unipotent.forgetting_attention_reference,
         "chunked": unipotent.forgetting_attention_chunked}[impl]

@@ -90,6 +90,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   dtype: str = "float32"
   implementation: str | None = None
+  kernel_options: tuple[tuple[str, Any], ...] = ()   # kernels_pallas.BlockSizes fields
   scan_layers: bool = False
   embed_one_hot: bool | None = None   # the embedding's gradient; None: embed_tokens' rule
 
@@ -200,7 +201,8 @@ class Attention(nnx.Module):
     o, cache["enc"] = self.enc.prefill(
         _values(self.enc_params), cache["enc"], slots=slots, x=x_BPC, q=q, k=k, v=v,
         positions=positions_BT, segment_ids=segment_ids_BT, tokens=tokens_BT, rng=None,
-        train=False, implementation=self.cfg.implementation)
+        train=False, implementation=self.cfg.implementation,
+        kernel_options=dict(self.cfg.kernel_options) or None)
     return self._out(o, x_BPC), cache
 
   def decode(self, x_B1C, *, tokens_BT, slots, cache):
@@ -226,7 +228,8 @@ class Attention(nnx.Module):
     rng = rngs.encoding() if (train and rngs is not None) else None
     o = self.enc.apply(_values(self.enc_params), x=x_BTC, q=q, k=k, v=v,
                        positions=positions_BT, segment_ids=segment_ids_BT, tokens=tokens_BT,
-                       rng=rng, train=train, implementation=cfg.implementation)
+                       rng=rng, train=train, implementation=cfg.implementation,
+                       kernel_options=dict(cfg.kernel_options) or None)
     return self._out(o, x_BTC)
 
 

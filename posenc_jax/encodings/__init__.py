@@ -98,10 +98,12 @@ class Encoding:
   check: Callable[[Dims], None]   # raises ValueError for dims this encoding cannot use
   decoder: Any = None             # _Decoder bound to the hyperparameters, or None
 
-  def apply(self, params, *, segment_ids=None, implementation=None, **layer):
+  def apply(self, params, *, segment_ids=None, implementation=None, kernel_options=None,
+            **layer):
     """prepare + attend in one call; `layer` holds x, q, k, v, positions, tokens, rng, train."""
     return attend(self.prepare(params, segment_ids=segment_ids, **layer),
-                  segment_ids=segment_ids, implementation=implementation)
+                  segment_ids=segment_ids, implementation=implementation,
+                  kernel_options=kernel_options)
 
   def _decoding(self):
     if self.decoder is None:
@@ -113,14 +115,16 @@ class Encoding:
     (posenc_jax.kv_cache) plus per-row states."""
     return self._decoding().init_cache(dims, batch_size=batch_size, max_len=max_len, dtype=dtype)
 
-  def prefill(self, params, cache, *, slots, segment_ids=None, implementation=None, **layer):
+  def prefill(self, params, cache, *, slots, segment_ids=None, implementation=None,
+              kernel_options=None, **layer):
     """The full-sequence forward of a prompt [B, P] (`apply`), and the cache it leaves.
 
     slots: kv_cache.Slots of the prompt (its tokens are slots [start, end) of time 0..P-1);
     segment_ids must mark the padding as its own segment. Returns (o [B, P, H, Dv], cache).
     """
     prep = self.prepare(params, segment_ids=segment_ids, **layer)
-    o = attend(prep, segment_ids=segment_ids, implementation=implementation)
+    o = attend(prep, segment_ids=segment_ids, implementation=implementation,
+               kernel_options=kernel_options)
     cache = self._decoding().fill(params, cache, prep, layer={**layer, "segment_ids": segment_ids},
                                   slots=slots)
     return o, cache
@@ -228,22 +232,28 @@ def get(name: str, **hparams) -> Encoding:
                   functools.partial(e.prepare, **hparams), e.check, d)
 
 
-def attend(prep: Prepared, *, segment_ids=None, implementation=None, scale=None):
-  """Runs the family's causal attention on prepared inputs, then any output transport."""
+def attend(prep: Prepared, *, segment_ids=None, implementation=None, scale=None,
+           kernel_options=None):
+  """Runs the family's causal attention on prepared inputs, then any output transport.
+  kernel_options: the Pallas kernels' options (kernels_pallas.BlockSizes fields), where they
+  run."""
   from posenc_jax import rotations  # the family modules import this package's helpers
 
   if prep.family == "softmax":
     o = attention.softmax_attention(prep.q, prep.k, prep.v, segment_ids=segment_ids,
-                                    scale=scale, implementation=implementation)
+                                    scale=scale, implementation=implementation,
+                                    kernel_options=kernel_options)
   elif prep.family == "path":
     i = prep.inputs
     o = attention.path_attention(prep.q, prep.k, prep.v, i["w"], i["beta"],
                                  log_forget=i.get("log_forget"), segment_ids=segment_ids,
-                                 scale=scale, implementation=implementation)
+                                 scale=scale, implementation=implementation,
+                                 kernel_options=kernel_options)
   elif prep.family == "forgetting":
     o = attention.forgetting_attention(prep.q, prep.k, prep.v, prep.inputs["log_forget"],
                                        segment_ids=segment_ids, scale=scale,
-                                       implementation=implementation)
+                                       implementation=implementation,
+                                       kernel_options=kernel_options)
   elif prep.family == "path_integral":
     o = attention.path_integral_attention(prep.q, prep.k, prep.v, prep.inputs["p"],
                                           prep.inputs["alpha"], segment_ids=segment_ids,

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels_pallas.path_attention.prepass_chunk import (_add, _inverse_products, _masks, _read,
+from kernels_pallas.path_attention.prepass.chunk import (_add, _inverse_products, _masks, _read,
                                                          inverse_vjp_from_da, vjp_common)
 
 

@@ -1,28 +1,29 @@
-"""The TPU backward: the sequence walks of bwd_kernels.py as grid axes, one chunk per block.
+"""The TPU forms: the forward and backward walks as grid axes, one chunk per block.
 
-On the GPU the backward kernels index whole-sequence operands in HBM (`ref[m]`). A TPU kernel
-sees its blocks in VMEM, so that form would hold every chunk of q, dO, k, v, E and the in-chunk
-logits of one (batch, kv head) there at once. Here, as in the TPU forward
-(kernels.fwd_kv_kernel), the walk is the last grid axis j ("arbitrary"): each step's BlockSpec
-index map picks the one chunk of each operand it needs, the walk's state lives in VMEM scratch,
-and a step past the walk's end keeps the previous block index, so it fetches nothing.
+On the GPU the kernels index whole-sequence operands in HBM (`ref[m]`). A TPU kernel sees its
+blocks in VMEM, so that form would hold every chunk of q, dO, k, v, E and the in-chunk logits of
+one (batch, head) there at once. Here the walk is the last grid axis j ("arbitrary"): each
+step's BlockSpec index map picks the one chunk of each operand it needs, the walk's state lives
+in VMEM scratch, and a step past the walk's end keeps the previous block index, so it fetches
+nothing.
+
+fwd_kv_kernel, grid (batch, head, query chunk c, j): step j reads key chunk m = c - j; the query
+  tile's state, running max, sum and accumulator live in scratch across j; steps j > c are
+  skipped with pl.when.
 
 dkv_tpu_kernel, grid (B, K, key chunk m, j): step j reads query chunk c = m + j (j = 0: the
-  diagonal), carrying the operator M_cm, dk, dv and dfk in scratch (bwd_kernels.dkv_step).
+  diagonal), carrying the operator M_cm, dk, dv and dfk in scratch (dkv_step).
 
 dq_tpu_kernel, grid (B, K, query chunk c, j), c and j both "arbitrary": dL/dP_m sums over every
   query chunk, so it stays in HBM (memory space ANY) and each sweep step moves its [D, D]
   float32 tile by DMA (read, add, write back; the first contribution, from query chunk m + 1,
-  writes it). With transport, steps 1 .. c store the states
-  s_m = q^_c M_cm right to left (m = c - j, a [G, n, C, D] scratch) and steps c+1 .. 2c sweep
-  left to right with the adjoint (m = j - c - 1, bwd_kernels.dq_step); FoX sweeps at steps
-  1 .. c. The G query heads of the kv head share each key block.
-  The states go to HBM the same way, one [C, D] tile per store and load. Nothing in VMEM grows
-  with T (before: whole-sequence blocks of every operand; then, in a first version of this
-  file, the states and dP, 4 + 2 x 16 MiB at T = 16384, D = 128, C = 64, bf16). The DMAs are
-  synchronous (start, wait): the latency is not hidden yet.
+  writes it). With transport, steps 1 .. c store the states s_m = q^_c M_cm right to left
+  (m = c - j) and steps c+1 .. 2c sweep left to right with the adjoint (m = j - c - 1,
+  tiles.dq_step); FoX sweeps at steps 1 .. c. The G query heads of the kv head share each key
+  block. The states go to HBM the same way, one [C, D] tile per store and load, so nothing in
+  VMEM grows with T. The DMAs are synchronous (start, wait): their latency is not hidden yet.
 
-No chunk skipping (prepass.chunk_bounds) on the TPU: a loop bound read from VMEM is a vector
+No chunk skipping (operands.chunk_bounds) on the TPU: a loop bound read from VMEM is a vector
 value there; the masked tiles are computed and contribute zero.
 """
 from __future__ import annotations
@@ -32,17 +33,144 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.path_attention import bwd_kernels
-from kernels_pallas.path_attention.calls import _call, _flags
-from kernels_pallas.path_attention.kernels import dot
+from kernels_pallas.path_attention import launch
+from kernels_pallas.path_attention import operands
+from kernels_pallas.path_attention.tiles import (diagonal, dot, dq_step, eye, logits, move,
+                                                 softmax_step, tile_grads, tile_mask, unpack,
+                                                 unpack_forward)
+
+
+def fwd_kv_kernel(*refs, scale, transport, gate, segments, precision):
+  """refs (one chunk each): q [C,D] (chunk c), k, v [C,D], (e [D,D]) (chunk c - j), (diag [C,C]),
+  (fq [C,1], fk [1,C]), (sq [C,1], sk [1,C]) -> o [C,D], lse [C,1]; scratch qt, m, l, acc."""
+  q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, _, _, rest = unpack_forward(
+      refs, transport, gate, segments)
+  o_ref, lse_ref, qt_ref, m_ref, l_ref, acc_ref = rest
+  c, j = pl.program_id(2), pl.program_id(3)
+  C = q_ref.shape[0]
+  dt = q_ref.dtype
+  fq = None if fq_ref is None else fq_ref[...]
+  sq = None if sq_ref is None else sq_ref[...]
+  fk = None if fk_ref is None else fk_ref[...]
+  sk = None if sk_ref is None else sk_ref[...]
+
+  @pl.when(j == 0)
+  def _():
+    q = q_ref[...]
+    m_i, l_i, acc = diagonal(q, k_ref[...], v_ref[...], d_ref, fq, fk, sq, sk, scale=scale,
+                          precision=precision)
+    qt_ref[...] = q.astype(jnp.float32)
+    m_ref[...], l_ref[...], acc_ref[...] = m_i, l_i, acc
+
+  @pl.when((j > 0) & (j <= c))
+  def _():
+    qt = qt_ref[...]
+    gate_, ok = tile_mask(C, causal=False, fq=fq, fk=fk, sq=sq, sk=sk)
+    m_ref[...], l_ref[...], acc_ref[...] = softmax_step(
+        qt, m_ref[...], l_ref[...], acc_ref[...], k_ref[...], v_ref[...], gate_, ok, scale=scale,
+        dt=dt, precision=precision)
+    if transport:
+      qt_ref[...] = move(qt, e_ref[...], dt=dt, precision=precision)
+
+  @pl.when(j == c)  # last useful step: the output block is written back when c changes
+  def _():
+    o_ref[...] = (acc_ref[...] / l_ref[...]).astype(o_ref.dtype)
+    lse_ref[...] = m_ref[...] + jnp.log(l_ref[...])
+
+
+def forward(ops, plan):
+  """-> o [B, n, C, H, D] (chunked, as the GPU forward's), lse [B, H, n, C, 1] float32. Grid
+  (B, H, n, n) with the key-chunk axis j last ("arbitrary"); step j reads key chunk
+  max(c - j, 0), so skipped steps (j > c) keep the block index and fetch nothing."""
+  ops = ops._replace(v=operands.heads_major(ops.v))   # TPU blocks: [C, D] tiles of [.., n, C, D]
+  B, H, n, C, D = ops.q.shape
+  G = H // ops.k.shape[1]
+  f = operands.features(ops)
+  blk = lambda x: (None, None, None) + x.shape[3:]
+  qspec = lambda x: pl.BlockSpec(blk(x), lambda b, h, c, j: (b, h, c, 0, 0))
+  kspec = lambda x, head: pl.BlockSpec(
+      blk(x), lambda b, h, c, j: (b, head(h), jnp.maximum(c - j, 0), 0, 0))
+  kv = lambda x: kspec(x, lambda h: h // G)
+  args, specs = [ops.q, ops.k, ops.v], [qspec(ops.q), kv(ops.k), kv(ops.v)]
+  if f["transport"]:
+    args += [ops.e, ops.diag]
+    specs += [kv(ops.e), qspec(ops.diag)]
+  if f["gate"]:
+    args += [ops.fq, ops.fk]
+    specs += [qspec(ops.fq), kspec(ops.fk, lambda h: h)]
+  if f["segments"]:
+    args += [ops.sq, ops.sk]
+    specs += [pl.BlockSpec(blk(ops.sq), lambda b, h, c, j: (b, 0, c, 0, 0)),
+              kspec(ops.sk, lambda h: 0)]
+  out_shape = [jax.ShapeDtypeStruct((B, H, n, C, D), ops.v.dtype),
+               jax.ShapeDtypeStruct((B, H, n, C, 1), jnp.float32)]
+  out_specs = [qspec(out_shape[0]), qspec(out_shape[1])]
+  f32 = jnp.float32
+  scratch = [pltpu.VMEM((C, D), f32), pltpu.VMEM((C, 1), f32), pltpu.VMEM((C, 1), f32),
+             pltpu.VMEM((C, D), f32)]
+  kernel = functools.partial(fwd_kv_kernel, scale=plan.scale, precision=plan.precision, **f)
+  o, lse = launch.call(kernel, (B, H, n, n), specs, out_specs, out_shape,
+                       backend=plan.spec.backend, scratch=scratch, sequential_axes=1)(*args)
+  return operands.time_major(o), lse
+
+
+def dkv_step(query, kc, mop, dk, dv, dfk, *, scale, transport, precision):
+  """Query chunk c > m of every head of the group (query(g): head g's dict, loaded when its
+  turn comes, so that one head's tiles are live at a time) against key chunk m
+  (kc: k^, v, fk (a list over heads), sk), mop = M_cm -> dk, dv, dfk with chunk c added (the
+  caller moves the operator on: M <- P_c M)."""
+  dt = kc["k"].dtype
+  kt = dot(kc["k"], mop.astype(dt), tb=True, precision=precision).astype(dt) if transport \
+      else kc["k"]
+  # Without transport dS^T q^ goes straight into dk (scale taken into dS before its cast): a
+  # product added to a carried tile becomes the product's accumulator, where a per-step sum
+  # over heads would be one more [R, D] float32 tile (the far dk/dv kernel's 2C-row tiles
+  # spill at head_dim 128).
+  a = jnp.zeros(dk.shape, jnp.float32) if transport else None
+  dfk = list(dfk)
+  for g in range(len(dfk)):
+    qc = query(g)
+    p, ds = tile_grads(qc, dict(kc, fk=kc["fk"][g]), scale * dot(qc["q"], kt, tb=True,
+                                                                  precision=precision),
+                       False, precision=precision)
+    dv += dot(p.astype(dt), qc["do"], ta=True, precision=precision)
+    if transport:
+      a += dot(ds.astype(dt), qc["q"], ta=True, precision=precision)   # dS^T q^, over heads
+    else:
+      dk += dot((scale * ds).astype(dt), qc["q"], ta=True, precision=precision)
+    if qc["fq"] is not None:
+      dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
+  if transport:
+    dk += scale * dot(a.astype(dt), mop.astype(dt), precision=precision)
+  return dk, dv, tuple(dfk)
+
+
+def dkv_diagonal(query, kc, diag, dk, dv, dfk, *, scale, transport, precision):
+  """The diagonal chunk c = m of every head (query(g), diag(g): head g's tiles and in-chunk
+  logits); with transport its dS goes to the pre-pass (the dq kernels write it), so only dv and
+  dfk take it."""
+  dt = kc["k"].dtype
+  dfk = list(dfk)
+  for g in range(len(dfk)):
+    qc = query(g)
+    s = diag(g).astype(jnp.float32) if transport else scale * dot(qc["q"], kc["k"], tb=True,
+                                                                   precision=precision)
+    p, ds = tile_grads(qc, dict(kc, fk=kc["fk"][g]), s, True, precision=precision)
+    dv += dot(p.astype(dt), qc["do"], ta=True, precision=precision)
+    if qc["fq"] is not None:
+      dfk[g] = dfk[g] - jnp.sum(ds, axis=0, keepdims=True)
+    if not transport:
+      dk += scale * dot(ds.astype(dt), qc["q"], ta=True, precision=precision)
+  return dk, dv, tuple(dfk)
 
 
 def _refs(refs, *, transport, gate, segments, outs, scratch):
   spec = [("q", True), ("k", True), ("v", True), ("e", transport), ("do", True), ("lse", True),
           ("delta", True), ("fq", gate), ("fk", gate), ("sq", segments), ("sk", segments),
           ("diag", transport)]
-  return bwd_kernels._unpack(refs, spec + outs + scratch)
+  return unpack(refs, spec + outs + scratch)
 
 
 def _query(r, g, gate, segments):
@@ -77,16 +205,16 @@ def dkv_tpu_kernel(*refs, scale, transport, gate, segments, precision):
   @pl.when(j == 0)
   def _():
     D = r["mop"].shape[0]
-    r["mop"][...] = bwd_kernels._eye(D)
+    r["mop"][...] = eye(D)
     zero = jnp.zeros(r["dk_acc"].shape, jnp.float32)
-    store(*bwd_kernels.dkv_diagonal(query, kc, lambda g: r["diag"][g], zero, zero,
+    store(*dkv_diagonal(query, kc, lambda g: r["diag"][g], zero, zero,
                                     tuple(jnp.zeros((1, zero.shape[0]), jnp.float32)
                                           for _ in range(G)), **kw))
 
   @pl.when((j > 0) & (m + j < n))
   def _():
     mop = r["mop"][...]
-    store(*bwd_kernels.dkv_step(query, kc, mop, *load(), **kw))
+    store(*dkv_step(query, kc, mop, *load(), **kw))
     if transport:
       r["mop"][...] = mop - dot(r["e"][...], mop.astype(r["q"].dtype), precision=precision)
 
@@ -123,7 +251,6 @@ def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
                       fk=r["fk"][g] if gate else None, sk=r["sk"][...] if segments else None)
 
   def copy(src, dst):  # one synchronous DMA (HBM <-> VMEM)
-    from jax.experimental.pallas import tpu as pltpu
     cp = pltpu.make_async_copy(src, dst, r["sem"])
     cp.start()
     cp.wait()
@@ -141,13 +268,13 @@ def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
     for g in range(G):
       qc = _query(r, g, gate, segments)
       if transport:
-        _, ds = bwd_kernels.tile_grads(qc, kc(g), r["diag"][g].astype(f32), True,
+        _, ds = tile_grads(qc, kc(g), r["diag"][g].astype(f32), True,
                                        precision=precision)
         r["ddiag"][g] = ds.astype(r["ddiag"].dtype)
         r["adj"][g] = jnp.zeros((C, D), f32)
         r["qt"][g] = qc["q"].astype(f32)
       else:
-        _, ds = bwd_kernels.tile_grads(
+        _, ds = tile_grads(
             qc, kc(g), scale * dot(qc["q"], r["k"][...], tb=True, precision=precision), True,
             precision=precision)
         r["adj"][g] = scale * dot(ds.astype(dt), r["k"][...], precision=precision)
@@ -173,7 +300,7 @@ def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
         qt = r["st_tile"][...]
       else:
         qt = r["q"][g]
-      adj, dfq, dpg, _ = bwd_kernels.dq_step(_query(r, g, gate, segments), kc(g), qt,
+      adj, dfq, dpg, _ = dq_step(_query(r, g, gate, segments), kc(g), qt,
                                              r["adj"][g], r["dfq_acc"][g], scale=scale,
                                              transport=transport, precision=precision)
       r["adj"][g], r["dfq_acc"][g] = adj, dfq
@@ -196,12 +323,16 @@ def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
         r["dfq"][g] = r["dfq_acc"][g]
 
 
-def backward(ops, do, lse, delta, *, scale: float, precision, backend: str, bs):
-  """calls.backward's TPU form: the same gradients (dict(q, k, v, diag?, dp?, fq?, fk?))."""
+def backward(ops, do, lse, delta, plan):
+  """The TPU backward: backward.backward's gradients (dict(q, k, v, diag?, dp?, fq?, fk?)),
+  v chunked as the GPU form's; do chunked [B, n, C, H, D]."""
+  ops = ops._replace(v=operands.heads_major(ops.v))
+  do = operands.heads_major(do)
+  scale, precision, backend = plan.scale, plan.precision, plan.spec.backend
   B, H, n, C, D = ops.q.shape
   K = ops.k.shape[1]
   G = H // K
-  f = _flags(ops)
+  f = operands.features(ops)
   transport = f["transport"]
   f32 = jnp.float32
   dt = ops.q.dtype
@@ -228,7 +359,6 @@ def backward(ops, do, lse, delta, *, scale: float, precision, backend: str, bs):
       sp.append(grp(ops.diag))
     return args, sp
 
-  from jax.experimental.pallas import tpu as pltpu
   kw = dict(scale=scale, precision=precision, **f)
 
   # dk / dv: program (b, kv head, key chunk m), step j reads query chunk min(m + j, n - 1).
@@ -242,8 +372,8 @@ def backward(ops, do, lse, delta, *, scale: float, precision, backend: str, bs):
     out_specs.append(out_spec(out_shape[2], G))
   scratch = [pltpu.VMEM((D, D), f32), pltpu.VMEM((C, D), f32), pltpu.VMEM((C, D), f32),
              pltpu.VMEM((G, 1, C), f32)]
-  outs = _call(functools.partial(dkv_tpu_kernel, **kw), (B, K, n, n), sp, out_specs, out_shape,
-               backend, bs, bwd=True, scratch=scratch)(*args)
+  outs = launch.call(functools.partial(dkv_tpu_kernel, **kw), (B, K, n, n), sp, out_specs,
+                     out_shape, backend=backend, scratch=scratch, sequential_axes=1)(*args)
   grads = dict(k=outs[0], v=outs[1])
   if f["gate"]:
     grads["fk"] = outs[2]
@@ -280,8 +410,8 @@ def backward(ops, do, lse, delta, *, scale: float, precision, backend: str, bs):
   if transport:
     scratch += [pltpu.VMEM((G, C, D), f32), pltpu.VMEM((C, D), dt), pltpu.VMEM((D, D), f32),
                 pltpu.SemaphoreType.DMA(())]
-  outs = _call(functools.partial(dq_tpu_kernel, **kw), (B, K, n, steps), sp, out_specs,
-               out_shape, backend, bs, bwd=True, scratch=scratch, sequential_axes=2)(*args)
+  outs = launch.call(functools.partial(dq_tpu_kernel, **kw), (B, K, n, steps), sp, out_specs,
+                     out_shape, backend=backend, scratch=scratch, sequential_axes=2)(*args)
   grads.update(zip(names, outs))
   grads.pop("states", None)
-  return grads
+  return {**grads, "v": operands.time_major(grads["v"])}

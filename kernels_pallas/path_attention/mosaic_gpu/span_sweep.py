@@ -52,27 +52,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.path_attention import kernels
-from kernels_pallas.path_attention import prepass
-from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, dims, gate_vectors,
-                                                            launch, slot_types)
-from kernels_pallas.path_attention.fwd_mosaic import (LOG2E, chunk_of, gate_and_mask, smem_tile,
-                                                        two_products)
-
-
-def supported(ops) -> str | None:
-  """None if the Mosaic sweep takes these operands, else why not."""
-  B, H, n, C, D = ops.q.shape
-  if ops.e is None:
-    return "no transport"
-  if ops.q.dtype not in (jnp.bfloat16, jnp.float16):
-    return f"dtype {ops.q.dtype} (needs bfloat16 or float16)"
-  if C != 64 or D != 64:
-    return f"chunk {C}, head_dim {D} (needs 64 and 64)"
-  if n % 2:
-    return f"{n} chunks (needs an even number: every query tile a pair)"
-  return None
+from kernels_pallas.path_attention import operands
+from kernels_pallas.path_attention import tiles
+from kernels_pallas.path_attention.mosaic_gpu.common import (
+    LOG2E, as_vector, chunk_of, dims, gate_and_mask, gate_vectors, launch, slot_types, smem_tile,
+    two_products)
 
 
 def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 2):
@@ -80,15 +67,10 @@ def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 
   None without a gate), dp + the sweeps' share of dL/dP [B, K, n, D, D] float32.
 
   ops: the pre-pass Operands; do [B, n, C, H, D] (chunked); lse, delta [B, H, n, C, 1] float32 (natural
-  log); a [B, H, R, D] the far dq launch's packed adjoints (kernels.boundary_offset); dp the span
+  log); a [B, H, R, D] the far dq launch's packed adjoints (tiles.boundary_offset); dp the span
   kernel's dL/dP (updated in place). sweeps_reference is the oracle."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax.experimental import pallas as pl
   B, H, K, G, n, C, D, dt, gate, segments = dims(ops)
   f32 = jnp.float32
-  why = supported(ops)
-  if why or span % 2:
-    raise ValueError(f"span_sweep='mosaic' cannot take {why or f'span={span} (needs even)'}")
   nsp = (n - 1) // span + 1
   wl = plgpu.Layout.WGMMA
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -186,7 +168,7 @@ def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 
         qs = smem["q"].at[wg]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's dq has left `a`
         # the adjoint at the span's start (none in the first span: row 0, zeroed below)
-        arow = kernels.boundary_offset(jnp.maximum(J - 1, 0), n=n, span=span) + cw - lo_s
+        arow = tiles.boundary_offset(jnp.maximum(J - 1, 0), n=n, span=span) + cw - lo_s
         arow = jnp.where(J > 0, arow, 0)
         for name in head:
           dst = qs if name == "q" else smem[name].at[wg]
@@ -337,8 +319,8 @@ def sweeps_reference(ops, do, lse, delta, a, dp, *, scale: float, span: int):
   hp = lax.Precision.HIGHEST
   mm = lambda spec, *x: jnp.einsum(spec, *x, precision=hp)
   rep = lambda x: jnp.repeat(x, G, axis=1).astype(f32)
-  q, k, v, e = ops.q.astype(f32), rep(ops.k), rep(prepass.heads_major(ops.v)), rep(ops.e)
-  do32 = prepass.heads_major(do).astype(f32)
+  q, k, v, e = ops.q.astype(f32), rep(ops.k), rep(operands.heads_major(ops.v)), rep(ops.e)
+  do32 = operands.heads_major(do).astype(f32)
   a32 = a.reshape(B, H, a.shape[2] // C, C, D).astype(f32)
   dq = jnp.zeros((B, H, n, C, D), f32)
   dfq = jnp.zeros((B, H, n, C), f32)
@@ -366,7 +348,7 @@ def sweeps_reference(ops, do, lse, delta, a, dp, *, scale: float, span: int):
         st[m - 1] = st[m] - mm("bhrqd,bhde->bhrqe", st[m], e[:, :, m])
       adj = jnp.zeros((B, H, 2, C, D), f32)
       if J:
-        row = kernels.boundary_offset(J - 1, n=n, span=span) + c - lo_s
+        row = tiles.boundary_offset(J - 1, n=n, span=span) + c - lo_s
         adj = a32[:, :, row:row + 2]
       for m in range(lo_s, c):
         ds = jnp.stack([grads(st[m][:, :, w], m, c + w) for w in range(2)], 2)

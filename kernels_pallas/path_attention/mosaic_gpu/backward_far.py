@@ -20,7 +20,7 @@ step in log2 units: s = qb kb^T and dP = dO v^T issued together, p = exp2(s - ls
 p (dP - delta), acc += scale dS kb. At span J's start the accumulator becomes acc Pi_J^T in
 three bf16 passes (hi hi + lo hi + hi lo of bf16 halves of acc and of Pi^T: the Triton kernel's
 "bf16x3" chain product; its "tf32" form at head_dim 64 is less exact than this one); at the
-span's end it is A^(J), stored to the packed A (kernels.boundary_offset) in the kernel dtype.
+span's end it is A^(J), stored to the packed A (tiles.boundary_offset) in the kernel dtype.
 dO enters the products from registers at head_dim 128 (loaded once through the A staging
 tile; shared memory at 64, see do_smem), the state from a one-slot shared-memory buffer per
 warpgroup, refilled with the next span's state as soon as
@@ -43,13 +43,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.path_attention import kernels
-from kernels_pallas.path_attention import prepass
-from kernels_pallas.path_attention.fwd_far_mosaic import (as_vector, dims, gate_vectors, launch,
-                                                            query_pair, slot_types)
-from kernels_pallas.path_attention.fwd_mosaic import (LOG2E, chunk_of, gate_and_mask, smem_tile,
-                                                        two_products)
+from kernels_pallas.path_attention import operands
+from kernels_pallas.path_attention import tiles
+from kernels_pallas.path_attention.mosaic_gpu.common import (
+    LOG2E, as_vector, chunk_of, copy_ring, dims, gate_and_mask, gate_vectors, key_value_ring,
+    launch, query_pair, slot_types, smem_tile, two_products)
 
 HALVES = ("pi_hi", "pi_lo")   # the span operators' bf16 halves (pi_halves)
 
@@ -70,8 +71,6 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
   present); do [B, n, C, H, D] (chunked); lse, delta [B, H, n, C, 1] float32 (natural log); kb
   [B, K, n, C, D] the keys moved to their span's end; qb [B, H, R, D] the packed boundary states;
   pi [B, K, nb, D, D] float32 the span operators. slots: the key ring's depth."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax.experimental import pallas as pl
   B, H, K, G, n, C, D, dt, gate, segments = dims(ops)
   f32 = jnp.float32
   wgmma_layout = plgpu.Layout.WGMMA
@@ -99,12 +98,6 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
 
-      def fetch(t, names):
-        slot = lax.rem(t, jnp.array(slots, t.dtype))
-        for name in names:
-          plgpu.copy_gmem_to_smem(chunk_of(refs, name, b, head_of(name), t),
-                                  smem[name].at[slot], bars[name].at[slot])
-
       def fetch_pi(J):
         for name in HALVES:
           plgpu.copy_gmem_to_smem(refs[name].at[b, kh, J], smem[name], bars[name])
@@ -118,25 +111,9 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
           fetch_pi(J)
 
       pl.when(j0 < jc)(lambda: fetch_pi(j0))
-      for i in range(slots):
-        t = start + i
 
-        @pl.when(t < steps)
-        def _(t=t):
-          next_pi(t)
-          fetch(t, list(ring))
-
-      def refill(i, carry):   # key chunk i + slots into the slot key chunk i leaves
-        t = i + slots
-        slot = lax.rem(i, jnp.array(slots, i.dtype))
-        next_pi(t)
-        plgpu.barrier_wait(consumed["k"].at[slot])
-        fetch(t, [name for name in ring if name != "v"])
-        plgpu.barrier_wait(consumed["v"].at[slot])
-        fetch(t, ["v"])
-        return carry
-
-      lax.fori_loop(start, jnp.maximum(steps - slots, start), refill, 0)
+      key_value_ring(refs, smem, bars, consumed, ring=ring, b=b, head_of=head_of, start=start,
+                     stop=steps, slots=slots, before=next_pi)
 
     @pl.when(wg < 2)
     def _compute():
@@ -147,7 +124,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
       do_at = smem["do"].at[wg] if do_smem else out
 
       def row_of(J):   # chunk c's row of boundary J in the packed layout
-        return kernels.boundary_offset(J, n=n, span=span) + c - (J + 1) * span
+        return tiles.boundary_offset(J, n=n, span=span) + c - (J + 1) * span
 
       def fetch_state(J):
         plgpu.copy_gmem_to_smem(refs["qb"].at[b, h, row_of(J)], state, state_bar)
@@ -276,9 +253,9 @@ def far_dq_reference(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int
   f32 = jnp.float32
   hp = lax.Precision.HIGHEST
   rep = lambda x: jnp.repeat(x, G, axis=1).astype(f32)
-  kbh, vh, pih = rep(kb), rep(prepass.heads_major(ops.v)), rep(pi)
+  kbh, vh, pih = rep(kb), rep(operands.heads_major(ops.v)), rep(pi)
   qbc = qb.reshape(B, H, qb.shape[2] // C, C, D).astype(f32)
-  do32 = prepass.heads_major(do).astype(f32)
+  do32 = operands.heads_major(do).astype(f32)
   a = jnp.zeros(qbc.shape, f32)
   dfqs = []
   for c in range(n):
@@ -286,7 +263,7 @@ def far_dq_reference(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int
     dfq = jnp.zeros((B, H, C), f32)
     for J in range(c // span):
       keys = slice(J * span, (J + 1) * span)
-      row = kernels.boundary_offset(J, n=n, span=span) + c - (J + 1) * span
+      row = tiles.boundary_offset(J, n=n, span=span) + c - (J + 1) * span
       kj = kbh[:, :, keys].reshape(B, H, span * C, D)
       s = scale * jnp.einsum("bhqd,bhkd->bhqk", qbc[:, :, row], kj, precision=hp)
       if ops.fq is not None:
@@ -322,8 +299,6 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
   issued together, then dv += p^T dO and a += scale dS^T qb issued together; dfk's sums run
   along a tile's rows. Shared memory at head_dim 128, bf16: ~193 KiB (keys 64, ring 64, the
   float32 output tile 64)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax.experimental import pallas as pl
   B, H, K, G, n, C, D, dt, gate, segments = dims(ops)
   f32 = jnp.float32
   wgmma_layout = plgpu.Layout.WGMMA
@@ -358,20 +333,15 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
         i, g = lax.div(t, jnp.array(G, t.dtype)), lax.rem(t, jnp.array(G, t.dtype))
         h = kh * G + g
         for name in ring:
-          src = (refs[name].at[b, h, kernels.boundary_offset(j, n=n, span=span) + i]
+          src = (refs[name].at[b, h, tiles.boundary_offset(j, n=n, span=span) + i]
                  if name == "qb" else chunk_of(refs, name, b, 0 if name == "sq" else h, first + i))
           plgpu.copy_gmem_to_smem(src, smem[name].at[slot], bars[name].at[slot])
 
-      steps = chunks * G
-      for i in range(slots):
-        pl.when(i < steps)(lambda i=i: fetch(jnp.int32(i)))
+      def refill(t, slot):
+        plgpu.barrier_wait(consumed["ring"].at[slot])
+        fetch(t)
 
-      def refill(i, carry):
-        plgpu.barrier_wait(consumed["ring"].at[lax.rem(i, jnp.array(slots, i.dtype))])
-        fetch(i + slots)
-        return carry
-
-      lax.fori_loop(0, jnp.maximum(steps - slots, 0), refill, 0)
+      copy_ring(start=0, stop=chunks * G, slots=slots, fill=fetch, refill=refill)
 
     @pl.when(wg < 2)
     def _compute():
@@ -481,13 +451,13 @@ def far_dkv_reference(ops, do, lse, delta, kb, qb, *, scale: float, span: int):
   heads = lambda x: x.reshape(B, K, G, *x.shape[2:])   # [B, H, ..] -> [B, K, G, ..]
   for j in range((n - 1) // span):
     first = (j + 1) * span
-    rows = slice(kernels.boundary_offset(j, n=n, span=span) * C,
-                 kernels.boundary_offset(j + 1, n=n, span=span) * C)
+    rows = slice(tiles.boundary_offset(j, n=n, span=span) * C,
+                 tiles.boundary_offset(j + 1, n=n, span=span) * C)
     ks = slice(j * span, first)
     kj = kb[:, :, ks].reshape(B, K, span * C, D).astype(f32)
-    vj = prepass.heads_major(ops.v)[:, :, ks].reshape(B, K, span * C, D).astype(f32)
+    vj = operands.heads_major(ops.v)[:, :, ks].reshape(B, K, span * C, D).astype(f32)
     qj = heads(qb[:, :, rows]).astype(f32)                       # [B, K, G, Q, D]
-    doj = heads(prepass.heads_major(do)[:, :, first:].reshape(B, H, -1, D)).astype(f32)
+    doj = heads(operands.heads_major(do)[:, :, first:].reshape(B, H, -1, D)).astype(f32)
     col = lambda x: heads(x[:, :, first:].reshape(B, H, 1, -1))   # a query-side row vector
     st = scale * jnp.einsum("bkmd,bkgqd->bkgmq", kj, qj, precision=hp)
     if ops.fq is not None:

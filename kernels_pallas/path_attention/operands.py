@@ -1,29 +1,20 @@
-"""Per-chunk UT pre-pass for the PaTH kernel, in plain jnp (differentiated by jax.vjp).
+"""The kernels' operands: their layout, and their assembly from the caller's arrays.
 
-Within a chunk of C tokens with Householder vectors W [C, D] and strengths beta [C]:
+Layout: head-major and blocked, [B, heads, n, C, ...], except v, which stays time-major in
+chunks, [B, n, C, K, D] (a reshape of the input): the kernels read its tiles as strided boxes,
+and dv and dO take that layout too, so no transpose of v, dO or dv runs between the caller and
+the kernels. T is padded to whole chunks: padding has beta 0 (identity transport), a zero gate
+and segment id -1 (its own segment).
 
-  X = (I + strictLower(diag(beta) W W^T))^{-1} diag(beta)     lower triangular [C, C]
-  H_{C-1} ... H_0 = I - W^T X W = I - W^T U,  U = X W
+With transport, the pre-pass (prepass/) gives, per chunk of C tokens with Householder vectors
+W [C, D] and strengths beta [C], X = (I + strictLower(diag(beta) W W^T))^{-1} diag(beta) and
+U = X W, so that the chunk's whole transport is one operator P = I - E, E = W^T U [D, D]:
+  q^ = q transported to its chunk's start, k^ = k transported to its chunk's end,
+  diag = the scaled in-chunk logits (query and key in one chunk),
+so that for key chunk m < query chunk c the logits are l = scale q^ P_{c-1} ... P_{m+1} k^.
 
-and every in-chunk product H_b ... H_a (latest on the left) is I - sum_{a<=s<=r<=b} X_rs w_r w_s^T.
-From these the kernel needs, per chunk:
-  q^ = q transported to its chunk's start:  Q^ = Q - (lower(Q W^T) X) W
-  k^ = k transported to its chunk's end:    K^ = K - (X strictLower(W K^T))^T W
-  diag logits (query and key in one chunk): scale (Q K^T - (lower(Q W^T) X) strictLower(W K^T))
-so that for key chunk m < query chunk c: l = scale q^ P_{c-1} ... P_{m+1} k^ with
-q~ <- q~ P_m = q~ - q~ E_m, where E = W^T U (D x D) is the chunk's whole transport as one
-operator: one C x D x D product per step instead of two dependent C x C x D ones, and the kernels
-never need W or U (dL/dE carries the transport gradient back here).
-
-The triangular solve happens here, outside the kernel (it does not lower inside Pallas). All
-arithmetic is float32. Layout out of here is head-major and blocked, [B, heads, n, C, ...],
-except v, which stays time-major in chunks, [B, n, C, K, D] (a reshape of the input): the
-kernels read its tiles as strided boxes, and dv and dO take that layout too, so no transpose of
-v, dO or dv runs between the caller and the kernels (at 32,4096,32,64 on the H200 each was a
-0.3 ms XLA pass).
-
-Shape letters: B batch, T time (Tp padded), H query heads, K kv heads, G = H // K, n chunks, C chunk,
-D head dim.
+Shape letters: B batch, T time (Tp padded), H query heads, K kv heads, G = H // K, n chunks,
+C chunk, D head dim.
 """
 from __future__ import annotations
 
@@ -100,67 +91,14 @@ def segment_prefix_sum(x_BTH, seg_BT):
   return jax.lax.associative_scan(combine, (x_BTH, start), axis=1)[0]
 
 
-_HI = jax.lax.Precision.HIGHEST  # float32 pre-pass: no TF32 on GPU
-
-
-def _ein(spec, *xs):
-  return jnp.einsum(spec, *xs, precision=_HI)
-
-
-def _mm(a, b):
-  return jnp.matmul(a, b, precision=_HI)
-
-
-def _tril(x, k=0):
-  C = x.shape[-1]
-  return jnp.where(jnp.arange(C)[:, None] - jnp.arange(C)[None, :] >= -k, x, 0.0)
-
-
-def ut_transform(w_c, beta_c):
-  """X = (I + strictLower(diag(beta) W W^T))^{-1} diag(beta); w_c [..., C, D], beta_c [..., C]."""
-  C = w_c.shape[-2]
-  a = _tril(beta_c[..., :, None] * _ein("...id,...jd->...ij", w_c, w_c), -1)
-  eye = jnp.eye(C, dtype=w_c.dtype)
-  rhs = jnp.broadcast_to(eye * beta_c[..., None, :], a.shape)
-  return jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True)
-
-
-def transport_jnp(q, k, w, bb, *, scale: float, dtype):
-  """The transport operands in batched jnp (float32 inside): the oracle of prepass_kernel.py.
-
-  q [B, Tp, H, D]; k, w [B, Tp, K, D] (time-major, Tp whole chunks); bb [B, K, n, C] -> q^ [B,
-  H, n, C, D], k^ [B, K, n, C, D], E [B, K, n, D, D], diag [B, H, n, C, C] scaled in-chunk
-  logits, all in dtype (bf16 logits: the rounding of a bf16 q . k product; half the memory of
-  float32 logits, which were the largest buffers at the backward's peak).
-  """
-  C = bb.shape[-1]
-  qb, kb, wb = (blocked(x, C) for x in (q, k, w))
-  B, H, n, C, D = qb.shape
-  K = kb.shape[1]
-  f32 = jnp.float32
-  qb, kb, wb, bb = (x.astype(f32) for x in (qb, kb, wb, bb))
-  x = ut_transform(wb, bb)                                        # [B, K, n, C, C]
-  u = _mm(x, wb)
-  wk = _tril(_ein("bkncd,bknjd->bkncj", wb, kb), -1)             # w_r . k_j, r > j
-  khat = kb - _ein("bknrj,bknrd->bknjd", _mm(x, wk), wb)
-  qg = qb.reshape(B, K, H // K, n, C, D)
-  gm = _mm(_tril(_ein("bkgnid,bknrd->bkgnir", qg, wb)), x[:, :, None])   # lower(Q W^T) X
-  qhat = qg - _mm(gm, wb[:, :, None])
-  diag = _ein("bkgnid,bknjd->bkgnij", qg, kb) - _mm(gm, wk[:, :, None])
-  e = _ein("bkncd,bknce->bknde", wb, u)                             # W^T U  [D, D]
-  return (qhat.reshape(B, H, n, C, D).astype(dtype), khat.astype(dtype), e.astype(dtype),
-          (scale * diag).reshape(B, H, n, C, C).astype(dtype))
-
-
-def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype,
-            transport=transport_jnp):
+def prepare(q, k, v, w, beta, log_forget, seg, *, scale: float, C: int, dtype, transport):
   """Pads T to whole chunks and builds the kernel operands (see the module docstring).
 
   q [B, T, H, D]; k, v, w [B, T, K, D]; beta [B, T, K]; log_forget [B, T, H]; seg [B, T] int.
   Padding uses beta = 0 (identity transport), a zero gate and segment id -1 (its own segment).
-  `transport` builds (q^, k^, E, diag) from transport_inputs: transport_jnp here, or the Pallas
-  pre-pass (prepass_kernel.transport_pallas). transport=None leaves those four None for the
-  caller to fill (api._prepare_vjp runs the Pallas pre-pass and its VJP outside jax.vjp).
+  `transport` builds (q^, k^, E, diag) from transport_inputs (a pre-pass form: prepass/).
+  transport=None leaves those four None for the caller to fill (api runs the Pallas pre-pass
+  and its VJP outside jax.vjp).
   """
   B, T, H, D = q.shape
   Tp = -(-T // C) * C
@@ -221,3 +159,14 @@ def chunk_bounds(seg_BT, *, C: int):
   lo = jnp.argmax(vis, axis=2).astype(jnp.int32)              # the diagonal is always visible
   hi = (n - 1 - jnp.argmax(vis[:, ::-1, :], axis=1)).astype(jnp.int32)
   return lo, hi
+
+
+def features(ops: Operands) -> dict:
+  """The kernels' static switches: transport (PaTH), gate (FoX), segments."""
+  return dict(transport=ops.e is not None, gate=ops.fq is not None, segments=ops.sq is not None)
+
+
+def skips_chunks(ops: Operands, backend: str) -> bool:
+  """Segment-aware chunk skipping (chunk_bounds) on the GPU and in the interpreter. TPU kernels
+  walk every chunk pair: a loop bound read from a VMEM block is a vector value there."""
+  return ops.lo is not None and backend in ("gpu", "interpret")

@@ -48,119 +48,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.path_attention import kernels
-from kernels_pallas.path_attention import prepass
-from kernels_pallas.path_attention.fwd_mosaic import LOG2E, chunk_of, gate_and_mask, smem_tile
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-
-def supported(ops) -> str | None:
-  """None if the far kernel takes these operands, else why not."""
-  C, D = ops.q.shape[3], ops.q.shape[4]
-  if ops.q.dtype not in (jnp.bfloat16, jnp.float16):
-    return f"dtype {ops.q.dtype} (needs bfloat16 or float16)"
-  if C != 64 or D % 64:
-    return f"chunk {C}, head_dim {D} (needs 64 and a multiple of 64)"
-  return None
-
-
-def dims(ops):
-  """The Mosaic launches' shapes and flags from the pre-pass Operands: (B, H, K, G, n, C, D,
-  kernel dtype, gate, segments), G = H // K query heads a kv head."""
-  B, H, n, C, D = ops.q.shape
-  K = ops.k.shape[1]
-  return B, H, K, H // K, n, C, D, ops.q.dtype, ops.fq is not None, ops.sq is not None
-
-
-def as_vector(x, C):
-  """A per-row quantity [B, heads, n, C, 1] (or [.., 1, C]) as [B, heads, n, C]: one TMA copy of
-  a chunk's C values."""
-  return x.reshape(x.shape[:3] + (C,))
-
-
-def gate_vectors(ops, C, *, query_side, key_side):
-  """The gate sums and segment ids as [B, heads, n, C] vectors (as_vector), into two dicts:
-  `query_side` gets fq, sq and `key_side` fk, sk (where present)."""
-  vec = lambda x: as_vector(x, C)
-  if ops.fq is not None:
-    query_side["fq"] = vec(ops.fq)
-    key_side["fk"] = vec(ops.fk)
-  if ops.sq is not None:
-    query_side["sq"] = vec(ops.sq)
-    key_side["sk"] = vec(ops.sk)
-
-
-def slot_types(arrays, slots, C, D):
-  """Shared-memory rings of `slots` chunks for the [B, heads, n, C] vectors and the [C, D] tiles
-  of [B, heads, n, C, D] or chunked [B, n, C, heads, D] arrays (name -> type): a [C] vector
-  plain, a [C, D] tile as wgmma reads it (smem_tile)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  return {name: (plgpu.SMEM((slots, C), x.dtype) if x.ndim == 4
-                 else smem_tile(x.dtype, slots, C, D)) for name, x in arrays.items()}
-
-
-def first_span(refs, *, b, c0, n, span, jc):
-  """The first far span a program of query chunks c0, c0 + 1 walks: with packed documents
-  (refs has "lo", prepass.chunk_bounds' [B, 1, n, 1, 1], read as scalars from GMEM) the span of
-  the earliest key chunk either chunk's documents reach, at most jc; else 0. The spans before
-  it hold only keys masked for every row of both chunks."""
-  if "lo" not in refs:
-    return jnp.int32(0)
-  lo = jnp.minimum(refs["lo"][b, 0, c0, 0, 0], refs["lo"][b, 0, jnp.minimum(c0 + 1, n - 1), 0, 0])
-  return jnp.minimum(lax.div(lo, jnp.array(span, lo.dtype)), jc)
-
-
-def query_pair(refs, *, n, span, G, per_query_head):
-  """The program of the far forward and far dq (grid ("c", "heads", "batch"), warpgroups "wg"):
-  query chunks c0, c0 + 1 of query head h, batch b, the programs with the most far keys first.
-  -> (wg, h, b, c0, kh its kv head, head_of(name): the head index of an input (h for those in
-  `per_query_head`, 0 for the segment ids, else kh), jc c0's span, j0 first_span)."""
-  pairs = (n + 1) // 2
-  p, h, b = lax.axis_index("c"), lax.axis_index("heads"), lax.axis_index("batch")
-  wg = lax.axis_index("wg")
-  c0 = 2 * (pairs - 1 - p)
-  kh = lax.div(h, jnp.array(G, h.dtype))
-  head_of = lambda name: h if name in per_query_head else 0 if name in ("sq", "sk") else kh
-  jc = lax.div(c0, jnp.array(span, c0.dtype))
-  j0 = first_span(refs, b=b, c0=c0, n=n, span=span, jc=jc)
-  return wg, h, b, c0, kh, head_of, jc, j0
-
-
-def launch(body, arrays, out_type, *, smem_types, bar_types, consumed_types, grid, grid_names,
-           mutable=()):
-  """plgpu.kernel of body(refs, smem, bars, consumed) with three warpgroups (axis "wg": two
-  compute, one copying) over `grid`: refs maps the names of `arrays` (inputs, in order) and of
-  `out_type` (a dict of output shapes) to their GMEM refs, smem / bars / consumed the names of
-  the scratch dicts to their allocations (consumed: the compute warpgroups' arrivals). -> the
-  outputs, in out_type's order, then the final values of the `mutable` arrays: those the kernel
-  updates in place (passed as JAX refs, so the launch aliases them to its outputs: no copy)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax.experimental import pallas as pl
-  names = list(arrays) + list(out_type)
-  scratch = [smem_types, bar_types, consumed_types]
-
-  def entry(*refs_flat):
-    def scoped(*allocs):
-      split, i = [], 0
-      for kind in scratch:
-        split.append(dict(zip(kind, allocs[i:i + len(kind)])))
-        i += len(kind)
-      body(dict(zip(names, refs_flat)), *split)
-
-    pl.run_scoped(scoped, *(t for kind in scratch for t in kind.values()),
-                  collective_axes="wg")
-
-  params = plgpu.CompilerParams(approx_math=True)
-  if not mutable:
-    return plgpu.kernel(
-        entry, out_type=tuple(out_type.values()), grid=grid, grid_names=grid_names,
-        num_threads=3, thread_name="wg", compiler_params=params,
-    )(*arrays.values())
-  # plgpu.kernel's batching wrapper takes no refs; pl.kernel over the same mesh does
-  refs = {name: jax.new_ref(arrays[name]) for name in mutable}
-  mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg")
-  outs = pl.kernel(entry, out_type=tuple(out_type.values()), mesh=mesh, compiler_params=params)(
-      *(refs.get(name, x) for name, x in arrays.items()))
-  return tuple(outs) + tuple(refs[name][...] for name in mutable)
+from kernels_pallas.path_attention import operands
+from kernels_pallas.path_attention import tiles
+from kernels_pallas.path_attention.mosaic_gpu.common import (
+    LOG2E, dims, gate_and_mask, gate_vectors, key_value_ring, launch, query_pair, slot_types,
+    smem_tile)
 
 
 def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
@@ -169,10 +64,8 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
 
   ops: the pre-pass Operands (v, and the gate's fq / fk and the segment ids sq / sk where
   present); kb [B, K, n, C, D] the keys moved to their span's end; qb [B, H, R, D] the packed
-  boundary states (kernels.boundary_offset), written by the near kernel. slots: the key ring's
+  boundary states (tiles.boundary_offset), written by the near kernel. slots: the key ring's
   depth."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax.experimental import pallas as pl
   B, H, K, G, n, C, D, dt, gate, segments = dims(ops)
   f32 = jnp.float32
   wgmma_layout = plgpu.Layout.WGMMA
@@ -191,29 +84,13 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
                                                    per_query_head=per_query_head)
     start, steps = j0 * span, jc * span   # the far key chunks walked: start .. steps - 1
 
-    def fetch(i, names):
-      slot = lax.rem(i, jnp.array(slots, i.dtype))
-      for name in names:
-        plgpu.copy_gmem_to_smem(chunk_of(refs, name, b, head_of(name), i), smem[name].at[slot],
-                                bars[name].at[slot])
-
     key_side = [name for name in ring if name != "v"]   # read by the logits: k's barrier
 
     @pl.when(wg == 2)
     def _memory():
       plgpu.set_max_registers(40, action="decrease")
-      for i in range(slots):
-        pl.when(start + i < steps)(lambda i=i: fetch(start + i, list(ring)))
-
-      def refill(i, carry):   # key chunk i + slots into the slot key chunk i leaves
-        slot = lax.rem(i, jnp.array(slots, i.dtype))
-        plgpu.barrier_wait(consumed["k"].at[slot])
-        fetch(i + slots, key_side)
-        plgpu.barrier_wait(consumed["v"].at[slot])
-        fetch(i + slots, ["v"])
-        return carry
-
-      lax.fori_loop(start, jnp.maximum(steps - slots, start), refill, 0)
+      key_value_ring(refs, smem, bars, consumed, ring=ring, b=b, head_of=head_of, start=start,
+                     stop=steps, slots=slots)
 
     @pl.when(wg < 2)
     def _compute():
@@ -223,7 +100,7 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
       state_bar = lambda j: bars["qb"].at[2 * wg + lax.rem(j, 2)]
 
       def fetch_state(j):   # qb^(s_j) of chunk c into this warpgroup's state slot j % 2
-        row = kernels.boundary_offset(j, n=n, span=span) + c - (j + 1) * span
+        row = tiles.boundary_offset(j, n=n, span=span) + c - (j + 1) * span
         plgpu.copy_gmem_to_smem(refs["qb"].at[b, h, row], state(j), state_bar(j))
 
       for name in head:
@@ -318,7 +195,7 @@ def far_reference(ops, kb, qb, *, scale: float, span: int):
   f32 = jnp.float32
   qbc = qb.reshape(B, H, qb.shape[2] // C, C, D).astype(f32)
   kbh = jnp.repeat(kb, G, axis=1).astype(f32)
-  vh = jnp.repeat(prepass.heads_major(ops.v), G, axis=1).astype(f32)
+  vh = jnp.repeat(operands.heads_major(ops.v), G, axis=1).astype(f32)
   os_, lses = [], []
   for c in range(n):
     jc = c // span
@@ -329,7 +206,7 @@ def far_reference(ops, kb, qb, *, scale: float, span: int):
     keys = slice(0, jc * span)
     s = jnp.concatenate([
         scale * jnp.einsum("bhqd,bhkd->bhqk",
-                           qbc[:, :, kernels.boundary_offset(J, n=n, span=span) + c
+                           qbc[:, :, tiles.boundary_offset(J, n=n, span=span) + c
                                - (J + 1) * span],
                            kbh[:, :, J * span:(J + 1) * span].reshape(B, H, span * C, D),
                            precision=lax.Precision.HIGHEST)
@@ -355,6 +232,6 @@ def merge_far(o_near, lse_near, o_far, lse_far, *, dtype):
   transpose rides in it."""
   lse_far = lse_far[..., None]
   lse = jnp.logaddexp(lse_near, lse_far)
-  tm = prepass.time_major
+  tm = operands.time_major
   o = o_near * tm(jnp.exp(lse_near - lse)) + tm(o_far * jnp.exp(lse_far - lse))
   return o.astype(dtype), lse

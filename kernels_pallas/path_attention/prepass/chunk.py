@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.path_attention.kernels import dot
+from kernels_pallas.path_attention.tiles import dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +41,9 @@ class Products:
   The chunk functions name, per product, which operands must keep float32 accuracy: acc(x)
   marks an operand whose rounding the result is sensitive to, hi(x) one whose bf16 rounding is
   harmless there (or exact: q, k and the cotangents of bf16 inputs are bf16 values). Then
-  - hilo=False: acc and hi are the value itself (odt=bf16: cast once; the Triton lowering
-    wants one operand dtype), mm is one dot at `precision` with float32 accumulation: every
-    product at one precision, as the inverse and its VJP always take (float32 operands);
-  - hilo=True ("split_hilo"): acc(x) is a bf16 pair (hi, lo = x - hi), hi(x) the pair without
+  - hilo=False: acc and hi are the value itself, mm is one dot at `precision` with float32
+    accumulation: every product at one precision (float32 inputs; the TPU);
+  - hilo=True (16-bit inputs on the GPU): acc(x) is a bf16 pair (hi, lo = x - hi), hi(x) the pair without
     lo, and mm sums hi*hi + lo*hi + hi*lo over the halves present: an operand is split once
     however many products read it, a bf16-exact operand costs one pass instead of two, and an
     insensitive one drops its lo.
@@ -59,12 +58,11 @@ class Products:
   ~2e-3 (Z^T W in k^: the rounding of W times an O(1) Z).
   """
   precision: object = None
-  odt: object = None
   hilo: bool = False
 
   def acc(self, x):
     if not self.hilo:
-      return x if self.odt is None else x.astype(self.odt)
+      return x
     if isinstance(x, tuple):
       return x
     hi = x.astype(jnp.bfloat16)
@@ -202,16 +200,16 @@ def inverse_vjp_from_da(w, beta_c, da, p):
   return p.mm(DS, W) + p.mm(DS, W, ta=True), dbeta
 
 
-def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision=None, odt=None,
-                   hilo: bool = False, put=None):
+def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision=None, hilo: bool = False,
+                   put=None):
   """One chunk given Y. qs: tuple of G [C, D] queries (the heads sharing this kv head); k, w
   [C, D]; y [C, C]; beta_r [1, C]; float32. -> (tuple of q^ [C, D], k^ [C, D], E [D, D], tuple
-  of scaled diag logits [C, C]). Products as Products(precision, odt, hilo) forms them; acc /
+  of scaled diag logits [C, C]). Products as Products(precision, hilo) forms them; acc /
   hi mark each operand's sensitivity (Products). put(i, g, x) (a kernel's store) takes output
   i (0 q^, 1 k^, 2 E, 3 diag; g the head) as soon as it is formed, so that it is not held to
   the end (E alone is 512 B a thread at D = 128 with 4 warps); None in its place."""
   C = w.shape[0]
-  p = Products(precision, odt, hilo)
+  p = Products(precision, hilo)
   mm, acc, hi = p.mm, p.acc, p.hi
   strict, lower, _ = _masks(C)
   x = y * beta_r                                                # X = (I + A)^{-1} diag(beta)
@@ -231,22 +229,6 @@ def chunk_operands(qs, k, w, y, beta_r, *, scale: float, precision=None, odt=Non
     qhats.append(out(0, q - mm(LQ, U), g))
     diags.append(out(3, scale * (mm(Q, K, tb=True) - mm(LQ, Z)), g))
   return tuple(qhats), khat, e, tuple(diags)
-
-
-def chunk_operands_vjp(qs, k, w, y, beta_r, cts, *, scale: float, precision=None, odt=None,
-                       hilo: bool = False):
-  """The VJP of chunk_operands, written out (recompute U, WK, Z, then pull back):
-  cts = (tuple of dq^, dk^, dE, tuple of d diag) -> (tuple of dq, dk, dw, dy, dbeta_r).
-
-  Written by hand rather than traced with jax.vjp: ~13 + 12 G products with few live tiles,
-  and every product can take bf16 operands (odt) or bf16 halves (hilo), which jax.vjp's
-  transposes of a bf16 product cannot (they meet float32 cotangents). It is the two halves
-  below in one program; the "split2_*" pre-pass runs them as two kernels."""
-  dqhs, dkh, de, dds = cts
-  p = Products(precision, odt, hilo)
-  common = vjp_common(k, w, y, beta_r, p)
-  partial = chunk_operands_vjp_kv(common, dkh, de, p)
-  return chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, scale=scale, p=p)
 
 
 def _add(a, b):
@@ -300,20 +282,10 @@ def chunk_operands_vjp_kv(common, dkh, de, p):
   return dw, dx, dwk
 
 
-def wk_pullback(dwk, K, W, p):
-  """WK = strictLower(W K^T)'s pullback: dwk [C, C] (unmasked) -> (its dw, its dk) [C, D]; K,
-  W marked as vjp_common marks them."""
-  strict, _, _ = _masks(dwk.shape[0])
-  DWK = p.acc(jnp.where(strict, dwk, 0.0))
-  return p.mm(DWK, K), p.mm(DWK, W, ta=True)
-
-
-def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p,
-                         put=None, late_wk=False):
+def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p, put=None):
   """The rest of the VJP: each query head's terms (q^ = Q - GM W, diag = Q K^T - GM WK) added
   to chunk_operands_vjp_kv's partial (dw, dx, dwk), then WK's and X's pullbacks:
-  -> (tuple of dq, dk, dw, dy, dbeta_r). late_wk: WK's pullback is left to the caller (another
-  kernel: wk_pullback) -> (tuple of dq, dk, dw without it, dy, dbeta_r, dwk unmasked).
+  -> (tuple of dq, dk, dw, dy, dbeta_r).
 
   Written for few live tiles: each head's terms end their operands' lives in the order they
   are formed (DGM first, WK's last use; DL and dq; then Q's terms), and put(name, g, x), where
@@ -347,10 +319,6 @@ def chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial, *, scale: float, p
     dwk = _add(dwk, -mm(GM, DS, ta=True))
     dk = _add(dk, mm(DS, Q, ta=True))
   dw_kv, _, dwk_kv = partial
-  if late_wk:
-    dwk = _read(dwk_kv) + dwk
-    return (tuple(dqs), store("dk", 0, _read(dkh) + dk), store("dw", 0, _read(dw_kv) + dw), dy,
-            dbeta, dwk)
   DWK = acc(jnp.where(strict, _read(dwk_kv) + dwk, 0.0))               # WK = strictLower(W K^T)
   dw = store("dw", 0, _read(dw_kv) + dw + mm(DWK, _read(K)))
   dk = store("dk", 0, _read(dkh) + dk + mm(DWK, _read(W), ta=True))

@@ -1,0 +1,136 @@
+"""The bottom of the package: pallas_call with per-backend compiler parameters, the launch
+grids, the BlockSpecs every form shares, and the dot precisions.
+
+Backends: "gpu" lowers through Triton (`pl.pallas_call`), "tpu" through Mosaic; "interpret"
+runs the generic interpreter and "tpu_interpret" the TPU interpreter (`pltpu.InterpretParams`),
+both on a CPU. Nothing here chooses a form or a tile: the plan (plan.py) does, and passes what
+it chose (warps, stages) down.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+BACKENDS = ("gpu", "tpu", "interpret", "tpu_interpret")
+
+
+def is_tpu(backend: str) -> bool:
+  return backend in ("tpu", "tpu_interpret")
+
+
+def compiler_params(backend: str, num_axes: int, *, warps: int, stages: int,
+                    sequential_axes: int = 0):
+  """Triton's warps and pipeline stages on the GPU; on the TPU the grid's dimension semantics
+  (the last `sequential_axes` axes carry VMEM scratch from step to step: "arbitrary")."""
+  if backend == "gpu":
+    return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+  if is_tpu(backend):
+    sem = ("parallel",) * (num_axes - sequential_axes) + ("arbitrary",) * sequential_axes
+    return pltpu.CompilerParams(dimension_semantics=sem, vmem_limit_bytes=100 * 2**20)
+  return None
+
+
+def interpret_params(backend: str):
+  if backend == "interpret":
+    return True
+  if backend == "tpu_interpret":
+    return pltpu.InterpretParams()
+  return False
+
+
+def call(kernel, grid, in_specs, out_specs, out_shape, *, backend: str, warps: int = 4,
+         stages: int = 1, scratch=(), sequential_axes: int = 0, aliases=None):
+  """pl.pallas_call of `kernel` on `backend`; warps and stages count on the GPU only."""
+  kwargs = {"input_output_aliases": aliases} if aliases else {}
+  params = compiler_params(backend, len(grid), warps=warps, stages=stages,
+                           sequential_axes=sequential_axes)
+  if params is not None:
+    kwargs["compiler_params"] = params
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                        out_shape=out_shape, interpret=interpret_params(backend),
+                        scratch_shapes=scratch, **kwargs)
+
+
+def float32_precision(backend: str):
+  """Dot precision that keeps float32 accuracy on `backend`.
+
+  On the GPU, Precision.HIGHEST lowers to Triton's IEEE form (FMA, no tensor cores): float32
+  models ran ~60x slower than bf16. Three-pass TF32 (TF32_TF32_F32_X3: hi*hi + hi*lo + lo*hi on
+  tensor cores) keeps ~1e-6 relative error per product. The interpreters and the TPU take
+  HIGHEST (exact float32 / multi-pass bf16)."""
+  if backend == "gpu":
+    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+  return jax.lax.Precision.HIGHEST
+
+
+def bf16x3_precision(backend: str):
+  """Three bf16 tensor-core passes (BF16_BF16_F32_X3, ~16 mantissa bits) on the GPU, where a
+  bf16 MMA has twice a TF32 MMA's throughput; the interpreter's CPU dot ignores the preset
+  (exact float32, which the tests' GPU emulation replaces by the split); the TPU takes
+  HIGHEST."""
+  if backend in ("gpu", "interpret"):
+    return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+  return jax.lax.Precision.HIGHEST
+
+
+def chunk_grid(B, H, n, backend, *, reverse=False):
+  """-> (grid, ids, chunk_axis) of a launch with one program per (batch, head, chunk); ids maps
+  program ids to (b, h, chunk).
+
+  On the GPU the chunk axis comes first: Triton launches grid axis 0 as CUDA's x, the
+  fastest-varying index, so the chunks of one head run side by side and their repeated reads of
+  that head's whole-sequence operands hit L2 (with the batch first, co-resident programs read
+  different heads' copies from HBM). `reverse` runs chunk n-1 first (the longest causal walks
+  start first). TPU grids run the last axis innermost, so they keep (batch, head, chunk)."""
+  if not is_tpu(backend):
+    return (n, H, B), lambda i, h, b: (b, h, n - 1 - i if reverse else i), 0
+  return (B, H, n), lambda b, h, c: (b, h, c), 2
+
+
+def full(x, ids, head_of):
+  """Whole-sequence block [n, ...] of one (batch, head): ids maps program ids to (b, h, ...),
+  head_of maps the program's head to the operand's head."""
+  nd = x.ndim
+  return pl.BlockSpec((None, None) + x.shape[2:],
+                      lambda *p: (ids(*p)[0], head_of(ids(*p)[1])) + (0,) * (nd - 2))
+
+
+def time_major_spec(x, ids, head_of, heads=None):
+  """Whole-sequence block of a time-major array (v, dO, dv: chunked [B, n, C, X, D] or merged
+  [B, Tp, X, D]) -> the kernel's ref [n, C, D] / [Tp, D] of one head (heads None), or of
+  `heads` adjacent heads [n, C, heads, D] / [Tp, heads, D] (read through tiles.HeadsMinor),
+  block index head_of(h); ids maps program ids to (b, head, ...). Rows are strided (X * D
+  elements apart): the blocked layout's tiles without transposes into and out of it."""
+  lead = x.shape[1:-2]
+  return pl.BlockSpec((None,) + lead + (heads, x.shape[-1]),
+                      lambda *p: (ids(*p)[0],) + (0,) * len(lead) + (head_of(ids(*p)[1]), 0))
+
+
+def time_major_chunk(x, ids):
+  """One chunk's [C, D] block of a chunked [B, n, C, X, D] array; ids maps program ids to
+  (b, head, chunk)."""
+  return pl.BlockSpec((None, None, x.shape[2], None, x.shape[4]),
+                      lambda *p: (ids(*p)[0], ids(*p)[2], 0, ids(*p)[1], 0))
+
+
+def merged(x):
+  """[B, H, n, C, ...] -> [B, H, n*C, ...]: chunks merged into time (a bitcast); None stays."""
+  return None if x is None else x.reshape(x.shape[:2] + (x.shape[2] * x.shape[3],) + x.shape[4:])
+
+
+def as_rows(x):
+  """[..., n, C, 1] -> [..., n, 1, C] (None stays None): a query-side vector as a row, for
+  key-major tiles (the same memory: a bitcast)."""
+  return None if x is None else x.reshape(x.shape[:-2] + (1, x.shape[-2]))
+
+
+def as_cols(x):
+  """[..., n, 1, C] -> [..., n, C, 1] (None stays None): a key-side vector as a column."""
+  return None if x is None else x.reshape(x.shape[:-2] + (x.shape[-1], 1))
+
+
+def f32_shape(*shape):
+  return jax.ShapeDtypeStruct(shape, jnp.float32)
