@@ -4,6 +4,7 @@ plan they run.
   path_attention(q, k, v, w, beta, log_forget=None, *, scale, segment_ids, block_sizes, ...)
   forgetting_attention(q, k, v, log_forget, *, scale, segment_ids, block_sizes, ...)
   explain(q, k, v, w=None, beta=None, log_forget=None, ...) -> Plan   (print it)
+  phases(q, k, v, w, beta, log_forget=None, ...) -> the four phases, for timing them apart
 
 l_ij = scale q_i^T (H_i ... H_{j+1}) k_j + sum_{s=j+1}^{i} log_forget_s, H_t = I - beta_t w_t w_t^T,
 causal softmax; segments never attend across each other. Shapes: q [B, T, H, D]; k, v, w
@@ -128,27 +129,32 @@ def _attend_fwd(plan, q, k, v, w, beta, log_forget, seg):
   return out, (q, k, v, w, beta, log_forget, seg, out, lse, (ops, pullback, boundary))
 
 
+def _backward_inputs(plan, out, do):
+  """do chunked [B, n, C, H, D] as the kernels read it, and Delta_i = dO_i . o_i in float32,
+  time-major, then blocked as lse is ([B, H, n, C, 1]; padded rows 0)."""
+  C = plan.block
+  Tp = plan.chunks * C
+  do_b = operands.chunked(operands.pad_time(do, Tp), C)
+  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)
+  return do_b, operands.blocked(operands.pad_time(delta, Tp), C)
+
+
+def _cotangents(ops, g, *, transport: bool, segments: bool):
+  """The kernels' gradients g as the cotangent of the operands, for the pre-pass's pullback.
+  The E cotangent goes as dL/dP (float32, as the kernels accumulated it): the pullback makes
+  dL/dE = -dL/dP itself (_prepare_vjp)."""
+  zero = lambda x: jnp.zeros_like(x) if segments else None
+  return ops._replace(
+      q=g["q"], k=g["k"], v=g["v"], e=g["dp"] if transport else None,
+      diag=g["diag"].astype(ops.diag.dtype) if transport else None, fq=g.get("fq"),
+      fk=g.get("fk"), sq=zero(ops.sq), sk=zero(ops.sk), lo=zero(ops.lo), hi=zero(ops.hi))
+
+
 def _attend_bwd(plan, res, do):
   q, k, v, w, beta, log_forget, seg, out, lse, (ops, pullback, boundary) = res
-  C = plan.block
-  Tp = lse.shape[2] * C
-  do = do.astype(q.dtype)
-  do_b = operands.chunked(operands.pad_time(do, Tp), C)   # [B, n, C, H, D], as the kernels read
-  # Delta_i = dO_i . o_i in float32, time-major, then blocked as lse is ([B, H, n, C, 1]; padded
-  # rows 0).
-  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)
-  delta = operands.blocked(operands.pad_time(delta, Tp), C)
+  do_b, delta = _backward_inputs(plan, out, do.astype(q.dtype))
   g = _backward(plan, ops, do_b, lse, delta, boundary)
-  # The E cotangent goes to the pullback as dL/dP (float32, as the kernels accumulated it): it
-  # makes dL/dE = -dL/dP itself (_prepare_vjp).
-  ct = ops._replace(
-      q=g["q"], k=g["k"], v=g["v"], e=None if w is None else g["dp"],
-      diag=None if w is None else g["diag"].astype(ops.diag.dtype), fq=g.get("fq"),
-      fk=g.get("fk"), sq=None if seg is None else jnp.zeros_like(ops.sq),
-      sk=None if seg is None else jnp.zeros_like(ops.sk),
-      lo=None if seg is None else jnp.zeros_like(ops.lo),
-      hi=None if seg is None else jnp.zeros_like(ops.hi))
-  grads = pullback(ct)
+  grads = pullback(_cotangents(ops, g, transport=w is not None, segments=seg is not None))
   grads = tuple(None if x is None else gx.astype(x.dtype)
                 for x, gx in zip((q, k, v, w, beta, log_forget), grads))
   return grads + (None,)
@@ -231,3 +237,34 @@ def forgetting_attention(q, k, v, log_forget, *, scale=None, segment_ids=None, b
   spec = _spec(q, k, v, None, None, log_forget, segment_ids, _backend(interpret, backend))
   return _attend(_plan(spec, scale, block_sizes, plan), q, k, v, None, None, log_forget,
                  segment_ids)
+
+
+def phases(q, k, v, w, beta, log_forget=None, *, do=None, scale=None, segment_ids=None,
+           block_sizes=None, interpret=False, backend=None) -> dict:
+  """What path_attention's forward and backward run (w None: forgetting_attention's), as four
+  phases to time apart: {"prepass": (f, args), "forward": ..., "backward": ...,
+  "prepass_vjp": ...}, each f(*args) one phase given the outputs of the phases before it (run
+  here once, eagerly; wrap f in jax.jit to time it). do: the output cotangent (default: ones).
+  The kernels inside a phase are split apart by a profiler trace of the whole call."""
+  spec = _spec(q, k, v, w, beta, log_forget, segment_ids, _backend(interpret, backend))
+  plan = _plan(spec, scale, block_sizes, None)
+  args = (q, k, v, w, beta, log_forget)
+  seg = segment_ids
+
+  def prepass(*a):
+    ops, pullback = _prepare_vjp(plan, *a, seg)
+    return ops, pullback, _boundary(plan, ops)
+
+  ops, pullback, boundary = prepass(*args)
+  forward_fn = lambda ops, boundary: _forward(plan, ops, boundary)
+  o, lse = forward_fn(ops, boundary)
+  out = operands.unchunked(o)[:, :spec.seq_len]
+  do_b, delta = _backward_inputs(plan, out, jnp.ones_like(out) if do is None else
+                                 do.astype(q.dtype))
+  backward_fn = lambda ops, do_b, lse, delta, boundary: _backward(plan, ops, do_b, lse, delta,
+                                                                   boundary)
+  g = backward_fn(ops, do_b, lse, delta, boundary)
+  ct = _cotangents(ops, g, transport=w is not None, segments=seg is not None)
+  return {"prepass": (prepass, args), "forward": (forward_fn, (ops, boundary)),
+          "backward": (backward_fn, (ops, do_b, lse, delta, boundary)),
+          "prepass_vjp": (lambda pullback, ct: pullback(ct), (pullback, ct))}
