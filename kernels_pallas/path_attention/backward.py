@@ -41,12 +41,12 @@ from kernels_pallas.path_attention.tiles import (HeadsMinor, backward_spec, boun
 
 def dkv_step_keys(query, kc, mop, dk, dv, dfk, *, scale, transport, precision, causal=False,
                   diag=None):
-  """dkv_step (or with `diag`, dkv_diagonal) in key-major tiles: every tile is [S keys, R
-  queries], so the key rows are M in all four products (l^T = k~ q^T, dP^T = v dO^T, dv +=
-  p^T dO, dS^T q^ with p^T, dS^T formed as they are used) and no register tile is transposed;
-  the query-major form transposes p and dS for its dv and dk products, and with R < 64 rows at
-  8 warps its l and dP products fall back from wgmma to mma.sync (triton 3.9's PTX, head_dim
-  128). query(g): head g's q, dO [R, D] and lse, delta, (fq, sq) as rows [1, R]; kc: k, v
+  """Query chunk c > m of every head of the group against key chunk m, the operator mop = M_cm
+  moving the keys (the caller moves it on: M <- P_c M) -> dk, dv, dfk with chunk c added; or
+  with `diag`, the diagonal chunk c = m. Key-major tiles: every tile is [S keys, R queries], so
+  the key rows are M in all four products (l^T = k~ q^T, dP^T = v dO^T, dv += p^T dO, dS^T q^
+  with p^T, dS^T formed as they are used) and no register tile is transposed (query-major
+  tiles transposed p and dS, and fell back from wgmma to mma.sync at head_dim 128). query(g): head g's q, dO [R, D] and lse, delta, (fq, sq) as rows [1, R]; kc: k, v
   [S, D], fk (a list over heads) and sk as columns [S, 1]; dfk: [S, 1] float32 accumulators,
   colsum(dS) taken over the queries (a reduction along a row: no cross-warp round trip).
   causal: the diagonal chunk (key <= query); its logits are diag(g), the in-chunk logits [C
@@ -106,7 +106,7 @@ def dkv_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, b
               ("fdfk", far_in and gate)]
   r = unpack(refs, backward_spec(transport, gate, segments, bounds) + far_spec
               + [("dk", True), ("dv", True), ("dfk", gate), ("a", far_out)])
-  r["do"] = HeadsMinor(r["do"])   # time-major, the group's heads minor (calls._bwd_inputs)
+  r["do"] = HeadsMinor(r["do"])   # time-major, the group's heads minor (inputs())
   G, n, C, D = r["q"].shape
   f32 = jnp.float32
   m = chunk_id(n, axis=chunk_axis, reverse=False)  # chunk 0 (the longest walk) first

@@ -37,7 +37,7 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
   lse [C,1], (with `span`: qb [R, D], the head's packed boundary states, scratch). The query
   chunk is grid axis chunk_axis (reversed with `reverse`, see launch.chunk_grid).
 
-  With `span` (transport; chunks cut into spans of `span` as in bwd_span.py) the tile moves
+  With `span` (transport; chunks cut into spans of `span` as in spans.py) the tile moves
   chunk by chunk only inside its own span. At the span's start it is the boundary state
   qb = q^_c P_{c-1} ... P_a, and every key chunk m of an earlier span J is plain attention
   against kb_m = k^_m M_bm^T (spans.boundary_kernel's keys moved to their span's end b):

@@ -28,7 +28,7 @@ def dot(a, b, *, ta=False, tb=False, precision=None):
 
 
 class HeadsMinor:
-  """A time-major ref of a group's heads, [..rows, G, D] (calls.time_major_spec with `heads`),
+  """A time-major ref of a group's heads, [..rows, G, D] (launch.time_major_spec with `heads`),
   read as the head-major [G, ..rows, D] the kernel bodies index: x[g, i, ..] = ref[i, .., g, :].
   Only reads (v and dO are inputs)."""
 
@@ -90,7 +90,7 @@ def unpack_forward(refs, transport, gate, segments, bounds=False, spans=False):
 
 
 def chunk_bound(ref, i):
-  """Scalar entry i of a [n, 1, 1] int32 ref (prepass.chunk_bounds' lo or hi): a load and a
+  """Scalar entry i of a [n, 1, 1] int32 ref (operands.chunk_bounds' lo or hi): a load and a
   reduction, which both the Triton lowering and the interpreter take."""
   return jnp.min(ref[i])
 

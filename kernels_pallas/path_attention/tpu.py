@@ -230,7 +230,7 @@ def dkv_tpu_kernel(*refs, scale, transport, gate, segments, precision):
 
 def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
   """Blocks: the query-side ones (as dkv_tpu_kernel's) of query chunk c; k, v, (fk), (sk) of
-  key chunk key_chunk(c, j), (e) of transport_chunk(c, j) (calls below). Out: dq [G, C, D],
+  key chunk key_chunk(c, j), (e) of transport_chunk(c, j) (backward below). Out: dq [G, C, D],
   (ddiag [G, C, C]), (dfq [G, C, 1]) of chunk c. With transport two outputs stay in HBM
   (memory space ANY) and move by DMA one chunk at a time: dP [B, K, n, D, D] float32 and the
   states [B, K, G, n, C, D] (kernel dtype; scratch, dropped by the caller). Scratch: adj
@@ -339,7 +339,7 @@ def backward(ops, do, lse, delta, plan):
   blk = lambda x, heads: (None, heads, None) + x.shape[3:]
 
   def specs(q_chunk, k_chunk, e_chunk):
-    """BlockSpecs of the operands (bwd_kernels order) given program ids -> chunk maps."""
+    """BlockSpecs of the operands (tiles.backward_spec's order) given program ids -> chunk maps."""
     grp = lambda x: pl.BlockSpec(blk(x, G), lambda b, h, i, j: (b, h, q_chunk(i, j), 0, 0))
     at = lambda x, head, chunk: pl.BlockSpec(
         blk(x, None), lambda b, h, i, j: (b, head(h), chunk(i, j), 0, 0))

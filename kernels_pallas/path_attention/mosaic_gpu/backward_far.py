@@ -1,42 +1,37 @@
-"""The span backward's far dq as a Mosaic GPU kernel (TMA, wgmma): BlockSizes(far_dq="mosaic").
+"""The span backward's far walks as Mosaic GPU launches (TMA, wgmma): plan.far_dq and
+plan.far_dkv "mosaic".
 
-In the span-parallel backward (bwd_span.py) a query chunk c meets the key chunks of every
-earlier span J as plain attention: its boundary state qb_c^(J) against the keys moved to that
-span's end, kb_m. Its adjoint at the boundaries obeys the chain
+far_dq. In the span-parallel backward a query chunk c meets the key chunks of every earlier span
+J as plain attention: its boundary state qb_c^(J) against the keys moved to that span's end,
+kb_m. Its adjoint at the boundaries obeys the chain
 A_c^(J) = A_c^(J-1) Pi_J^T + scale sum_{m in J} dS_cm kb_m (A_c^(-1) = 0), and the gate's query
-side takes dfq_c = sum of dS_cm over the far keys. bwd_span.far_dq_kernel (Triton) does the
+side takes dfq_c = sum of dS_cm over the far keys. span_backward.far_dq_kernel (Triton) does the
 states, the chain and the walk in one program; here the states come from
-bwd_span.far_states_kernel first and this launch does the walk and the chain.
+span_backward.far_states_kernel first and this launch does the walk and the chain. Structure as
+forward_far's: one program per (two query chunks c, c + 1, query head, batch); two compute
+warpgroups, one query chunk each, and a third that copies the key ring (kb, v, and the gate's
+fk / segment ids sk) and the span operators Pi_J, which both compute warpgroups share. A step is
+flash attention's dq step in log2 units: s = qb kb^T and dP = dO v^T issued together, p =
+exp2(s - lse), dS = p (dP - delta), acc += scale dS kb. At span J's start the accumulator
+becomes acc Pi_J^T in three bf16 passes (hi hi + lo hi + hi lo of bf16 halves of acc and of
+Pi^T); at the span's end it is A^(J), stored to the packed A (tiles.boundary_offset) in the
+kernel dtype. dO enters the products from registers at head_dim 128 (shared memory at 64, see
+do_smem), the state from a one-slot shared-memory buffer per warpgroup, refilled with the next
+span's state as soon as the span's last logits have been read.
 
-Why: at head_dim 128 the Triton far dq ran its three products a pair at ~325 TFLOP/s (H200,
-4,16384,16,128, 17.9 ms of a 98 ms fwd+bwd), where the Mosaic far forward (fwd_far_mosaic.py)
-runs its two at ~505.
+far_dkv. The far query chunks' shares of each key chunk's gradients (span_backward's far dk/dv
+walk): programs over key chunks m, m + 1 on the two compute warpgroups, the far query items
+(query chunk, head of the group) streamed by the third; key-major tiles.
 
-Structure, as fwd_far_mosaic.far_forward: one program per (two query chunks c, c + 1, query
-head, batch); two compute warpgroups, one query chunk each, and a third that only issues TMA
-copies: the key ring (kb, v, and the gate's fk / segment ids sk) and the span operators Pi_J,
-which both compute warpgroups share (same kv head, same spans). A step is flash attention's dq
-step in log2 units: s = qb kb^T and dP = dO v^T issued together, p = exp2(s - lse), dS =
-p (dP - delta), acc += scale dS kb. At span J's start the accumulator becomes acc Pi_J^T in
-three bf16 passes (hi hi + lo hi + hi lo of bf16 halves of acc and of Pi^T: the Triton kernel's
-"bf16x3" chain product; its "tf32" form at head_dim 64 is less exact than this one); at the
-span's end it is A^(J), stored to the packed A (tiles.boundary_offset) in the kernel dtype.
-dO enters the products from registers at head_dim 128 (loaded once through the A staging
-tile; shared memory at 64, see do_smem), the state from a one-slot shared-memory buffer per
-warpgroup, refilled with the next span's state as soon as
-the span's last logits have been read. Shared memory at head_dim 128, bf16: 192 KiB (key and
-value rings 64, states 32, staging 32, Pi halves 64).
+With packed documents the walks skip the chunk pairs wholly outside them, as the Triton kernels
+do (operands.chunk_bounds, read as scalars from GMEM): far dq starts at the span of the earliest
+key its pair's documents reach (common.first_span) and stores A^(J) = 0 for the spans before
+it; far dk/dv stops after the last query chunk its pair's documents reach. A masked tile inside
+a walk has p = exp2(-inf) = 0 and adds nothing. An odd n's last program runs chunk n - 1 on
+both compute warpgroups (the same values written twice).
 
-With packed documents the walks skip the chunk pairs wholly outside them, as the Triton
-kernels do (prepass.chunk_bounds, read as scalars from GMEM): far dq starts at the span of the
-earliest key its pair's documents reach (fwd_far_mosaic.first_span) and stores A^(J) = 0 for
-the spans before it; far dk/dv stops after the last query chunk its pair's documents reach. A
-masked tile inside a walk has p = exp2(-inf) = 0 and adds nothing. An odd n's last program
-runs chunk n - 1 on both compute warpgroups (the same values written twice).
-
-Scope: bf16 or f16, chunk 64, head_dim a multiple of 64 (fwd_far_mosaic.supported). plgpu's
-wgmma does not run in interpret mode: the interpreter runs far_dq_reference in its place,
-lowering is tested on the CPU host, values by TestGPU on the device.
+Scope: bf16 or f16, chunk 64, head_dim a multiple of 64 (plan.mosaic_takes). far_dq_reference
+and far_dkv_reference are the oracles, which the interpreter runs in their place.
 """
 from __future__ import annotations
 
@@ -47,10 +42,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.path_attention import operands
-from kernels_pallas.path_attention import tiles
 from kernels_pallas.path_attention.mosaic_gpu.common import (
     LOG2E, as_vector, chunk_of, copy_ring, dims, gate_and_mask, gate_vectors, key_value_ring,
     launch, query_pair, slot_types, smem_tile, two_products)
+from kernels_pallas.path_attention.tiles import boundary_offset
 
 HALVES = ("pi_hi", "pi_lo")   # the span operators' bf16 halves (pi_halves)
 
@@ -76,7 +71,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
   wgmma_layout = plgpu.Layout.WGMMA
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
   if span % 2:   # chunks c, c + 1 (c even) must share a span, i.e. their far keys
-    raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
+    raise ValueError(f"span={span} must be even")
   pairs = (n + 1) // 2
   head = {"do": do, "lse": as_vector(lse, C), "delta": as_vector(delta, C)}
   ring = {"k": kb, "v": ops.v}
@@ -85,7 +80,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
   qbc = qb.reshape(B, H, nrows, C, D)
   per_query_head = {"do", "lse", "delta", "fq", "fk"}
   # dO as the dP product's A operand: from shared memory at head_dim 64 (as the logits' state;
-  # from registers with B transposed the products came out wrong there, H200 2026-11-26); from
+  # from registers with B transposed the products came out wrong there); from
   # registers at 128, where its own buffer would not fit beside the rest (224 KiB + vectors)
   do_smem = D <= 64
 
@@ -124,7 +119,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
       do_at = smem["do"].at[wg] if do_smem else out
 
       def row_of(J):   # chunk c's row of boundary J in the packed layout
-        return tiles.boundary_offset(J, n=n, span=span) + c - (J + 1) * span
+        return boundary_offset(J, n=n, span=span) + c - (J + 1) * span
 
       def fetch_state(J):
         plgpu.copy_gmem_to_smem(refs["qb"].at[b, h, row_of(J)], state, state_bar)
@@ -230,7 +225,7 @@ def far_dq(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int, slots: i
                     for name in ("k", "v")}
   consumed_types["pi"] = plgpu.Barrier(num_arrivals=2, num_barriers=1)
   # Pi^T, so that the chain's B operand is read as stored: with B transposed and A from
-  # registers the products came out wrong at head_dim 64 (H200, 2026-11-26)
+  # registers the products came out wrong at head_dim 64
   arrays = {**head, **ring, "qb": qbc,
             **dict(zip(HALVES, pi_halves(jnp.swapaxes(pi, -1, -2), dt))),
             **({} if ops.lo is None else {"lo": ops.lo})}
@@ -263,7 +258,7 @@ def far_dq_reference(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int
     dfq = jnp.zeros((B, H, C), f32)
     for J in range(c // span):
       keys = slice(J * span, (J + 1) * span)
-      row = tiles.boundary_offset(J, n=n, span=span) + c - (J + 1) * span
+      row = boundary_offset(J, n=n, span=span) + c - (J + 1) * span
       kj = kbh[:, :, keys].reshape(B, H, span * C, D)
       s = scale * jnp.einsum("bhqd,bhkd->bhqk", qbc[:, :, row], kj, precision=hp)
       if ops.fq is not None:
@@ -286,7 +281,7 @@ def far_dq_reference(ops, do, lse, delta, kb, qb, pi, *, scale: float, span: int
 
 def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int = 2):
   """-> a, dv [B, K, n, C, D] float32, dfk [B, H, n, 1, C] float32 (None without a gate):
-  bwd_span.far_dkv_kernel's, the far query chunks' shares of each key chunk's gradients:
+  span_backward.far_dkv_kernel's, the far query chunks' shares of each key chunk's gradients:
   a_m = scale sum dS_cm^T qb_c^(b), dv_m = sum p_cm^T dO_c, dfk_m = -colsum dS_cm over the
   query chunks c >= b (b the end of m's span) and the group's heads; zero for the last span's
   chunks. far_dkv_reference is the oracle.
@@ -295,7 +290,7 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
   structure mirrored: each compute warpgroup keeps its key chunk's kb, v (and fk of every head
   of the group, sk) in shared memory, and the copying warpgroup streams the far query items
   (c, head) through a `slots`-deep ring: qb_c^(b), dO, lse, delta (fq, sq). Tiles are key-major
-  ([keys, queries], as bwd_span.far_dkv_kernel's keys_major): l^T = kb qb^T and dP^T = v dO^T
+  ([keys, queries], as span_backward.far_dkv_kernel's): l^T = kb qb^T and dP^T = v dO^T
   issued together, then dv += p^T dO and a += scale dS^T qb issued together; dfk's sums run
   along a tile's rows. Shared memory at head_dim 128, bf16: ~193 KiB (keys 64, ring 64, the
   float32 output tile 64)."""
@@ -304,7 +299,7 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
   wgmma_layout = plgpu.Layout.WGMMA
   rows_layout, cols_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
   if span % 2:   # key chunks m, m + 1 (m even) must share a span, i.e. their far queries
-    raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
+    raise ValueError(f"span={span} must be even")
   pairs = (n + 1) // 2
   ring = {"qb": qb.reshape(B, H, qb.shape[2] // C, C, D), "do": do, "lse": as_vector(lse, C),
           "delta": as_vector(delta, C)}
@@ -333,7 +328,7 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
         i, g = lax.div(t, jnp.array(G, t.dtype)), lax.rem(t, jnp.array(G, t.dtype))
         h = kh * G + g
         for name in ring:
-          src = (refs[name].at[b, h, tiles.boundary_offset(j, n=n, span=span) + i]
+          src = (refs[name].at[b, h, boundary_offset(j, n=n, span=span) + i]
                  if name == "qb" else chunk_of(refs, name, b, 0 if name == "sq" else h, first + i))
           plgpu.copy_gmem_to_smem(src, smem[name].at[slot], bars[name].at[slot])
 
@@ -451,8 +446,8 @@ def far_dkv_reference(ops, do, lse, delta, kb, qb, *, scale: float, span: int):
   heads = lambda x: x.reshape(B, K, G, *x.shape[2:])   # [B, H, ..] -> [B, K, G, ..]
   for j in range((n - 1) // span):
     first = (j + 1) * span
-    rows = slice(tiles.boundary_offset(j, n=n, span=span) * C,
-                 tiles.boundary_offset(j + 1, n=n, span=span) * C)
+    rows = slice(boundary_offset(j, n=n, span=span) * C,
+                 boundary_offset(j + 1, n=n, span=span) * C)
     ks = slice(j * span, first)
     kj = kb[:, :, ks].reshape(B, K, span * C, D).astype(f32)
     vj = operands.heads_major(ops.v)[:, :, ks].reshape(B, K, span * C, D).astype(f32)

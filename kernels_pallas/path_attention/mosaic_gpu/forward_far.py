@@ -1,46 +1,34 @@
-"""The span forward's far keys as a Mosaic GPU kernel (TMA, wgmma): BlockSizes(fwd_far="mosaic").
+"""The span forward's far keys as a Mosaic GPU launch (TMA, wgmma): plan.forward_far "mosaic".
 
-With the span forward (routing.forward_span), a query chunk c attends to the key chunks of every
-earlier span J as plain attention: its boundary state qb_c^(s_J) against the keys moved to
-that span's end, kb_m (bwd_span.boundary_kernel), m = J span .. (J + 1) span - 1. In the
-Triton forward those far steps share one program with the near walk (kernels.fwd_kernel). Here
-they are a launch of their own, a flash-attention forward whose query tile changes at each span
-boundary; calls.forward merges its (o, lse) with the near kernel's (merge_far).
-
-Why: at head_dim 128 the Triton forward ran at about half of cuDNN's rate (H200, 2026-11-26:
-~230 TFLOP/s at 8,4096,16,128, ~260 at 4,16384,16,128, against cuDNN's ~400 / ~550), while
-jax's own Mosaic GPU flash forward (ops/gpu/attention_mgpu.py) matched cuDNN's causal forward
-there (1.38 against 1.39 ms at 8,4096,16,128). Far pairs are most of the causal triangle at
-long sequences (7 / 8 of it at 4,16384,16,128).
+With the span forward, a query chunk c attends to the key chunks of every earlier span J as plain
+attention: its boundary state qb_c^(s_J) against the keys moved to that span's end, kb_m
+(spans.boundary_kernel), m = J span .. (J + 1) span - 1. In the Triton forward those far steps
+share one program with the near walk (forward.fwd_kernel); here they are a launch of their own,
+a flash-attention forward whose query tile changes at each span boundary, and forward.forward
+merges its (o, lse) with the near kernel's (merge_far). Why: far pairs are most of the causal
+triangle at long sequences, and at head_dim 128 the Triton forward ran them at about half of
+cuDNN's rate, where this form (organised as jax's own Mosaic GPU flash forward) comes close to it.
 
 One program per (two query chunks c, c + 1, query head, batch): c even and the span even, so
-both lie in one span and attend to the same far keys. Three warpgroups, as jax's own Mosaic GPU
-flash forward (ops/gpu/attention_mgpu.py) is organised: two compute warpgroups, one query chunk
-(64 rows) each, and a third that only issues the TMA copies of the key chunks m = 0 .. jc span
-- 1 (jc = c // span) into a ring of `slots` shared-memory buffers (warp specialisation). Each
-key chunk is read once for 128 query rows, and while one compute warpgroup takes its softmax the
-other can use the tensor cores. A slot is refilled once both compute warpgroups have arrived at
-its consumed barrier. Each compute warpgroup fetches its own boundary states through a two-slot
-ring, the next span's issued while this one's keys run. Logits in log2 units, exp2 online
-softmax (as fwd_mosaic.py). A row whose far keys are all masked (packed documents starting
-inside c's span) ends with l = 0: o = 0 and lse = -inf, which merge_far weighs as nothing. With
-packed documents the walk starts at the span of the earliest key chunk the pair's documents
-reach (first_span: prepass.chunk_bounds' lo, read as scalars from GMEM), as the Triton kernel
-skips; a masked tile inside the walk contributes exp2(-inf) = 0. The near kernel stores no state
-for the spans wholly left of chunk c's documents (kernels.fwd_kernel's j0), so for the second
-chunk of a pair those rows of qb can be whatever the buffer held; every key of those spans is
-masked for every row of that chunk, and the mask's where() replaces whatever their products
-gave (NaN included) with -inf. An odd n's last program runs chunk n - 1 on both compute
-warpgroups (the same values written twice).
+both lie in one span and attend to the same far keys. Two compute warpgroups take one query
+chunk (64 rows) each, a third copies the key chunks m = 0 .. jc span - 1 (jc = c // span) into a
+ring (common.key_value_ring): each key chunk is read once for 128 query rows, and while one
+compute warpgroup takes its softmax the other can use the tensor cores. Each compute warpgroup
+fetches its own boundary states through a two-slot ring, the next span's issued while this
+one's keys run.
 
-Measured (H200, 2026-11-26, the far kernel's ms at 8,4096,16,128 / 4,16384,16,128; the
-Triton forward's far loop is about 1.7 / 13.7 of its 3.01 / 18.80): this form 1.10 / 7.61
-(~505 TFLOP/s at the long shape, cuDNN's forward ~550); one warpgroup a program with a 2-slot
-ring 1.51 / 12.22, the same with two key chunks a step 1.84 / 12.53 (160 KiB of shared memory:
-one program an SM). The one-warpgroup form gave bitwise the same outputs.
+A row whose far keys are all masked (packed documents starting inside c's span) ends with l = 0:
+o = 0 and lse = -inf, which merge_far weighs as nothing. With packed documents the walk starts at
+the span of the earliest key chunk the pair's documents reach (common.first_span), as the Triton
+kernel skips; a masked tile inside the walk contributes exp2(-inf) = 0. The near kernel stores no
+state for the spans wholly left of chunk c's documents, so for the second chunk of a pair those
+rows of qb can be whatever the buffer held; every key of those spans is masked for every row of
+that chunk, and the mask's where() replaces whatever their products gave (NaN included) with
+-inf. An odd n's last program runs chunk n - 1 on both compute warpgroups (the same values
+written twice).
 
-Scope: bf16 or f16, chunk 64, head_dim a multiple of 64 (supported). plgpu's wgmma does not run
-in interpret mode: lowering is tested on the CPU host, values by TestGPU on the device.
+Scope: bf16 or f16, chunk 64, head_dim a multiple of 64 (plan.mosaic_takes). far_reference is
+its oracle, which the interpreter runs in its place.
 """
 from __future__ import annotations
 
@@ -52,10 +40,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.path_attention import operands
-from kernels_pallas.path_attention import tiles
 from kernels_pallas.path_attention.mosaic_gpu.common import (
     LOG2E, dims, gate_and_mask, gate_vectors, key_value_ring, launch, query_pair, slot_types,
     smem_tile)
+from kernels_pallas.path_attention.tiles import boundary_offset
 
 
 def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
@@ -71,7 +59,7 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
   wgmma_layout = plgpu.Layout.WGMMA
   rows_layout = plgpu.Layout.WGMMA.reduce(1)
   if span % 2:   # chunks c, c + 1 (c even) must share a span, i.e. their far keys
-    raise ValueError(f"span={span} must be even (BlockSizes.dkv_span)")
+    raise ValueError(f"span={span} must be even")
   pairs = (n + 1) // 2
   head = {}
   ring = {"k": kb, "v": ops.v}
@@ -100,7 +88,7 @@ def far_forward(ops, kb, qb, *, scale: float, span: int, slots: int = 2):
       state_bar = lambda j: bars["qb"].at[2 * wg + lax.rem(j, 2)]
 
       def fetch_state(j):   # qb^(s_j) of chunk c into this warpgroup's state slot j % 2
-        row = tiles.boundary_offset(j, n=n, span=span) + c - (j + 1) * span
+        row = boundary_offset(j, n=n, span=span) + c - (j + 1) * span
         plgpu.copy_gmem_to_smem(refs["qb"].at[b, h, row], state(j), state_bar(j))
 
       for name in head:
@@ -206,7 +194,7 @@ def far_reference(ops, kb, qb, *, scale: float, span: int):
     keys = slice(0, jc * span)
     s = jnp.concatenate([
         scale * jnp.einsum("bhqd,bhkd->bhqk",
-                           qbc[:, :, tiles.boundary_offset(J, n=n, span=span) + c
+                           qbc[:, :, boundary_offset(J, n=n, span=span) + c
                                - (J + 1) * span],
                            kbh[:, :, J * span:(J + 1) * span].reshape(B, H, span * C, D),
                            precision=lax.Precision.HIGHEST)

@@ -1,23 +1,22 @@
-"""The span backward's near sweep as a Mosaic GPU kernel (TMA, wgmma): BlockSizes(span_sweep=
-"mosaic").
+"""The span backward's near sweep as a Mosaic GPU launch (TMA, wgmma): plan.sweep "mosaic".
 
-Inside span J (chunks lo_s .. hi_s - 1) bwd_span.span_kernel walks, for each query tile of chunks
-c, c + 1 (c - lo_s even), the key chunks m = lo .. c - 1 of the span in order, carrying the
-adjoint of the tile's state from the span's start (A, the far dq launch's) to the tile's own
+Inside span J (chunks lo_s .. hi_s - 1) span_backward.span_kernel walks, for each query tile of
+chunks c, c + 1 (c - lo_s even), the key chunks m = lo .. c - 1 of the span in order, carrying
+the adjoint of the tile's state from the span's start (A, the far dq launch's) to the tile's own
 chunks:
   states (right to left): s_{c-1} = [q^_c; q^_{c+1} P_c], s_{m-1} = s_m P_m, P = I - E;
   step m: l = scale s_m k^_m^T, p = exp(l - lse), dS = p (dO v_m^T - delta),
           R <- R P_m^T + scale dS k^_m, dL/dP_m += s_m^T R_before (R_before: R before step m),
-then chunk c + 1 alone against key chunk c (its state there is q^_{c+1}), and dq^ = R. That
-sweep is the largest kernel of the span backward (Triton: ~75 TFLOP/s at 4,16384,16,128, a
-64 KiB float32 read-modify-write of dL/dP through HBM at every step, six small dependent
-products). Here it is a launch of its own, after span_kernel(sweeps=False) has written the far
-queries' share of dL/dP (the V and N chains), the diagonal tiles and their dfq.
+then chunk c + 1 alone against key chunk c (its state there is q^_{c+1}), and dq^ = R. In Triton
+that sweep is the span backward's largest kernel (a float32 read-modify-write of dL/dP through
+HBM at every step, six small dependent products). Here it is a launch of its own, after
+span_kernel(sweeps=False) has written the far queries' share of dL/dP (the V and N chains), the
+diagonal tiles and their dfq.
 
 Structure: one program per (span, kv head, batch), the group's heads one after another, as
-span_kernel. Three warpgroups, as fwd_far_mosaic.far_forward: compute warpgroup w holds the rows
-of chunk c + w (64 rows), the third only issues TMA copies of each step's key chunk (k^, v, E,
-the gate's fk, the segment ids sk) and of the stored states s_m into a ring of `slots` buffers.
+span_kernel. Compute warpgroup w holds the rows of chunk c + w (64 rows); the third copies each
+step's key chunk (k^, v, E, the gate's fk, the segment ids sk) and the stored states s_m into a
+ring of `slots` buffers.
 - States: each compute warpgroup walks its rows' states right to left (its own E loads, two
   buffers), storing each s_m (kernel dtype) to a GMEM scratch; once both have, the copying
   warpgroup may read them back into the ring (consumed["states"]).
@@ -28,24 +27,15 @@ the gate's fk, the segment ids sk) and of the stored states s_m into a ring of `
   to one double-buffered tile and meet at a barrier (adj), then warpgroup 0 forms the D x D
   product (A = s^T, read transposed) and adds it to dL/dP_m in GMEM with a TMA reduction
   (cp.reduce.async.bulk .add). dL/dP is the span kernel's output, updated in place
-  (fwd_far_mosaic.launch's `mutable`). Every reduction into one dL/dP_m comes from this
-  program, one tile after another, and each tile waits for its reductions to complete before
-  the next starts: a fixed order, so the sums are bitwise deterministic.
+  (common.launch's `mutable`). Every reduction into one dL/dP_m comes from this program, one
+  tile after another, and each tile waits for its reductions to complete before the next
+  starts: a fixed order, so the sums are bitwise deterministic.
 - With packed documents the sweep starts at the first key chunk either chunk's documents reach
-  (prepass.chunk_bounds' lo, scalars from GMEM), as span_kernel's first_key.
+  (operands.chunk_bounds' lo, scalars from GMEM), as span_kernel's first_key.
 
-Measured (H200, 2026-11-26, fwd+bwd ms, this launch / the Triton sweep, one call): 25.40 / 26.78
-at 32,2048,32,64, 5.32 / 5.75 at 16,2048,12,64, 67.35 / 69.35 at 32,4096,32,64, 49.79 / 51.98 at
-8,8192,32,64; 5.70 / 5.85 at 16,2048,12,64 with packed documents of 2048 tokens. At
-32,2048,32,64 the span kernel went from 4.56 ms to 1.94 (the V and N chains and the diagonal
-tiles, which stay in it) and this launch takes ~1.6.
-
-Scope: bf16 or f16, chunk 64, head_dim 64 (the D x D product is one 64-row wgmma; at 128 this
-layout's shared memory, ~210 KiB at 64 with two ring slots, would be ~600), an even number of
-chunks (every tile a pair; span_kernel's lone last chunk of an odd n has no form here), the
-span form without key-side parts (bwd_spans 2 or 3). plgpu's wgmma does not run in interpret
-mode: the interpreter runs sweeps_reference in its place, lowering is tested on the CPU host,
-values by TestGPU on the device.
+Scope (plan.sweep_takes): bf16 or f16, chunk 64, head_dim 64 (the D x D product is one 64-row
+wgmma; at 128 this layout's shared memory would not fit), an even number of chunks (every tile a
+pair). sweeps_reference is its oracle, which the interpreter runs in its place.
 """
 from __future__ import annotations
 
@@ -56,10 +46,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.path_attention import operands
-from kernels_pallas.path_attention import tiles
 from kernels_pallas.path_attention.mosaic_gpu.common import (
     LOG2E, as_vector, chunk_of, dims, gate_and_mask, gate_vectors, launch, slot_types, smem_tile,
     two_products)
+from kernels_pallas.path_attention.tiles import boundary_offset
 
 
 def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 2):
@@ -168,7 +158,7 @@ def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 
         qs = smem["q"].at[wg]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's dq has left `a`
         # the adjoint at the span's start (none in the first span: row 0, zeroed below)
-        arow = tiles.boundary_offset(jnp.maximum(J - 1, 0), n=n, span=span) + cw - lo_s
+        arow = boundary_offset(jnp.maximum(J - 1, 0), n=n, span=span) + cw - lo_s
         arow = jnp.where(J > 0, arow, 0)
         for name in head:
           dst = qs if name == "q" else smem[name].at[wg]
@@ -348,7 +338,7 @@ def sweeps_reference(ops, do, lse, delta, a, dp, *, scale: float, span: int):
         st[m - 1] = st[m] - mm("bhrqd,bhde->bhrqe", st[m], e[:, :, m])
       adj = jnp.zeros((B, H, 2, C, D), f32)
       if J:
-        row = tiles.boundary_offset(J - 1, n=n, span=span) + c - lo_s
+        row = boundary_offset(J - 1, n=n, span=span) + c - lo_s
         adj = a32[:, :, row:row + 2]
       for m in range(lo_s, c):
         ds = jnp.stack([grads(st[m][:, :, w], m, c + w) for w in range(2)], 2)

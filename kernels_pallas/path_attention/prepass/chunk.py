@@ -1,27 +1,23 @@
-"""The pre-pass's math on one chunk, as pure functions of 2-D values (prepass_kernel.py runs them
-in its kernels; prepass.transport_jnp is their batched oracle).
+"""The pre-pass's math on one chunk, as pure functions of 2-D values (kernels.py runs them in
+its kernels; reference.transport_jnp is their batched oracle).
 
-The operands (chunk_operands) are built from dot_general, iota masks and elementwise ops only; its VJP (chunk_operands_vjp) is written out by
-hand (recompute U, WK, Z from the inputs, then pull back; nothing but the inputs is saved). It
-replaced jax.vjp traced inside the kernel, whose transposed TF32 products and many live float32
-tiles made the pre-pass VJP the largest phase (21.3 -> 8.4 ms at 32,2048,32,64 on the H200).
-The UT inverse (I + A)^{-1}, A = strictLower(diag(beta) W W^T), is a recursive block inversion
-(chunk_inverse): matmuls only (no triangular solve inside a kernel), every intermediate O(1);
-its VJP is written in closed form (chunk_inverse_vjp).
+The operands (chunk_operands) are built from dot_general, iota masks and elementwise ops only;
+their VJP (chunk_operands_vjp_kv, then chunk_operands_vjp_q: the "split" form; uz.py has the
+"uz" form) is written out by hand (recompute U, WK, Z from the inputs, then pull back; nothing
+but the inputs is saved), where jax.vjp traced inside a kernel left transposed products and many
+live float32 tiles. The UT inverse (I + A)^{-1}, A = strictLower(diag(beta) W W^T), is a
+recursive block inversion (chunk_inverse): matmuls only (no triangular solve inside a kernel),
+every intermediate O(1); its VJP is written in closed form (chunk_inverse_vjp).
 
-Precision: every product takes float32 accuracy (exact float32 in the interpreter and on the
-TPU; on the GPU bf16 hi / lo halves for bf16 inputs, "split_hilo", "split2_hilo" and the default
-"uz_hilo" (Products), three TF32 passes for float32 ones) at every input dtype, except in the
-"*_bf16" variants. With near-parallel w the products cancel: Y's entries alternate in sign, so U
-= X W, E = W^T U, Z = X WK and lower(Q W^T) X are small differences of O(1) terms, and the
-transport depends on the differences between neighbouring w (~eps), which a rounding of w or X
-perturbs relatively by (rounding / eps). Single-pass TF32 (the GPU's default for float32
-operands: the tensor cores read the top 10 mantissa bits, i.e. truncate), the default until
-2026-11-23, failed the GPU tests at w_t = normalize(a + 0.01 n_t), beta = 2 (dw 4.7e-2 relative
-RMS, H100); test_gpu_rounding.py::test_tf32_products_correlated_w emulates that truncation in
-the interpreter and shows where: the operands' products (dw 8.7e-2 at C = D = 64, T = 256), not
-the inverse (already float32-accurate) nor the attention kernels (4.4e-3 with TF32 everywhere
-else).
+Precision: every product keeps float32 accuracy at every input dtype (exact float32 in the
+interpreter and on the TPU; on the GPU bf16 hi / lo halves for 16-bit inputs (Products), three
+TF32 passes for float32 ones). With near-parallel w the products cancel: Y's entries alternate in
+sign, so U = X W, E = W^T U, Z = X WK and lower(Q W^T) X are small differences of O(1) terms,
+and the transport depends on the differences between neighbouring w (~eps), which a rounding of
+w or X perturbs relatively by (rounding / eps). Single-pass TF32 products (the tensor cores read
+the top 10 mantissa bits) failed the GPU tests at w_t = normalize(a + 0.01 n_t), beta = 2;
+test_gpu_rounding.py emulates that truncation in the interpreter and shows where: the operands'
+products, not the inverse nor the attention kernels.
 """
 from __future__ import annotations
 
@@ -157,7 +153,7 @@ def chunk_inverse_refine(w, beta_c, y0, *, precision):
   shared to 1 / 0.1 / 0.01, antiparallel), chunk_inverse 5.9e-6 / 5.2e-5 / 5.5e-4 / 1.9e-4 /
   1.4e-4, this step 5.3e-6 / 4.4e-5 / 2.4e-4 / 1.1e-4 / 1.4e-4 (Y0 alone ~1e-3). With exact
   float32 products the inverse is 10-35x finer (1.8e-7 .. 1.8e-5) than the step, so it is
-  used only with the halves (prepass_kernel.transport_pallas).
+  used only with the halves (kernels.transport_pallas).
   7 bf16 passes of C^3 (A 3, A Y0 2: Y0 is bf16-exact, Y0 R 2) against the inverse's 33."""
   C = w.shape[0]
   p = _inverse_products(precision)
@@ -174,9 +170,8 @@ def chunk_inverse_vjp(w, beta_c, y, dy, *, precision):
   dW = dS W + dS^T W and dbeta_i = sum_j dA_ij (w_i . w_j).
 
   At head_dim <= C, dbeta_i = w_i . (dA W)_i: dA W serves dbeta and dS W = diag(beta) dA W, and
-  W W^T is not formed again (two products after dT instead of three; H200, 32,2048,32,64: this
-  kernel 1.084 -> 1.028 ms). Above C the three-product form stays: the split of beta W ([C, D])
-  cost more than the product saved (8,4096,16,128: 0.426 -> 0.464 ms)."""
+  W W^T is not formed again (two products after dT instead of three). Above C the
+  three-product form stays: the split of beta W ([C, D]) cost more than the product saved."""
   p = _inverse_products(precision)
   strict, _, _ = _masks(w.shape[0])
   Y = p.acc(y)

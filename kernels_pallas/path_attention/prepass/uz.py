@@ -1,8 +1,8 @@
-"""The pre-pass VJP written from dU and dZ, the cotangents of U = X W and Z = X WK (the "uz_*"
-pre-pass variants): one chunk's math as pure functions of 2-D float32 values, run by
-prepass_kernel.py's two "uz" kernels.
+"""The pre-pass VJP written from dU and dZ, the cotangents of U = X W and Z = X WK (the "uz"
+form): one chunk's math as pure functions of 2-D float32 values, run by kernels.py's two "uz"
+VJP kernels.
 
-The operands (prepass_chunk.chunk_operands) are, with X = Y diag(beta), Y = (I + A)^{-1},
+The operands (chunk.chunk_operands) are, with X = Y diag(beta), Y = (I + A)^{-1},
 WK = strictLower(W K^T) and LQ = lower(Q W^T):
 
   U = X W,  Z = X WK,  E = W^T U,  k^ = K - Z^T W,
@@ -14,29 +14,12 @@ So every output reaches X only through U and Z. With M_U = Y^T dU and M_Z = Y^T 
   - dA = -strictLower(Y^T dY Y^T) with dY = dX diag(beta) is
     -strictLower((M_U W^T + M_Z WK^T) X^T).
 dX, dY and the inverse VJP's -Y^T dY Y^T are never formed, and the query heads' terms need no
-GM = LQ X. In bf16 passes of 64^3 a chunk at C = D = 64, one query head a kv head: inverse 33
-(recomputed) + 51 (chunk_operands_vjp_uz) + 9 (chunk_t_pullback) = 93, against the "split2_*"
-VJP's 33 + 27 + 33 + 12 = 105.
+GM = LQ X: fewer products than the "split" form's three kernels (93 bf16 passes of 64^3 a chunk
+at C = D = 64 and one query head a kv head, against 105). The first kernel stops at T (the
+second, chunk_t_pullback, is small): stopping earlier left a second kernel that spilled. At
+head_dim 128 the first kernel spills, so the plan runs "split" there on the GPU.
 
-Where the first kernel stops was measured (H200, per-kernel device ms at 32,2048,32,64 /
-8,4096,16,128; split2's three VJP kernels 6.36 / 3.66):
-  - at dU, dZ (a 28-pass second kernel): 2.89 + 3.76 / 1.99 + 2.00;
-  - at M_U, M_Z (22 passes in the second): 3.60 + 3.16 / 2.45 + 2.24;
-  - at T (here; 9 passes in the second): 5.10 + 0.95 / 6.13 + 0.39.
-The second kernel of the first two forms spills (648 and 956 B a thread in the resource
-report at D = 64) and runs at a third of the inverse kernel's rate a pass. At head_dim 128 the
-first kernel spills (5.8 KB a thread), so "uz_*" runs at head_dim <= 64 only
-(prepass_variants.usable_variant).
-
-ptxas serializes the first kernel's wgmmas for lack of registers (C7512: a wait after each of
-its 196 HGMMAs; triton_resources.py flags it). A three-kernel form that avoids it was measured
-and removed (RESULTS.md round 27): the head loop (dq, partial dw and dZ), then dU, M_U, M_Z, T,
-dk and WK's pullback, then dA's pullback with U dE^T - Z dk^ = Y diag(beta) (W dE^T - WK dk^),
-none serialized, ran 1.91 + 2.62 + 1.58 = 6.11 ms against 5.16 + 0.95 = 6.12 at 32,2048,32,64
-(H200), for 0.33 GiB more peak: float32 traffic and per-product elementwise work bound these
-kernels, not the wgmma waits.
-
-Shape letters: C chunk, D head dim; q^, k^, E, diag as in prepass.py.
+Shape letters: C chunk, D head dim; q^, k^, E, diag as in operands.py.
 """
 from __future__ import annotations
 
@@ -48,7 +31,7 @@ from kernels_pallas.path_attention.prepass.chunk import (_add, _inverse_products
 
 def uz_common(k, w, y, beta_r, p):
   """What chunk_operands_vjp_uz recomputes from the inputs: (W, K, U, Z), marked as p marks
-  them (prepass_chunk.Products): k, w [C, D], y [C, C], beta_r [1, C] float32."""
+  them (chunk.Products): k, w [C, D], y [C, C], beta_r [1, C] float32."""
   _, _, X, W, K, WK = vjp_common(k, w, y, beta_r, p)
   return W, K, p.acc(p.mm(X, W)), p.acc(p.mm(X, WK))
 
@@ -109,7 +92,7 @@ def chunk_t_pullback(w, y, beta_c, beta_r, t, dw, dbeta, *, precision):
   """The second kernel's part: dA = -strictLower(T X^T) and the inverse's pullback, added to
   the first's dw and dbeta -> (dw, dbeta as a column [C, 1]). w [C, D], y, t [C, C], dw
   [C, D] (each may be a loader), beta_c, dbeta [C, 1], beta_r [1, C]; products
-  float32-accurate at `precision` (the inverse's: prepass_chunk._inverse_products)."""
+  float32-accurate at `precision` (the inverse's: chunk._inverse_products)."""
   p = _inverse_products(precision)
   strict, _, _ = _masks(beta_c.shape[0])
   da = jnp.where(strict, -p.mm(p.acc(_read(t)), p.acc(_read(y) * beta_r), tb=True), 0.0)
