@@ -2,7 +2,7 @@
 
 The page is the project's own statement of what each encoding computes; these checks keep it
 from drifting: its table lists exactly the registry's names, families, hyperparameters and
-defaults, every `docs/encodings.md#anchor` anywhere in the tree names one of its headings,
+defaults, every link into it from anywhere in the tree names one of its headings,
 every `tests/...::test_name` it cites exists, and no tracked text file points readers at
 reference files that live outside the repository.
 """
