@@ -97,7 +97,8 @@ def test_registry_table_matches_the_registry():
       f"docs/encodings.md's registry table lacks {sorted(set(encodings.NAMES) - set(rows))}")
   for name, (_, family, hparams, _) in rows.items():
     want_family = encodings.get(name).family
-    assert family == want_family, f"{name}: the page says family {family!r}, the registry {want_family!r}"
+    assert family == want_family, (
+        f"{name}: the page says family {family!r}, the registry {want_family!r}")
     listed = {k: ast.literal_eval(v) for k, v in re.findall(r"`(\w+)=([^`]*)`", hparams)}
     assert listed == dict(DEFAULTS[name]), (
         f"{name}: the page lists {listed}, the registry's defaults are {dict(DEFAULTS[name])}")
