@@ -1,6 +1,7 @@
 """posenc_jax: position encodings beyond RoPE as pure JAX functions.
 
-Public API (a contract; see DESIGN.md):
+Public API (a contract: tests, notebooks and users rely on these names and argument orders;
+what each computes is in docs/encodings.md):
   path_attention, forgetting_attention, path_integral_attention, tapa_attention,
   softmax_attention, rope, rotate, householder_product, encodings.
 """

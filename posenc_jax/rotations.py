@@ -1,7 +1,8 @@
 """Planar rotations, RoPE and its length extensions (PI, NTK, YaRN, Llama 3), accumulated phases.
 
-Conventions (SPEC.md): rotation planes are adjacent channel pairs (x[2m], x[2m+1]),
-m = 0..D/2-1, and `R(phi) x` maps each pair to (x0 cos - x1 sin, x0 sin + x1 cos).
+Conventions (docs/encodings.md#conventions): rotation planes are adjacent channel pairs
+(x[2m], x[2m+1]), m = 0..D/2-1, and `R(phi) x` maps each pair to
+(x0 cos - x1 sin, x0 sin + x1 cos).
 `layout="half"` pairs (x[m], x[m + D/2]) instead (the Llama / GPT-NeoX checkpoint layout).
 
 Shape letters: B batch, T time, H heads, D head dim, P = D/2 rotation planes.
@@ -130,8 +131,9 @@ def yarn_frequencies(head_dim: int, *, base: float = 10000.0, scale: float, trai
 
     ramp="paper" (default)  gamma_m = clip((r_m - beta_slow) / (beta_fast - beta_slow), 0, 1),
         r_m = train_len omega_m / (2 pi) the turns plane m makes over the training context:
-        the formula of the YaRN paper (§3.2). The default because SPEC.md follows the papers,
-        and it is continuous in train_len and the betas (no rounding).
+        the formula of the YaRN paper (§3.2). The default because the encodings' defaults follow
+        the papers (docs/encodings.md#rope_yarn), and it is continuous in train_len and the
+        betas (no rounding).
     ramp="hf"  linear in the plane index m instead: gamma_m = 1 - clip((m - lo) / (hi - lo), 0, 1)
         with lo = floor(m(beta_fast)), hi = ceil(m(beta_slow)) clipped to [0, D - 1] and
         m(n) = D ln(train_len / (2 pi n)) / (2 ln base) the plane that makes n turns. This is

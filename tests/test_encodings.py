@@ -18,7 +18,7 @@ DIMS = encodings.Dims(d_model=C, num_heads=H, num_kv_heads=K, head_dim=D, vocab_
 
 def test_registry_covers_exactly_the_spec_names():
   missing = [n for n in encodings.NAMES if n not in encodings._REGISTRY]
-  assert not missing, f"named in SPEC.md but not registered: {missing}"
+  assert not missing, f"in encodings.NAMES but not registered: {missing}"
   assert set(encodings._REGISTRY) == set(encodings.NAMES)
 
 

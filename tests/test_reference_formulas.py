@@ -109,7 +109,7 @@ def hf_rotate(x, angles):
 
 
 def adjacent_rotate(x, angles):
-  """R(angles) on adjacent pairs (x[2m], x[2m+1]) (SPEC.md), float64."""
+  """R(angles) on adjacent pairs (x[2m], x[2m+1]) (docs/encodings.md#conventions), float64."""
   c, s = np.cos(angles), np.sin(angles)
   out = np.empty_like(x)
   out[..., 0::2] = x[..., 0::2] * c - x[..., 1::2] * s

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from posenc_jax import attention
 
-# Every encoding of SPEC.md, under exactly these names.
+# Every encoding, under exactly these names (docs/encodings.md says what each computes).
 NAMES = (
     "nope", "rope", "rope_pi", "rope_ntk", "rope_yarn", "rope_llama3",
     "grape_m", "grape_m_rank2", "grape_m_noncommuting", "grape_m_ctx",
@@ -196,7 +196,8 @@ def register(name: str, *, family: str, init: Callable, prepare: Callable,
              check: Callable = _no_check) -> None:
   """Adds an encoding. init/prepare take the encoding's hyperparameters as keywords."""
   if name not in NAMES:
-    raise ValueError(f"encoding {name!r} is not in NAMES; add it to SPEC.md and NAMES first")
+    raise ValueError(f"encoding {name!r} is not in NAMES; add it to NAMES and docs/encodings.md "
+                     "first")
   if family not in FAMILIES + ("modifier",):
     raise ValueError(f"family={family!r} is not one of {FAMILIES}")
   _REGISTRY[name] = _Entry(family, init, prepare, check)
@@ -223,7 +224,7 @@ def get(name: str, **hparams) -> Encoding:
   if name not in NAMES:
     raise ValueError(f"unknown encoding {name!r}; expected one of {NAMES}")
   if name not in _REGISTRY:
-    raise ValueError(f"encoding {name!r} is named in SPEC.md but not implemented yet")
+    raise ValueError(f"encoding {name!r} is in NAMES but not implemented yet")
   e = _REGISTRY[name]
   d = _DECODERS.get(name, _FAMILY_DECODERS.get(e.family))
   if d is not None:

@@ -1,4 +1,4 @@
-"""Rotation encodings (SPEC.md "Multiplicative encodings"): RoPE and its extensions, GRAPE-M,
+"""Rotation encodings (docs/encodings.md): RoPE and its extensions, GRAPE-M,
 accumulated rotations, and value transport.
 
 Every entry is family "softmax": `prepare` maps q_i -> G_i q_i and k_j -> G_j k_j, so plain
@@ -12,7 +12,8 @@ GRAPE-M parameters live per kv head: the query heads of a GQA group share their 
 map, so keys are transformed once, at K heads. Hyperparameters (defaults in HPARAMS) are
 keyword-only; an unknown one raises ValueError.
 
-Reference-code variants (hyperparameters; defaults follow the papers, SPEC.md):
+Reference-code variants (hyperparameters; defaults follow the papers; the table is in
+docs/encodings.md#reference-implementations-and-the-switches-that-select-them):
   rope_ntk    variant="static" | "dynamic" (transformers' dynamic NTK; see _rope_family)
   rope_yarn   ramp="paper" | "hf" (transformers / original YaRN code; rotations.yarn_frequencies)
   rope_llama3 Llama 3.1's RoPE scaling (transformers' "llama3"), Llama 3.1's values by default
