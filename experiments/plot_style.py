@@ -38,12 +38,12 @@ ENCODINGS = {
     "grape_m_ctx": ("#17becf", "H", "-"),
     "grape_m_rank2": ("#8c8c00", "h", "--"),
     "grape_m_noncommuting": ("#dbdb8d", "h", ":"),
-    "acc_rot_random": ("#ff7f0e", "<", "-"),
-    "acc_rot_random_v": ("#fdae6b", "<", "--"),
+    "acc_rot_random": ("#a6761d", "<", "-"),
+    "acc_rot_random_v": ("#d9b365", "<", "--"),
     "acc_rot_learned": ("#e377c2", ">", "-"),
     "acc_rot_learned_v": ("#c51b7d", ">", "--"),
-    "tapa": ("#006d5b", "*", "-"),
-    "tapa_linear": ("#41ab5d", "*", "--"),
+    "tapa": ("#ff7f0e", "*", "-"),
+    "tapa_linear": ("#fdae6b", "*", "--"),
     "sba": ("#e6ab02", "d", "-"),
     "kv_shift": ("#525252", "|", "-"),
 }
@@ -58,7 +58,7 @@ EVAL_SETS = {
     "test": ("#66a61e", "v", "-"),
 }
 
-_FALLBACK = ("#a6761d", "#666666", "#1b7837", "#762a83", "#b35806", "#01665e")
+_FALLBACK = ("#006d5b", "#666666", "#1b7837", "#762a83", "#b35806", "#01665e")
 _FALLBACK_MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
