@@ -7,7 +7,7 @@ r"""Builds every results folder's README.md and plots from its files, and the re
 A folder holds results.json (the numbers), summaries.json (the runs, when a sweep wrote it),
 provenance.json (command, machine, date and the config as it ran) and NOTES.md (hand-written
 discussion). Its README is: title, verdict per paper claim, deviations from the paper (both
-from experiments/results_claims.py, the verdicts' numbers read from the JSON), the tables and
+from experiments/claims/, the verdicts' numbers read from the JSON), the tables and
 plots (experiments/results_render.py), the runs, then NOTES.md. Nothing is typed twice, so a
 README cannot drift from its JSON; tests/test_results_pages.py rebuilds every README and
 compares.
@@ -22,7 +22,7 @@ import sys
 
 import ml_collections
 
-from experiments import results_claims
+from experiments import claims as results_claims
 from experiments import results_render
 from experiments import results_writers
 
@@ -110,7 +110,7 @@ def verdict_lines(verdicts) -> list[str]:
   lines = []
   for v in verdicts:
     if v.verdict not in VERDICTS:
-      raise ValueError(f"experiments/results_claims.py: verdict {v.verdict!r} of {v.claim!r} "
+      raise ValueError(f"experiments/claims/: verdict {v.verdict!r} of {v.claim!r} "
                        f"must be one of {VERDICTS}")
     seeds = (" One seed: a difference inside one seed's spread is not a finding."
              if v.seeds == 1 else f" {v.seeds} seeds." if v.seeds else "")
@@ -130,10 +130,17 @@ def page_text(path: str, *, plots: bool = False) -> str:
   command = f"python -m experiments.results_pages {'experiments/results/' + rel if rel else path}"
   lines = [f"# {title}", "",
            f"Generated from this folder's {', '.join(sources)} by `{command}`"
-           + (" (verdicts and deviations: experiments/results_claims.py)" if spec else "")
+           + (" (verdicts and deviations: experiments/claims/)" if spec else "")
            + "; edit those, not this file.", ""]
   if spec:
-    lines += ["## Verdict", ""] + verdict_lines(spec.claims(load)) + [""]
+    try:
+      verdicts = verdict_lines(spec.claims(load))
+    except (KeyError, IndexError, ValueError, TypeError) as e:
+      # New runs in a committed folder (other encodings, seeds) must not lose their README;
+      # tests/test_results_pages.py fails on this line until the claims are updated.
+      verdicts = [f"- verdicts not computed ({type(e).__name__}: {e}): update "
+                  f"the claims of {rel!r} in experiments/claims/ for these results"]
+    lines += ["## Verdict", ""] + verdicts + [""]
     lines += ["## Deviations from the paper", ""] + [f"- {d}" for d in spec.deviations] + [""]
   sections = spec.sections if spec else (results_claims.Section(),)
   for s in sections:

@@ -35,7 +35,7 @@ def seeds_cell(values: list[float], fmt: str, *, scale: float = 1.0, unit: str =
   if len(v) == 1:
     return f"{v[0]:{fmt}}{unit}"
   if len({f"{x:{fmt}}" for x in v}) == 1:
-    return f"{v[0]:{fmt}}{unit} (all {len(v)} seeds)"
+    return f"{v[0]:{fmt}}{unit} ({'both' if len(v) == 2 else f'all {len(v)}'} seeds)"
   half = (max(v) - min(v)) / 2
   return (f"{np.mean(v):{fmt}}{unit} ± {half:{fmt}} "
           f"({', '.join(f'{x:{fmt}}' for x in v)})")

@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from experiments import results_claims  # noqa: E402
+from experiments import claims as results_claims  # noqa: E402
 from experiments import results_pages  # noqa: E402
 from experiments import results_render  # noqa: E402
 from experiments import results_writers  # noqa: E402
@@ -62,7 +62,7 @@ def test_results_json_is_the_aggregate_of_its_runs(path):
 @pytest.mark.parametrize("path", FOLDERS, ids=_rel)
 def test_every_folder_states_verdicts_and_deviations(path):
   spec = results_claims.PAGES.get(_rel(path))
-  assert spec is not None, f"add {_rel(path)!r} to experiments/results_claims.PAGES"
+  assert spec is not None, f"add {_rel(path)!r} to experiments/claims/__init__.py PAGES"
   verdicts = spec.claims(results_pages.Loader(path))
   assert verdicts and spec.deviations
   assert {v.verdict for v in verdicts} <= set(results_pages.VERDICTS)
@@ -99,7 +99,7 @@ def test_numbers_are_rounded_from_the_json():
   # mqrar_gpu/rope_n1_seeds: seeds 0 and 1 at N = 1.
   assert results_render.seeds_cell([0.0896121647018623, 0.9999145737228772], ".2f", scale=100,
                                    unit="%") == "54.48% ± 45.52 (8.96, 99.99)"
-  assert results_render.seeds_cell([0.0, 0.0], ".2f", scale=100, unit="%") == "0.00% (all 2 seeds)"
+  assert results_render.seeds_cell([0.0, 0.0], ".2f", scale=100, unit="%") == "0.00% (both seeds)"
 
 
 def _figure(sub):
@@ -135,3 +135,18 @@ def test_equal_accuracies_stay_visible_and_path_keeps_its_colour():
       assert alphabet in ax.get_title()
     finally:
       plt.close(fig)
+
+
+def test_new_runs_that_break_a_claim_still_get_a_readme(tmp_path, monkeypatch):
+  root = tmp_path / "results"
+  shutil.copytree(os.path.join(results_pages.RESULTS_ROOT, "mqrar_gpu"), root / "mqrar_gpu",
+                  ignore=shutil.ignore_patterns("*.png"))
+  monkeypatch.setattr(results_pages, "RESULTS_ROOT", str(root))
+  path = root / "mqrar_gpu" / "results.json"
+  r = json.loads(path.read_text())
+  for key in ("accuracy", "per_seed"):
+    del r[key]["fox"]                                   # a sweep of other encodings
+  path.write_text(json.dumps(r))
+  text = results_pages.page_text(str(root / "mqrar_gpu"))
+  assert "- verdicts not computed (KeyError: 'fox'): update the claims of 'mqrar_gpu' in experiments/claims/" in text
+  assert "| path " in text                             # the table is still there
