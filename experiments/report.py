@@ -3,8 +3,10 @@
 metrics.jsonl holds one JSON object per line:
   {"kind": "train", "step", "loss", "accuracy", "grad_norm", "learning_rate", ...}
   {"kind": "eval", "step", "set", "length", "loss", "perplexity", "accuracy", "error", "tokens"}
-report.md (per run) has the final evaluation table and two plots: the loss curve and each
-metric against the evaluation length. A sweep writes a comparison table of its runs.
+report.md (per run) has the final evaluation table and two plots: the loss curve and the
+headline metric against the evaluation length (one labelled bar per set when there is a single
+length). A sweep writes a comparison table of its runs, whose training loss is the mean over
+the last TAIL_STEPS steps (one step's loss is one batch's). Colours: experiments/plot_style.py.
 """
 from __future__ import annotations
 
