@@ -106,12 +106,24 @@ def _section(folder: Folder, out_dir: str | None, *, img: str, notes: dict) -> l
                                    notes=notes))
 
 
+def _claims(spec, load: Loader, rel: str):
+  """(verdicts, None), or (None, a line saying why not). New runs in a committed folder (other
+  encodings, more seeds) must not cost the folder its README, nor the index; the tests fail on
+  that line until experiments/claims/ is updated."""
+  try:
+    verdicts = spec.claims(load)
+  except (KeyError, IndexError, ValueError, TypeError) as e:
+    return None, (f"verdicts not computed ({type(e).__name__}: {e}): update the claims of "
+                  f"{rel!r} in experiments/claims/ for these results")
+  bad = [v.verdict for v in verdicts if v.verdict not in VERDICTS]
+  if bad:
+    raise ValueError(f"experiments/claims/ ({rel}): verdicts {bad} must be one of {VERDICTS}")
+  return verdicts, None
+
+
 def verdict_lines(verdicts) -> list[str]:
   lines = []
   for v in verdicts:
-    if v.verdict not in VERDICTS:
-      raise ValueError(f"experiments/claims/: verdict {v.verdict!r} of {v.claim!r} "
-                       f"must be one of {VERDICTS}")
     seeds = (" One seed: a difference inside one seed's spread is not a finding."
              if v.seeds == 1 else f" {v.seeds} seeds." if v.seeds else "")
     lines.append(f"- **{v.verdict}** — {v.paper}: {v.claim}. Here: {v.evidence}.{seeds}")
@@ -133,14 +145,8 @@ def page_text(path: str, *, plots: bool = False) -> str:
            + (" (verdicts and deviations: experiments/claims/)" if spec else "")
            + "; edit those, not this file.", ""]
   if spec:
-    try:
-      verdicts = verdict_lines(spec.claims(load))
-    except (KeyError, IndexError, ValueError, TypeError) as e:
-      # New runs in a committed folder (other encodings, seeds) must not lose their README;
-      # tests/test_results_pages.py fails on this line until the claims are updated.
-      verdicts = [f"- verdicts not computed ({type(e).__name__}: {e}): update "
-                  f"the claims of {rel!r} in experiments/claims/ for these results"]
-    lines += ["## Verdict", ""] + verdicts + [""]
+    verdicts, error = _claims(spec, load, rel)
+    lines += ["## Verdict", ""] + ([f"- {error}"] if error else verdict_lines(verdicts)) + [""]
     lines += ["## Deviations from the paper", ""] + [f"- {d}" for d in spec.deviations] + [""]
   sections = spec.sections if spec else (results_claims.Section(),)
   for s in sections:
@@ -201,12 +207,16 @@ def index_text() -> str:
   for rel, spec in results_claims.PAGES.items():
     if not spec.index:
       continue
-    for v in spec.claims(Loader(os.path.join(RESULTS_ROOT, rel))):
+    verdicts, error = _claims(spec, Loader(os.path.join(RESULTS_ROOT, rel)), rel)
+    if error:
+      rows.append(("-", error, "-", "-", f"[{rel}]({rel}/README.md)"))
+    for v in verdicts or ():
       seeds = "1 seed" if v.seeds == 1 else f"{v.seeds} seeds" if v.seeds else "-"
       rows.append((v.paper, v.claim, f"**{v.verdict}**", f"{v.evidence} ({seeds})",
                    f"[{rel}]({rel}/README.md)"))
   rows += [(u.paper, u.claim, "**untested**", u.evidence, "-") for u in results_claims.UNTESTED]
-  rows.sort(key=lambda r: results_claims.PAPER_ORDER.index(r[0].split(" ")[0]))
+  order = results_claims.PAPER_ORDER
+  rows.sort(key=lambda r: order.index(r[0].split(" ")[0]) if r[0] != "-" else -1)
   table = ["| paper | claim | verdict | measured here | folder |", "|---|---|---|---|---|"]
   table += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
   where = ["| folder | setting | seeds | where and when |", "|---|---|---|---|"]

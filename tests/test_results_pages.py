@@ -139,8 +139,7 @@ def test_equal_accuracies_stay_visible_and_path_keeps_its_colour():
 
 def test_new_runs_that_break_a_claim_still_get_a_readme(tmp_path, monkeypatch):
   root = tmp_path / "results"
-  shutil.copytree(os.path.join(results_pages.RESULTS_ROOT, "mqrar_gpu"), root / "mqrar_gpu",
-                  ignore=shutil.ignore_patterns("*.png"))
+  shutil.copytree(results_pages.RESULTS_ROOT, root, ignore=shutil.ignore_patterns("*.png"))
   monkeypatch.setattr(results_pages, "RESULTS_ROOT", str(root))
   path = root / "mqrar_gpu" / "results.json"
   r = json.loads(path.read_text())
@@ -148,5 +147,7 @@ def test_new_runs_that_break_a_claim_still_get_a_readme(tmp_path, monkeypatch):
     del r[key]["fox"]                                   # a sweep of other encodings
   path.write_text(json.dumps(r))
   text = results_pages.page_text(str(root / "mqrar_gpu"))
-  assert "- verdicts not computed (KeyError: 'fox'): update the claims of 'mqrar_gpu' in experiments/claims/" in text
+  why = "verdicts not computed (KeyError: 'fox'): update the claims of 'mqrar_gpu'"
+  assert f"- {why} in experiments/claims/" in text
+  assert why in results_pages.index_text()             # the index is still written
   assert "| path " in text                             # the table is still there
