@@ -34,3 +34,15 @@ def test_rows_without_losses_name_them(tmp_path):
 def test_labels_must_match_rows(tmp_path):
   with pytest.raises(ValueError, match="--labels has 1 names for 2 rows"):
     loss_curves.main([_rows(tmp_path, [[1.0], [2.0]]), "--labels", "x"])
+
+
+def test_rows_of_one_encoding_share_its_colour_and_differ_in_line():
+  from experiments import plot_style
+
+  rows = [{"encoding": e} for e in ("path", "path", "rope", "path")]
+  styles = loss_curves.line_styles(rows)
+  assert [s["color"] for s in styles] == [plot_style.encoding(e)["color"]
+                                          for e in ("path", "path", "rope", "path")]
+  paths = [styles[i] for i in (0, 1, 3)]
+  assert len({s["linestyle"] for s in paths}) == 3
+  assert len({s["markevery"] for s in paths}) == 3    # bitwise-equal curves still show twice

@@ -2,10 +2,12 @@
 largest step-wise gap between each row and the first.
 
   python experiments/benchmarks/loss_curves.py experiments/benchmarks/train_losses_h200.jsonl \
-      --out experiments/benchmarks/train_losses_h200.png
+      --out experiments/benchmarks/train_losses_h200.png \
+      --labels "A: default (call 4),B: keep_inverse=false (call 4),C: default (call 5),D: default (call 5; beside C)"
 
 Each row is labelled by its line number, encoding, implementation and note's first clause
-(--labels overrides). Two runs of one code in one process are bitwise equal; runs of one code in
+(--labels overrides). Colours are the encodings' (experiments/plot_style.py); rows of one
+encoding differ by line style and marker. Two runs of one code in one process are bitwise equal; runs of one code in
 different device calls are not (the compiled kernels' algorithms may differ by machine), so a
 comparison needs such a pair beside it to read the gap against.
 """
@@ -49,16 +51,36 @@ def table(rows: list[dict], labels: list[str], window: int) -> str:
   return "\n".join(lines)
 
 
+REPEAT_LINESTYLES = ("-", "--", ":", "-.")
+REPEAT_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def line_styles(rows: list[dict], *, every: int = 20) -> list[dict]:
+  """plot() keywords per row: the encoding's colour (experiments/plot_style.py); rows of one
+  encoding (the same code in two calls, or two options) differ by line style and by markers
+  placed at staggered steps, so two bitwise-equal curves still show as two."""
+  from experiments import plot_style
+  seen: dict[str, int] = {}
+  out = []
+  for r in rows:
+    n = seen[r["encoding"]] = seen.get(r["encoding"], -1) + 1
+    out.append({"color": plot_style.encoding(r["encoding"])["color"],
+                "linestyle": REPEAT_LINESTYLES[n % len(REPEAT_LINESTYLES)],
+                "marker": REPEAT_MARKERS[n % len(REPEAT_MARKERS)],
+                "markevery": (n * every // 4 % every, every), "markersize": 5})
+  return out
+
+
 def plot(rows: list[dict], labels: list[str], out: str, smooth: int):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(8, 4.5))
-  for lab, r in zip(labels, rows):
+  for lab, r, kw in zip(labels, rows, line_styles(rows)):
     y = r["losses"]
     k = max(1, smooth)
     avg = [statistics.mean(y[max(0, i - k + 1):i + 1]) for i in range(len(y))]
-    ax.plot(range(len(y)), avg, label=lab, linewidth=1.2)
+    ax.plot(range(len(y)), avg, label=lab, linewidth=1.2, markerfacecolor="none", **kw)
   ax.set_xlabel("step")
   ax.set_ylabel(f"training loss ({smooth}-step trailing mean)" if smooth > 1 else "training loss")
   ax.set_ylim(top=min(6.0, ax.get_ylim()[1]))

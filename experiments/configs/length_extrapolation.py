@@ -10,9 +10,10 @@ mixing_window), which read them from WORKDIR/<encoding>/seed0/.
 
 `arg`: runlocal, gpu, encodings=A+B, seeds=N (default 1), steps=N, train_len=L (default 64;
 512 with gpu), lr=X (peak learning rate; default 3e-3, 1e-3 with gpu). TAPA's paper trains
-TAPA at a fifth of RoPE's rate (2e-5 against 1e-4); at gpu's shared 1e-3 its gradient norm
-grows from step 75 and the run does not learn (length_extrapolation_gpu/NOTES.md), so the GPU
-table's TAPA row is `encodings=tapa,lr=2e-4`, which gets its own results directory.
+TAPA at a fifth of RoPE's rate (2e-5 against 1e-4). The GPU table's tapa row trained at gpu's
+shared 1e-3, where its gradient norm grows from step 75 and the run does not learn
+(length_extrapolation_gpu/NOTES.md); the run at that ratio, `encodings=tapa,lr=2e-4`, has its
+own results directory (length_extrapolation_gpu/tapa_lr2e-4/) and did not learn either.
 
 `gpu` (one GPU; issue 15's scale): a 6-layer llama-style model (d_model 768, 12 heads x 64,
 ~43M parameters) in bfloat16, trained at L = 512 on batches of 64 rows (32,768 tokens a step)

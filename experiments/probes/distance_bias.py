@@ -135,11 +135,14 @@ def run(c) -> tuple[dict, dict]:
 
 
 def write(c, results, hists, out_dir: str, prov: dict) -> None:
+  """results.json, provenance.json and histograms.png, then the README (results_pages)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from experiments import report
+  from experiments import plot_style
+  from experiments import results_pages
+  from experiments import results_writers
 
   os.makedirs(out_dir, exist_ok=True)
   ivs = list(results)
@@ -149,7 +152,7 @@ def write(c, results, hists, out_dir: str, prov: dict) -> None:
   for row, iv in zip(axes, ivs):
     for ax, source in zip(row, sources):
       for name, d in hists[iv][source].items():
-        ax.hist(d, bins=80, alpha=0.55, density=True,
+        ax.hist(d, bins=80, alpha=0.55, density=True, color=plot_style.encoding(name)["color"],
                 label=f"{name} (mu {d.mean():.2f}, sd {d.std():.2f})")
       ax.axvline(0, color="k", lw=0.6)
       ax.set_title(f"{source}\n{iv}", fontsize=8)
@@ -158,11 +161,22 @@ def write(c, results, hists, out_dir: str, prov: dict) -> None:
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "histograms.png"), dpi=100)
   plt.close(fig)
+  results_writers.save_results(out_dir, "distance_bias", results, c, prov)
+  results_pages.write_page(out_dir)
+
+
+def section(c, results: dict, prov: dict, out_dir: str | None, *, img: str = "") -> list[str]:
+  """The README's setting lines, table and histogram link, from results.json alone (the
+  histograms need the raw differences, so only write() draws them)."""
+  from experiments import report
+
+  del out_dir
+  ivs = list(results)
+  sources = list(results[ivs[0]])
   rows = [[iv, source, name, f"{s['mean']:.3f}", f"{s['std']:.3f}",
            f"{100 * s['frac_positive']:.1f}%", s["n"]]
           for iv in ivs for source in sources for name, s in results[iv][source].items()]
-  lines = [
-      "# Distance bias (TAPA App. 15)", "",
+  return [
       f"- command: `{prov['command']}`",
       f"- setting: {'runlocal (smoke test only)' if c.runlocal else 'full'}",
       f"- intervals: {', '.join(ivs)}; {c.num_pairs} pairs per source (trained: split over the "
@@ -177,9 +191,7 @@ def write(c, results, hists, out_dir: str, prov: dict) -> None:
       "Delta = s(q, k; lambda) - s(q, k; Lambda) with s the encoding's attention logit for key "
       "at position 0 and query at position lambda ~ U(short) or Lambda ~ U(long) (the same "
       "content pair at both distances). Paper (trained 8K models, PG19): RoPE mean 4.1 / std "
-      "0.85, TAPA mean 0.03 / std 3.3.", "", "![histograms](histograms.png)", ""]
-  from experiments import results_writers
-  results_writers.save_with_notes(out_dir, results, lines)
+      "0.85, TAPA mean 0.03 / std 3.3.", "", f"![histograms]({img}histograms.png)", ""]
 
 
 def main(argv) -> None:

@@ -191,38 +191,59 @@ def run(c) -> dict:
 
 
 def write(c, results: dict, out_dir: str, prov: dict) -> None:
+  """results.json and provenance.json, then the README and plot (results_pages)."""
+  from experiments import results_pages
+  from experiments import results_writers
+
+  results_writers.save_results(out_dir, "mixing_window", results, c, prov)
+  results_pages.write_page(out_dir)
+
+
+def _plot(results: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from experiments import report
+  from experiments import plot_style
 
-  os.makedirs(out_dir, exist_ok=True)
   fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+  names = list(results)
   for name, r in results.items():
+    st = plot_style.encoding(name)
     rs = [int(k) for k in r["first_moment_spectral"]]
-    axes[0].plot(rs, list(r["first_moment_spectral"].values()), "o-", label=f"{name} ||.||_2")
-    axes[0].plot(rs, list(r["first_moment_frobenius"].values()), "s--",
-                 label=f"{name} ||.||_F/sqrt(D)")
+    axes[0].plot(rs, list(r["first_moment_spectral"].values()), label=f"{name} ||.||_2", **st)
+    axes[0].plot(rs, list(r["first_moment_frobenius"].values()), markerfacecolor="none",
+                 label=f"{name} ||.||_F/sqrt(D)", **{**st, "linestyle": ":"})
     bins = list(r["attention_mass"])
-    axes[1].plot(range(len(bins)), list(r["attention_mass"].values()), "o-", label=name)
+    axes[1].plot(range(len(bins)), list(r["attention_mass"].values()), label=name, **st)
     axes[1].set_xticks(range(len(bins)), bins, rotation=45, fontsize=7)
   axes[0].set(xscale="log", yscale="log", xlabel="route length r", ylabel="||E[T_route]||",
               title="first moment of the route transport")
   axes[1].set(yscale="log", xlabel="distance bin", ylabel="attention mass",
               title="attention mass vs distance (queries i >= T/2)")
-  names = list(results)
-  axes[2].bar(np.arange(len(names)) - 0.2, [results[n]["cancellation_plain"] for n in names],
-              0.4, label="plain values")
-  axes[2].bar(np.arange(len(names)) + 0.2,
-              [results[n]["cancellation_transported"] for n in names], 0.4, label="transported")
+  for i, n in enumerate(names):
+    color = plot_style.encoding(n)["color"]
+    axes[2].bar(i - 0.2, results[n]["cancellation_plain"], 0.4, color=color, alpha=0.45,
+                label="plain values" if i == 0 else None)
+    axes[2].bar(i + 0.2, results[n]["cancellation_transported"], 0.4, color=color,
+                label="transported" if i == 0 else None)
   axes[2].set_xticks(np.arange(len(names)), names, rotation=20)
-  axes[2].set(ylabel="||sum a T v|| / sum a ||v||", title="value-side cancellation")
+  axes[2].set(ylabel="||sum a T v|| / sum a ||v||",
+              title="value-side cancellation\n(light: plain values, dark: transported)")
   for ax in axes:
     ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "mixing_window.png"), dpi=100)
+  fig.savefig(path, dpi=100)
   plt.close(fig)
+
+
+def section(c, results: dict, prov: dict, out_dir: str | None, *, img: str = "") -> list[str]:
+  """The README's setting lines, definitions, tables and plot, from results.json alone."""
+  from experiments import report
+
+  if out_dir:
+    _plot(results, os.path.join(out_dir, "mixing_window.png"))
+  names = list(results)
   rs = list(next(iter(results.values()))["first_moment_spectral"])
   rows = [[n] + [f"{results[n]['first_moment_spectral'][k]:.3f} / "
                  f"{results[n]['first_moment_frobenius'][k]:.3f}" for k in rs] for n in names]
@@ -231,22 +252,19 @@ def write(c, results: dict, out_dir: str, prov: dict) -> None:
   crows = [[n, f"{results[n]['cancellation_plain']:.3f}",
             f"{results[n]['cancellation_transported']:.3f}"] for n in names]
   doc = sys.modules[__name__].__doc__.split("\n\n")[1:3]
-  lines = ["# Mixing window of accumulated transports (accumulated_rotations §8.3)", "",
-           f"- command: `{prov['command']}`",
-           f"- setting: {'runlocal (smoke test only)' if c.runlocal else 'full'}",
-           f"- checkpoints: `{c.source_config}` ({c.source_arg or 'full setting'}) in "
-           f"`{c.source_workdir}`; {c.text_batch} held-out rows of {c.text_len} bytes",
-           f"- machine: {prov['machine']}, jax {prov['jax']}; date {prov['date']}; wall time "
-           f"{prov['wall_time_s']} s", "", "## Definitions", "", *doc, "",
-           "## First moment of the route transport: spectral / Frobenius-rms norm vs r", "",
-           report.markdown_table(["encoding"] + [f"r={k}" for k in rs], rows), "",
-           "## Attention mass per distance bin", "",
-           report.markdown_table(["encoding"] + bins, mrows), "",
-           "## Value-side cancellation", "",
-           report.markdown_table(["encoding", "c_plain", "c_transported"], crows), "",
-           "![mixing window](mixing_window.png)", ""]
-  from experiments import results_writers
-  results_writers.save_with_notes(out_dir, results, lines)
+  return [f"- command: `{prov['command']}`",
+          f"- setting: {'runlocal (smoke test only)' if c.runlocal else 'full'}",
+          f"- checkpoints: `{c.source_config}` ({c.source_arg or 'full setting'}) in "
+          f"`{c.source_workdir}`; {c.text_batch} held-out rows of {c.text_len} bytes",
+          f"- machine: {prov['machine']}, jax {prov['jax']}; date {prov['date']}; wall time "
+          f"{prov['wall_time_s']} s", "", "### Definitions", "", *doc, "",
+          "### First moment of the route transport: spectral / Frobenius-rms norm vs r", "",
+          report.markdown_table(["encoding"] + [f"r={k}" for k in rs], rows), "",
+          "### Attention mass per distance bin", "",
+          report.markdown_table(["encoding"] + bins, mrows), "",
+          "### Value-side cancellation", "",
+          report.markdown_table(["encoding", "c_plain", "c_transported"], crows), "",
+          f"![mixing window]({img}mixing_window.png)", ""]
 
 
 def main(argv) -> None:
