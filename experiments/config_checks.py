@@ -53,8 +53,10 @@ def model_config(config, vocab_size: int) -> model_lib.ModelConfig:
 
 
 def _kernel_options(m) -> dict:
+  """config.model.kernel_options' set fields (None: the kernels' default)."""
   options = m.get("kernel_options") or {}
-  return options.to_dict() if hasattr(options, "to_dict") else dict(options)
+  options = options.to_dict() if hasattr(options, "to_dict") else dict(options)
+  return {k: v for k, v in options.items() if v is not None}
 
 
 def stored_form(mcfg: model_lib.ModelConfig) -> dict:
@@ -83,13 +85,14 @@ def check_model(config, vocab_size: int) -> model_lib.ModelConfig:
     try:  # "pallas:key=value,..." passes options to the PaTH / FoX kernels
       _checks.check_implementation(m.implementation, _checks.IMPLEMENTATIONS,
                                    kernel_options=True)
+      _checks.kernel_block_sizes(m.implementation)
     except ValueError as e:
       raise ValueError(f"config.model.implementation={m.implementation!r} must be None (auto) "
                        f"or one of {_checks.IMPLEMENTATIONS} ({e})") from None
   try:
     _checks.kernel_block_sizes(m.implementation, _kernel_options(m))
   except ValueError as e:
-    raise ValueError(f"config.model.kernel_options: {e}") from None
+    raise ValueError(f"config.model.{e}") from None
   if not 0.0 <= float(m.dropout) < 1.0:
     raise ValueError(f"config.model.dropout={m.dropout} must be in [0, 1)")
   if m.encoding in encodings.MODIFIERS:

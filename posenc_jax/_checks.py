@@ -66,23 +66,27 @@ def check_implementation(implementation, allowed: Sequence[str], *,
 def kernel_block_sizes(implementation: str | None, kernel_options=None):
   """The PaTH / FoX kernels' kernels_pallas.BlockSizes from "pallas:key=value,..." and a
   kernel_options mapping (a dict or ConfigDict of BlockSizes fields; both may be given, for
-  different fields); None where neither sets anything."""
+  different fields); None where neither sets anything. Errors name the argument at fault."""
   _, _, text = str(implementation or "").partition(":")
-  if not text and not kernel_options:
+  given = dict(kernel_options.to_dict() if hasattr(kernel_options, "to_dict")
+               else kernel_options or {})
+  if not text and not any(v is not None for v in given.values()):
     return None
   import kernels_pallas  # imported lazily: importing the kernels costs a second or two
   from kernels_pallas.path_attention import options as kernel_opts
   try:
     fields = kernel_opts.parse(text)
-    given = dict(kernel_options.to_dict() if hasattr(kernel_options, "to_dict")
-                 else kernel_options or {})
-    both = sorted(set(fields) & set(given))
-    if both:
-      raise ValueError(f"{', '.join(both)} set both in the implementation string and in "
-                       "kernel_options")
-    return kernels_pallas.BlockSizes.of({**fields, **given})
+    kernels_pallas.BlockSizes.of(fields)
   except (TypeError, ValueError) as e:
-    raise ValueError(f"kernel options ({implementation=}, {kernel_options=}): {e}") from None
+    raise ValueError(f"implementation={implementation!r}: {e}") from None
+  try:
+    both = sorted(set(fields) & {k for k, v in given.items() if v is not None})
+    if both:
+      raise ValueError(f"{', '.join(both)} set both here and in implementation="
+                       f"{implementation!r}")
+    return kernels_pallas.BlockSizes.of({**given, **fields})
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"kernel_options={given}: {e}") from None
 
 
 def is_concrete(x) -> bool:

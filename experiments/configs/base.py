@@ -16,8 +16,8 @@ Experiment files start from `base.get_config()` and override what they study. Fi
                           jnp and blockwise by measurement, CPU_DENSE_MAX_T), or one
                           of reference / xla / cudnn / scan / chunked / pallas
   model.kernel_options    the PaTH / FoX Pallas kernels' options, kernels_pallas.BlockSizes
-                          fields (block, span, prepass, mosaic, keep_inverse); {} = the plan's
-                          defaults (kernels_pallas.explain prints the plan; speed-only)
+                          fields (block, span, prepass, mosaic, keep_inverse; None = the
+                          default; kernels_pallas.explain prints the plan; speed-only)
   model.scan_layers       run the blocks as one lax.scan (compiles one layer instead of
                           num_layers; same parameters and checkpoints; speed-only)
   train.*                 AdamW with linear warmup, cosine decay to 10%, global-norm clipping
@@ -47,7 +47,10 @@ def get_config() -> ml_collections.ConfigDict:
       encoding="rope", encoding_kwargs=ml_collections.ConfigDict(), kv_shift=False,
       num_layers=2, d_model=64, num_heads=2, num_kv_heads=0, head_dim=32, mlp_dim=0,
       block="llama", qk_norm=False, dropout=0.0, tie_embeddings=False, dtype="float32",
-      implementation=config_dict.placeholder(str), kernel_options=ml_collections.ConfigDict(),
+      implementation=config_dict.placeholder(str), kernel_options=ml_collections.ConfigDict(dict(
+          block=config_dict.placeholder(int), span=config_dict.placeholder(int),
+          prepass=config_dict.placeholder(str), mosaic=config_dict.placeholder(bool),
+          keep_inverse=config_dict.placeholder(str))),
       scan_layers=False))
   c.train = ml_collections.ConfigDict(dict(
       steps=1000, batch_size=32, learning_rate=1e-3, warmup_steps=100, weight_decay=0.1,

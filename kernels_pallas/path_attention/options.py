@@ -75,7 +75,9 @@ class BlockSizes:
     if unknown:
       raise ValueError(f"unknown kernel option{'s' * (len(unknown) > 1)} "
                        f"{', '.join(unknown)}; the options are {', '.join(fields)}")
-    return cls(**options)
+    # None: the default (a config's unset field); strings as parse() reads them ("true", "8")
+    given = {k: _literal(v) if isinstance(v, str) else v for k, v in options.items()}
+    return cls(**{k: v for k, v in given.items() if v is not None})
 
 
 def parse(text: str) -> dict:
@@ -85,8 +87,13 @@ def parse(text: str) -> dict:
   for item in filter(None, (s.strip() for s in text.split(","))):
     key, eq, value = item.partition("=")
     if not eq or not key:
-      raise ValueError(f"kernel option {item!r} is not key=value")
-    low = value.strip().lower()
-    out[key.strip()] = (int(low) if low.lstrip("-").isdigit() else
-                        {"true": True, "false": False, "none": None}.get(low, value.strip()))
+      raise ValueError(f"kernel option {item!r} is not KEY=VALUE")
+    out[key.strip()] = _literal(value)
   return out
+
+
+def _literal(value: str):
+  low = value.strip().lower()
+  if low.lstrip("-").isdigit():
+    return int(low)
+  return {"true": True, "false": False, "none": None}.get(low, value.strip())
