@@ -300,9 +300,9 @@ def dq_tpu_kernel(*refs, scale, transport, gate, segments, precision):
         qt = r["st_tile"][...]
       else:
         qt = r["q"][g]
-      adj, dfq, dpg, _ = dq_step(_query(r, g, gate, segments), kc(g), qt,
-                                             r["adj"][g], r["dfq_acc"][g], scale=scale,
-                                             transport=transport, precision=precision)
+      adj, dfq, dpg = dq_step(_query(r, g, gate, segments), kc(g), qt, r["adj"][g],
+                              r["dfq_acc"][g], scale=scale, transport=transport,
+                              precision=precision)
       r["adj"][g], r["dfq_acc"][g] = adj, dfq
       dp = dpg if dp is None or dpg is None else dp + dpg
     if transport:
