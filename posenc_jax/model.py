@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posenc_jax import attention
 from posenc_jax import encodings
 from posenc_jax import kv_cache
 
@@ -113,6 +114,38 @@ class ModelConfig:
 
   def encoding_fn(self) -> encodings.Encoding:
     return encodings.get(self.encoding, **dict(self.encoding_kwargs))
+
+
+def attention_choice(cfg: ModelConfig, *, batch: int, seq_len: int, segments: bool = True,
+                     backend: str | None = None) -> attention.Choice:
+  """What each attention layer of this model runs at [batch, seq_len] (implementation=None:
+  posenc_jax.attention.auto_implementation's choice and reason; with a Pallas PaTH / FoX
+  kernel, the kernel's plan), from shapes alone. segments: the call passes segment ids (the
+  training step does)."""
+  enc = cfg.encoding_fn()
+  dt = DTYPES[cfg.dtype]
+  sd = jax.ShapeDtypeStruct
+  B, T, H, K, D = batch, seq_len, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+  found = {}
+
+  def prepare(params, x, q, k, v):
+    prep = enc.prepare(params, x=x, q=q, k=k, v=v,
+                       positions=jnp.zeros((B, T), jnp.int32),
+                       segment_ids=jnp.zeros((B, T), jnp.int32) if segments else None,
+                       tokens=jnp.zeros((B, T), jnp.int32), rng=None, train=False)
+    found["family"] = prep.family
+    found["gate"] = prep.inputs.get("log_forget") is not None
+    return prep.q, prep.v
+
+  params = jax.eval_shape(lambda: enc.init(jax.random.key(0), cfg.dims))
+  q, v = jax.eval_shape(prepare, params, sd((B, T, cfg.d_model), dt), sd((B, T, H, D), dt),
+                        sd((B, T, K, D), dt), sd((B, T, K, D), dt))
+  if cfg.implementation is not None:
+    return attention.Choice(cfg.implementation, "set by model.implementation")
+  return attention.auto_implementation(
+      found["family"], T=T, dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+      has_segments=segments, backend=backend, batch=B, heads=q.shape[2], kv_heads=K,
+      gate=found["gate"], kernel_options=dict(cfg.kernel_options) or None)
 
 
 def _part(init, *names):

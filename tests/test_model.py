@@ -197,3 +197,24 @@ def test_one_hot_embedding_matches_the_gather(dtype, chunk, key, monkeypatch):
   tol = 1e-6 if dtype == jnp.float32 else 4e-3
   assert_rel_rms(g_fast, g_oracle, tol)
   assert model_lib.embed_tokens(table, tokens, dtype=dtype).dtype == dtype
+
+
+def test_attention_choice_gives_the_kernel_plan():
+  """model.attention_choice: the implementation a layer runs and why, with the Pallas kernel's
+  plan for PaTH / PaTH-FoX (the gate seen from the encoding's own inputs) and kernel_options
+  reaching it; from shapes alone."""
+  base = dict(vocab_size=256, num_layers=2, d_model=256, num_heads=4, head_dim=64,
+              dtype="bfloat16")
+  path = model_lib.attention_choice(model_lib.ModelConfig(encoding="path", **base), batch=2,
+                                    seq_len=1024, backend="gpu")
+  fox = model_lib.attention_choice(
+      model_lib.ModelConfig(encoding="path_fox", kernel_options=(("span", 0),), **base),
+      batch=2, seq_len=1024, backend="gpu")
+  assert path.implementation == fox.implementation == "pallas"
+  assert "PaTH on gpu" in path.reason and "no gate, segments" not in path.reason
+  assert "segments" in path.reason and "gate" not in path.reason.split("\n")[1]
+  assert "gate, segments" in fox.reason
+  assert "backward:  span-parallel" in path.reason and "backward:  walk" in fox.reason
+  rope = model_lib.attention_choice(model_lib.ModelConfig(encoding="rope", **base), batch=2,
+                                    seq_len=1024, backend="cpu")
+  assert rope.implementation in ("reference", "chunked") and "PaTH" not in rope.reason
