@@ -46,13 +46,25 @@ def parse(argv: list[str], *, flag_values=flags.FLAGS, names=("config",)) -> lis
     if spec is not None and not os.path.isfile(spec.split(":", 1)[0]):
       raise ValueError(f"--{name}={spec}: no such config file")
   try:
-    return flag_values(argv)
+    rest = flag_values(argv)
   except Exception as e:  # absl's, config_flags' and ConfigDict's errors alike
     for name in names:
       reason = _diagnose(argv, name)
       if reason:
         raise ValueError(reason) from None
     raise ValueError(_last_line(e)) from None
+  for name in names:
+    _split_name_lists(flag_values[name].value, explicit_fields(name, flag_values=flag_values))
+  return rest
+
+
+def _split_name_lists(config, fields) -> None:
+  """--config.sweep.encodings=rope,path reaches a tuple field as ('rope,path',): split it."""
+  for field in fields:
+    value = _get(config, field)
+    if (isinstance(value, tuple) and value and all(isinstance(x, str) for x in value)
+        and any("," in x for x in value)):
+      _set(config, field, tuple(p for x in value for p in x.split(",") if p))
 
 
 def parse_flags(argv: list[str]) -> list[str]:
