@@ -54,7 +54,8 @@ def parse(argv: list[str], *, flag_values=flags.FLAGS, names=("config",)) -> lis
         raise ValueError(reason) from None
     raise ValueError(_last_line(e)) from None
   for name in names:
-    _split_name_lists(flag_values[name].value, explicit_fields(name, flag_values=flag_values))
+    if flag_values[name].value is not None:
+      _split_name_lists(flag_values[name].value, explicit_fields(name, flag_values=flag_values))
   return rest
 
 
