@@ -18,7 +18,8 @@ Fields of the `data` ConfigDict (`default_data_config()` has them all):
                       means "group")
   mqrar:              n_back 1, num_pairs 32 (distinct keys), num_values 32,
                       query_prob 0.3
-  text:               text_dir None (= the interpreter's stdlib), max_files None (all),
+  text:               text_dir None (the interpreter's stdlib .py files) or a directory,
+                      file or glob of text files (tasks/code_corpus.py), max_files None (all),
                       valid_fraction 0.05, shuffle_window 256 (rows shuffled in a
                       window after packing; 0 turns it off)
   synthetic tasks:    read_threads 1, prefetch_batches 16: the host threads that generate

@@ -7,9 +7,11 @@ WORKDIR receives metrics.jsonl, tensorboard/, checkpoints/, report.md and plots.
 the same command again resumes from the latest checkpoint. With config.sweep.encodings set,
 each encoding trains into WORKDIR/<encoding>/ and WORKDIR/report.md compares them.
 
-A config error (unknown encoding, odd head_dim for a rotation, sequence too long, a workdir
-holding a different model, ...) prints one `error: ...` line and exits with status 2
-before anything compiles; a diverging loss prints the step and exits with status 1.
+A config error (an unknown field or a value of the wrong type or range, an unknown encoding,
+odd head_dim for a rotation, sequence too long, a workdir holding a different model, ...)
+prints one `error: ...` line and exits with status 2 before anything compiles; a diverging
+loss prints the step and exits with status 1. --config.model.encoding=NAME on a config that
+sweeps encodings trains NAME alone (into WORKDIR/NAME/) and says so.
 """
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
-                                          lock_config=True)
+from experiments import cli_config
+
+_CONFIG = cli_config.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, report.")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "Call jax.distributed.initialize() (multi-host runs).")
@@ -33,8 +35,15 @@ flags.mark_flags_as_required(["config", "workdir"])
 def plan(config, workdir: str, *, data_module, num_devices: int) -> list[tuple]:
   """[(config, workdir, model_config)] for each run, every one validated up front."""
   from experiments import config_checks
+  from experiments import config_fields
 
+  config_fields.check_fields(config)
   encodings = tuple(config.sweep.encodings)
+  for field in ("axis", "seeds"):  # experiments.sweeps' fields: refused, not ignored
+    value = config.sweep.get(field)
+    if value and (field == "axis" or len(value) > 1):
+      raise ValueError(f"config.sweep.{field}={value!r} is read by experiments.sweeps, not "
+                       f"experiments.main: run python -m experiments.sweeps with this config")
   if not encodings:
     runs = [(config, workdir)]
   else:
@@ -66,6 +75,9 @@ def main(argv) -> None:
 
   config, workdir = _CONFIG.value, _WORKDIR.value
   try:
+    for note in cli_config.follow_explicit(config, cli_config.explicit_fields(),
+                                           swept=cli_config.ENCODING_SWEEP):
+      print(note, file=sys.stderr)
     runs = plan(config, workdir, data_module=data, num_devices=jax.device_count())
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -91,4 +103,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli_config.parse_flags)

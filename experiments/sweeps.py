@@ -17,6 +17,10 @@ Extends experiments/main.py (which sweeps encodings only) with three config fiel
                     sweep.eval_batch_tokens tokens; experiments/probes/length_eval.py);
                     these records replace the run's own final evaluation
 
+Setting a swept field on the command line runs that value only: --config.model.encoding=path
+trains path alone, --config.train.seed=3 seed 3 alone, --config.model.num_layers=2 (with
+sweep.axis "model.num_layers") that layer count alone; a note on stderr says so.
+
 Each run trains with experiments.train.run into DIR/[<axis>=<v>/]<encoding>/seed<s>/ (a
 second invocation resumes or skips finished runs) and DIR/summaries.json collects every
 run's summary. With --results, the experiment's writer turns the summaries into
@@ -42,22 +46,36 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
+from experiments import cli_config
 
 
 def _set(config, dotted: str, value) -> None:
   *parents, leaf = dotted.split(".")
   node = config
   for p in parents:
+    if not hasattr(node, "keys") or p not in node:
+      raise ValueError(f"config.sweep.axis={dotted!r} names no config field")
     node = node[p]
-  if leaf not in node:
+  if not hasattr(node, "keys") or leaf not in node:
     raise ValueError(f"config.sweep.axis={dotted!r} names no config field")
   node[leaf] = value
 
 
+def swept_fields(config) -> dict[str, str]:
+  """The fields this config's sweep varies -> the sweep field listing their values: set on
+  the command line (--config.train.seed=3), such a field narrows its sweep to that value."""
+  swept = {**cli_config.ENCODING_SWEEP, "train.seed": "sweep.seeds"}
+  if config.sweep.get("axis"):
+    swept[config.sweep.axis] = "sweep.axis_values"
+  return swept
+
+
 def plan_runs(config, workdir: str) -> list[dict]:
   """[{config, workdir, encoding, seed, axis_value}] for every run of the sweep."""
+  from experiments import config_fields
+
+  config_fields.check_fields(config)
   encodings = tuple(config.sweep.encodings)
   if not encodings:
     raise ValueError("config.sweep.encodings is empty; an experiment compares encodings")
@@ -185,6 +203,13 @@ def main(argv) -> None:
   started = time.time()
   interrupted = None
   try:
+    for note in cli_config.follow_explicit(config, cli_config.explicit_fields(),
+                                           swept=swept_fields(config)):
+      print(note, file=sys.stderr)
+    experiment = config.sweep.get("experiment")
+    if _RESULTS.value and experiment not in results_writers.WRITERS:
+      raise ValueError(f"config.sweep.experiment={experiment!r} must be one of "
+                       f"{tuple(results_writers.WRITERS)} to write --results")
     summaries = run_sweep(config, workdir)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -202,12 +227,11 @@ def main(argv) -> None:
 
 if __name__ == "__main__":
   # Flags are defined only when run as a program, so the modules import side-effect free.
-  _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:arg].",
-                                            lock_config=False)
+  _CONFIG = cli_config.define_config_flag()
   _WORKDIR = flags.DEFINE_string("workdir", None, "Directory holding one sub-directory per run.")
   _RESULTS = flags.DEFINE_string("results", None, "Write results.json/README.md/plots here.")
   _GATHER = flags.DEFINE_list(
       "gather", [], "Results directories of sweeps of this config that ran side by side: "
       "merge their runs into --results instead of training (no --workdir needed).")
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=cli_config.parse_flags)

@@ -14,6 +14,10 @@ them does not recompile either. The cache has max_len slots per row and must hol
 plus the N - 1 tokens fed back (the last one sampled is never fed): P + N - 1 <= max_len.
 The loop stops early once every row has sampled eos_id.
 
+`block_tokens` runs the loop in calls of that many steps (the bound is a traced argument:
+one program for every block), so a `progress` callback can report between them; the tokens
+are the same, bit for bit, as from one call.
+
 Keys: the token of step n is drawn with fold_in(key(seed), n), so a seed fixes the output.
 
 Shape letters: B batch, P prompt length (the longest prompt), N new tokens, V vocabulary.
@@ -110,18 +114,24 @@ class Generator:
     last = jnp.take_along_axis(logits, (cache["end"] - 1)[:, None, None], axis=1)[:, 0]
     return last, cache
 
-  def _decode(self, state, cache, logits_BV, key, temperature, top_k, top_p, *, num_tokens,
-              eos_id):
+  def _decode(self, state, carry, logits_BV, key, temperature, top_k, top_p, stop_at, *,
+              num_tokens, eos_id):
+    """The loop's steps from carry = (n, cache, token, out [B, N], done) up to n = stop_at (or
+    until every row is done). At n = 0 it first draws token 0 from the prefill's logits."""
     model = nnx.merge(self.graphdef, state)
     draw = functools.partial(sampling.sample, temperature=temperature, top_k=top_k, top_p=top_p)
-    tok = draw(logits_BV, jax.random.fold_in(key, 0))
-    out = jnp.zeros((tok.shape[0], num_tokens), jnp.int32).at[:, 0].set(tok)
     stop = -1 if eos_id is None else eos_id               # -1: no token ever equals it
-    done = tok == stop
+    n, cache, tok, out, done = carry
+    start = n == 0
+    first = draw(logits_BV, jax.random.fold_in(key, 0))
+    tok = jnp.where(start, first, tok)
+    out = jnp.where(start, out.at[:, 0].set(first), out)
+    done = jnp.where(start, first == stop, done)
+    n = jnp.where(start, 1, n)
 
     def cond(carry):
       n, _, _, _, done = carry
-      return (n < num_tokens) & ~jnp.all(done)
+      return (n < stop_at) & ~jnp.all(done)
 
     def body(carry):
       n, cache, tok, out, done = carry
@@ -130,9 +140,7 @@ class Generator:
       out = jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], n, axis=1)
       return n + 1, cache, nxt, out, done | (nxt == stop)
 
-    n, cache, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, tok, out, done))
-    # Stopped early (every row hit eos): the steps not taken are eos too.
-    return jnp.where(jnp.arange(num_tokens)[None] < n, out, stop), n, cache
+    return jax.lax.while_loop(cond, body, (n, cache, tok, out, done))
 
   def _executable(self, name: str, fn, args, **static):
     """fn jitted with `static` bound, lowered and compiled once per shapes (timed)."""
@@ -140,7 +148,8 @@ class Generator:
     key = (name, shapes, tuple(sorted(static.items())))
     if key not in self._compiled:
       started = time.perf_counter()
-      # decode donates the cache (argument 1): the loop updates it in place, no second copy.
+      # decode donates its carry (argument 1, the cache in it): the loop updates it in
+      # place, no second copy.
       jitted = jax.jit(functools.partial(fn, **static),
                        donate_argnums=(1,) if name == "decode" else ())
       self._compiled[key] = _compile(jitted.lower(*args))
@@ -171,29 +180,52 @@ class Generator:
     return logits, cache, time.perf_counter() - started
 
   def decode(self, cache, logits_BV, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None):
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             block_tokens: int = 0, progress=None):
     """Samples max_new_tokens per row, the first from logits_BV, feeding each back into the
     cache (which must have room: every row's end + max_new_tokens - 1 <= max_len).
 
-    The cache is donated (its buffers are reused; do not read it afterwards). Returns
-    (tokens [B, N] int32, steps run, seconds, the cache after them). Compiling is not in the
-    seconds.
+    block_tokens > 0 runs the loop in calls of that many tokens and calls progress(tokens
+    sampled so far) after each (0: one call). The cache is donated (its buffers are reused;
+    do not read it afterwards). Returns (tokens [B, N] int32, steps run, seconds, the cache
+    after them). Compiling is not in the seconds.
     """
     sampling.check(temperature=temperature, top_k=top_k, top_p=top_p)
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, numbers.Integral) or (
+        block_tokens < 0):
+      raise ValueError(f"block_tokens={block_tokens!r} must be an integer >= 0 (0 = one call)")
     end = int(np.max(cache["end"]))
     check_lengths(prompt_len=end, max_new_tokens=max_new_tokens, max_len=self.max_len)
-    args = (self.state, cache, logits_BV, jax.random.key(seed), jnp.float32(temperature),
-            jnp.int32(top_k), jnp.float32(top_p))
+    B = np.shape(logits_BV)[0]
+    carry = (jnp.int32(0), cache, jnp.zeros((B,), jnp.int32),
+             jnp.zeros((B, max_new_tokens), jnp.int32), jnp.zeros((B,), bool))
+    fixed = (jax.random.key(seed), jnp.float32(temperature), jnp.int32(top_k),
+             jnp.float32(top_p))
+    args = (self.state, carry, logits_BV, *fixed, jnp.int32(max_new_tokens))
     decode = self._executable("decode", self._decode, args, num_tokens=max_new_tokens,
                               eos_id=eos_id)
-    started = time.perf_counter()
-    out, steps, cache = jax.block_until_ready(decode(*args))
-    return np.asarray(out), int(steps), time.perf_counter() - started, cache
+    step = block_tokens or max_new_tokens
+    started, bound = time.perf_counter(), 0
+    while True:
+      bound = min(bound + step, max_new_tokens)
+      carry = decode(self.state, carry, logits_BV, *fixed, jnp.int32(bound))
+      steps = int(carry[0])              # waits for the block
+      if progress is not None:
+        progress(steps)
+      if steps < bound or steps == max_new_tokens:   # every row ended early, or all sampled
+        break
+    seconds = time.perf_counter() - started
+    _, cache, _, out, _ = carry
+    # Stopped early (every row hit eos): the steps not taken are eos too.
+    out = np.where(np.arange(max_new_tokens)[None] < steps, np.asarray(out),
+                   -1 if eos_id is None else eos_id).astype(np.int32)
+    return out, steps, seconds, cache
 
   def generate(self, tokens_BP, lengths_B, *, max_new_tokens: int, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
-               padding: str = "right") -> Output:
-    """prefill + decode: max_new_tokens per row after each prompt (layout: pad_prompts)."""
+               padding: str = "right", block_tokens: int = 0, progress=None) -> Output:
+    """prefill + decode: max_new_tokens per row after each prompt (layout: pad_prompts);
+    block_tokens and progress as in decode."""
     sampling.check(temperature=temperature, top_k=top_k, top_p=top_p)
     check_lengths(prompt_len=np.shape(tokens_BP)[1], max_new_tokens=max_new_tokens,
                   max_len=self.max_len)
@@ -201,7 +233,8 @@ class Generator:
     logits, cache, prefill_s = self.prefill(tokens_BP, lengths_B, padding=padding)
     out, steps, decode_s, _ = self.decode(cache, logits, max_new_tokens=max_new_tokens,
                                        temperature=temperature, top_k=top_k, top_p=top_p,
-                                       seed=seed, eos_id=eos_id)
+                                       seed=seed, eos_id=eos_id, block_tokens=block_tokens,
+                                       progress=progress)
     lengths = np.full((out.shape[0],), max_new_tokens, np.int32)
     if eos_id is not None:
       hit = out == eos_id

@@ -16,14 +16,15 @@ FIELDS = {"tokens": np.int32, "targets": np.int32, "loss_mask": np.float32,
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
-  """A small tree of .py files: empty, short, and longer than any row used here."""
+  """A small tree of text files: empty, short, and longer than any row used here (bytes
+  1..255: a NUL byte would make a file binary, which the corpus skips)."""
   root = tmp_path_factory.mktemp("corpus")
   rng = np.random.default_rng(0)
   sizes = [0, 1, 5, 40, 97, 300, 1000, 37, 2, 250] * 3
   for n, size in enumerate(sizes):
     sub = root / f"pkg{n % 3}"
     sub.mkdir(exist_ok=True)
-    (sub / f"mod{n}.py").write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    (sub / f"mod{n}.py").write_bytes(rng.integers(1, 256, size, dtype=np.uint8).tobytes())
   (root / "site-packages").mkdir()
   (root / "site-packages" / "skipped.py").write_bytes(b"x = 1\n")
   (root / "notes.txt").write_bytes(b"not python")
@@ -156,7 +157,8 @@ def test_text_valid_is_held_out_and_reaches_max_seq_len(corpus_dir):
   _, train_files, _ = code_corpus.split_files(config, "train")
   _, valid_files, valid_tokens = code_corpus.split_files(config, "valid")
   assert valid_files and train_files and not set(train_files) & set(valid_files)
-  assert len(train_files) + len(valid_files) == 27  # 30 files, 3 empty; site-packages skipped
+  # 30 .py files (3 empty) and notes.txt; site-packages skipped
+  assert len(train_files) + len(valid_files) == 28
   assert data.max_seq_len(config) == valid_tokens
   for seq_len in (33, 66, valid_tokens):
     batches = data.make_eval_sets(config, seq_len=seq_len, batch_size=2, num_batches=50, seed=0)["valid"]

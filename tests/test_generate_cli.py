@@ -76,11 +76,24 @@ def test_bad_input_is_one_clear_error(run_dir, kw, message):
 def test_workdir_without_a_checkpoint(run_dir, tmp_path):
   with pytest.raises(ValueError, match="does not exist"):
     _generate(str(tmp_path / "missing"))
+  (tmp_path / "notes.txt").write_text("a file")
+  with pytest.raises(ValueError, match=r"notes.txt is a file; give the run's directory"):
+    _generate(str(tmp_path / "notes.txt"))
   with pytest.raises(ValueError, match="holds no checkpoint; train one"):
     _generate(str(tmp_path))
   # A sweep's root names the runs inside it.
   with pytest.raises(ValueError, match=f"holds the runs {run_dir}"):
     _generate(os.path.dirname(run_dir))
+
+
+def test_long_generation_shows_a_progress_bar(run_dir, greedy, capsys):
+  """Past block_tokens new tokens the loop runs in blocks and a bar follows them on stderr;
+  the tokens are those of one call (the greedy fixture's 6)."""
+  capsys.readouterr()
+  blocked = _generate(run_dir, block_tokens=2)
+  assert blocked["tokens"] == greedy["tokens"]
+  err = capsys.readouterr().err
+  assert "decode: 100%" in err and "6/6" in err, err
 
 
 def _cli(*args):

@@ -6,8 +6,13 @@ import importlib
 import json
 import os
 
-import pytest
+import subprocess
+import sys
 
+import pytest
+from absl import flags
+
+from experiments import cli_config
 from experiments import results_writers
 from experiments import sweeps
 from experiments.configs import length_extrapolation
@@ -125,3 +130,35 @@ def test_interrupted_sweep_keeps_the_runs_that_finished(tmp_path, monkeypatch):
     sweeps.run_sweep(config, str(tmp_path), log=lambda *_: None)
   assert e.value.code == 143                              # exits as interrupted
   assert [s["encoding"] for s in e.value.summaries] == ["rope"]   # alibi never started
+
+
+def test_command_line_narrows_the_sweep(tmp_path):
+  """A swept field set on the command line runs that value alone: the encoding, the seed and
+  the axis's field (word_problem sweeps model.num_layers), each with a note."""
+  values = flags.FlagValues()
+  argv = ["sweeps", "--config=experiments/configs/word_problem.py", "--config.model.encoding=path",
+          "--config.train.seed=5", "--config.model.num_layers=2"]
+  cli_config.define_config_flag(flag_values=values, sys_argv=argv)
+  cli_config.parse(argv, flag_values=values)
+  config = values["config"].value
+  notes = cli_config.follow_explicit(config, cli_config.explicit_fields(flag_values=values),
+                                     swept=sweeps.swept_fields(config))
+  assert [n.split(":")[1] for n in notes] == [" --config.model.encoding=path",
+                                             " --config.train.seed=5",
+                                             " --config.model.num_layers=2"]
+  runs = sweeps.plan_runs(config, str(tmp_path))
+  assert [(r["encoding"], r["seed"], r["axis_value"]) for r in runs] == [("path", 5, 2)]
+  assert runs[0]["workdir"] == str(tmp_path / "num_layers=2" / "path" / "seed5")
+
+
+def test_sweeps_cli_names_an_unknown_field(tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-m", "experiments.sweeps",
+                         "--config=experiments/configs/flipflop.py:runlocal",
+                         f"--workdir={tmp_path / 'w'}", "--config.model.foo=1"], cwd=root,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "error: config.model has no field foo; fields: block, d_model,"), proc.stderr[-2000:]
+  assert not (tmp_path / "w").exists()

@@ -74,8 +74,13 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     if key not in defaults:
       raise ValueError(f"config arg {key!r} is unknown; expected one of {tuple(defaults)}")
     kind = type(defaults[key])
-    out[key] = True if not eq and kind is bool else (value.lower() in ("1", "true", "yes")
-                                                      if kind is bool else kind(value))
+    if kind is bool:
+      out[key] = not eq or value.lower() in ("1", "true", "yes")
+      continue
+    try:
+      out[key] = kind(value)
+    except ValueError:
+      raise ValueError(f"config arg {key}={value!r} must be {kind.__name__}") from None
   return out
 
 

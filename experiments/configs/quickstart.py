@@ -17,10 +17,13 @@ sparse one (~46%): the pattern of the PaTH paper's Table 1.
   runlocal         shrink everything to a seconds-long smoke run
   encoding=NAME    one run with this encoding instead of the RoPE/PaTH pair
   encodings=A+B+C  a sweep over these encodings
-  steps=N          train N steps (default 600; runlocal 10)
+  steps=N          train N steps (default 600; runlocal 10), warming up for a tenth of them
+                   (so does --config.train.steps=N; --config.train.warmup_steps sets its own)
 e.g. --config=experiments/configs/quickstart.py:runlocal,encodings=rope+fox+path
 """
 from __future__ import annotations
+
+from ml_collections import config_dict
 
 from experiments.configs import base
 
@@ -31,7 +34,8 @@ def get_config(arg: str | None = None):
   c.data.task = "flipflop"
   c.data.seq_len = 128
   c.model.update(num_layers=1, d_model=64, num_heads=2, head_dim=32, block="llama")
-  steps = a.steps or (10 if a.runlocal else 600)
+  # A reference: the warmup stays a tenth of the steps when --config.train.steps changes them.
+  steps = config_dict.FieldReference(a.steps or (10 if a.runlocal else 600))
   c.train.update(steps=steps, batch_size=16, learning_rate=3e-3, warmup_steps=steps // 10,
                  weight_decay=0.1, checkpoint_every=200, log_every=25)
   c.eval.update(num_batches=4, batch_size=32)

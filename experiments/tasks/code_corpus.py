@@ -1,15 +1,26 @@
-"""The code corpus for the language-modelling experiments: byte-level Python source.
+"""The text corpus for the language-modelling experiments: byte-level files.
 
-Documents are the non-empty `.py` files under `data.text_dir` (default: the running
-interpreter's standard-library directory, `sysconfig.get_paths()["stdlib"]`, without
-its site-packages / dist-packages), listed in sorted order of their path relative to
-the root so the corpus is the same wherever the same files are.
+Documents are, with `data.text_dir` None (the default), the non-empty `.py` files of the
+running interpreter's standard-library directory (`sysconfig.get_paths()["stdlib"]`,
+without its site-packages / dist-packages). Otherwise `data.text_dir` names
+  a directory   every non-empty text file under it (hidden entries, __pycache__,
+                site-packages and dist-packages skipped),
+  a file        that file alone; when a single file is listed, its last valid_fraction
+                of bytes is the validation split,
+  a glob        (`*`, `?`, `[...]`; `**` spans directories) the non-empty text files it
+                matches, relative to its directory before the first wildcard;
+a text file being one with no NUL byte in its first 8 KiB (binary files are skipped).
+Files are listed in sorted order of their path relative to the root so the corpus is the
+same wherever the same files are.
 
 Hold-out: a file belongs to the validation split iff the first 8 bytes of
 sha256(relative path) read as a fraction in [0, 1) fall below `data.valid_fraction`.
 The split depends only on the path, so it is stable when `max_files` changes or
 files are added. `data.max_files` keeps the first max_files training files and the
 first ceil(max_files * valid_fraction) (at least one) validation files, for quick runs.
+
+A document is a path relative to the root, or (path, first byte, end byte) for the two
+parts of a single file.
 
 Tokens: bytes 0..255, plus DOC = 256 which marks a document boundary. A document of
 bytes b_1..b_n becomes the pair (inputs = [DOC, b_1, ..., b_n], targets =
@@ -18,6 +29,7 @@ bytes b_1..b_n becomes the pair (inputs = [DOC, b_1, ..., b_n], targets =
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import math
 import os
@@ -41,7 +53,8 @@ def is_validation(relpath: str, valid_fraction: float) -> bool:
 
 @functools.cache
 def list_files(root: str) -> tuple[tuple[str, int], ...]:
-  """(relative path, size in bytes) of every non-empty .py file under root, sorted."""
+  """(relative path, size in bytes) of every non-empty .py file under root, sorted: the
+  default corpus (data.text_dir None) with root = default_root()."""
   if not os.path.isdir(root):
     raise ValueError(f"data.text_dir={root!r} is not a directory")
   found = []
@@ -58,13 +71,90 @@ def list_files(root: str) -> tuple[tuple[str, int], ...]:
   return tuple(sorted(found))
 
 
-def split_files(config, split: str) -> tuple[str, list[str], int]:
-  """(root, relative paths, total tokens) of the "train" or "valid" split."""
-  root = config.text_dir or default_root()
+_SNIFF_BYTES = 8192
+
+
+def _is_text(path: str) -> bool:
+  with open(path, "rb") as f:
+    return b"\0" not in f.read(_SNIFF_BYTES)
+
+
+def _text_file(root: str, path: str) -> tuple[str, int] | None:
+  """(path relative to root, size) if path is a non-empty text file, else None."""
+  try:
+    if not os.path.isfile(path) or not os.path.getsize(path) or not _is_text(path):
+      return None
+  except OSError:  # unreadable: skipped like a binary file
+    return None
+  return os.path.relpath(path, root), os.path.getsize(path)
+
+
+def _glob_root(pattern: str) -> str:
+  """The directory of a glob before its first wildcard (its files' paths are relative to it)."""
+  parts = pattern.split(os.sep)
+  fixed = []
+  for part in parts[:-1]:
+    if glob.escape(part) != part:
+      break
+    fixed.append(part)
+  return os.sep.join(fixed) or ("/" if pattern.startswith(os.sep) else ".")
+
+
+@functools.cache
+def list_text(text_dir: str) -> tuple[str, tuple[tuple[str, int], ...]]:
+  """(root, ((relative path, size), ...)) of the text files data.text_dir names, sorted.
+
+  Raises one ValueError naming the field when it names nothing or no non-empty text file.
+  """
+  where = f"data.text_dir={text_dir!r}"
+  path = os.path.expanduser(text_dir)
+  if os.path.isfile(path):
+    root = os.path.dirname(path) or "."
+    found = [_text_file(root, path)]
+    if found[0] is None:
+      raise ValueError(f"{where} is empty or binary (a NUL byte in its first 8 KiB); "
+                       f"give a text file")
+  elif os.path.isdir(path):
+    root, found = path, []
+    for dirpath, dirnames, filenames in os.walk(path):
+      dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+      found += [_text_file(root, os.path.join(dirpath, n)) for n in filenames
+                if not n.startswith(".")]
+  elif glob.escape(path) != path:
+    root = _glob_root(path)
+    found = [_text_file(root, p) for p in glob.glob(path, recursive=True)]
+  else:
+    raise ValueError(f"{where} does not exist; give a directory, a file or a glob of text "
+                     f"files (or None for the default corpus)")
+  found = [f for f in found if f is not None]
+  if not found:
+    raise ValueError(f"{where} holds no non-empty text file (binary files are skipped)")
+  return root, tuple(sorted(found))
+
+
+def _split_one_file(root: str, relpath: str, size: int, split: str, valid_fraction: float):
+  """A single file's split: its first (1 - valid_fraction) bytes train, the rest validate."""
+  if size < 2:
+    raise ValueError(f"data.text_dir={os.path.join(root, relpath)!r} has {size} byte; a single "
+                     f"file needs at least 2 (one to train on, one to validate)")
+  held = min(size - 1, max(1, round(size * valid_fraction)))
+  start, stop = (0, size - held) if split == "train" else (size - held, size)
+  return root, [(relpath, start, stop)], stop - start + 1
+
+
+def split_files(config, split: str) -> tuple[str, list, int]:
+  """(root, documents, total tokens) of the "train" or "valid" split."""
   if not 0.0 < config.valid_fraction < 1.0:
     raise ValueError(f"data.valid_fraction={config.valid_fraction} must lie in (0, 1)")
+  if config.text_dir is None:
+    root = default_root()
+    listed = list_files(root)
+  else:
+    root, listed = list_text(config.text_dir)
+  if len(listed) == 1:
+    return _split_one_file(root, *listed[0], split, config.valid_fraction)
   want_valid = {"train": False, "valid": True}[split]
-  files = [(p, n) for p, n in list_files(root) if is_validation(p, config.valid_fraction) == want_valid]
+  files = [(p, n) for p, n in listed if is_validation(p, config.valid_fraction) == want_valid]
   if config.max_files is not None:
     if config.max_files < 1:
       raise ValueError(f"data.max_files={config.max_files} must be >= 1 or None")
@@ -78,9 +168,12 @@ def split_files(config, split: str) -> tuple[str, list[str], int]:
   return root, [p for p, _ in files], sum(n + 1 for _, n in files)
 
 
-def read_document(root: str, relpath: str) -> dict[str, np.ndarray]:
-  """One file as a next-token pair of int32 arrays of equal length (bytes + 1)."""
+def read_document(root: str, doc) -> dict[str, np.ndarray]:
+  """One document as a next-token pair of int32 arrays of equal length (bytes + 1)."""
+  relpath, start, stop = (doc, 0, None) if isinstance(doc, str) else doc
   with open(os.path.join(root, relpath), "rb") as f:
-    data = np.frombuffer(f.read(), np.uint8).astype(np.int32)
+    f.seek(start)
+    raw = f.read() if stop is None else f.read(stop - start)
+    data = np.frombuffer(raw, np.uint8).astype(np.int32)
   doc = np.concatenate([[DOC], data, [DOC]]).astype(np.int32)
   return {"inputs": doc[:-1], "targets": doc[1:]}
