@@ -330,7 +330,8 @@ def dq_kernel(*refs, scale, transport, gate, segments, precision, lanes, pairs, 
         pl.when(u < units)(run)
       return carry
 
-    lax.fori_loop(0, -(-units // lanes), lane_unit, 0)
+    if units:   # (one chunk in all, n = 1: no pair to trace, whose 2C rows would not fit)
+      lax.fori_loop(0, -(-units // lanes), lane_unit, 0)
     if pairs and n % 2:
       if lanes == 1:
         query_chunk(g, n - 1)
