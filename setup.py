@@ -5,7 +5,11 @@ setuptools.setup(
     name="posenc-jax",
     version="0.1.0",
     description="Position encodings beyond RoPE for JAX: PaTH, GRAPE, accumulated rotations, TAPA.",
-    packages=setuptools.find_packages(include=["posenc_jax*", "kernels_pallas*", "experiments*"]),
+    # experiments.benchmarks is run from a checkout (its tables are in docs/benchmarks/), not
+    # installed: the library does not carry the measurement scripts.
+    packages=setuptools.find_packages(
+        include=["posenc_jax*", "kernels_pallas*", "experiments*"],
+        exclude=["experiments.benchmarks", "experiments.benchmarks.*"]),
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10",

@@ -42,7 +42,7 @@ from posenc_jax import unipotent
 AUTO_DENSE_MAX_T = 2048
 
 # The CPU rule per family: the dense reference up to this T, chunked beyond; 0 = chunked at
-# every T. Each is the faster exact form by measurement (experiments/benchmarks/cpu_auto.md,
+# every T. Each is the faster exact form by measurement (docs/benchmarks/cpu_auto.md,
 # 2026-11-23: jit(grad(sum(attention))) in float32, B=8, H=2, D=32, two packed documents per
 # row, pinned to one core of a shared 2-core AMD EPYC VM; gradients of the two forms agree to
 # <= 4e-6 relative). Reference time / chunked time (medians; > 1 where chunked wins) at
@@ -52,7 +52,7 @@ AUTO_DENSE_MAX_T = 2048
 #   path           8.3 12.4 12.1 10.9, then chunked alone (the dense form, a lax.scan over T
 #                  steps, would take ~30 s per call at 1024). The quickstart's PaTH run on one
 #                  core: 459 s -> 120 s. Unpinned on the busy 2-core VM the chunked step often
-#                  ran ~10x slower than pinned (XLA CPU threads contending; cpu_auto.md)
+#                  ran ~10x slower than pinned (XLA CPU threads contending; the same page)
 #   forgetting     0.37 0.21 0.45 0.68 0.59 0.34
 #   path_integral  1.42 0.73 0.96 1.30 0.95 0.65 (64: noise, 0.57 on the fastest rounds; a
 #                  re-run: 0.44 at 64, 1.05 at 256, 1.29 at 512, 0.63 at 2048. Chunked wins
@@ -67,9 +67,9 @@ CPU_DENSE_MAX_T = {"softmax": 256, "path": 0, "forgetting": AUTO_DENSE_MAX_T,
 # [B, 1, T, T] mask, which jax turns into a bias in q's dtype: 2 B T^2 bytes per layer call
 # (512 MiB at B=4, T=8192; 8 GiB per row at T=65536). The project's Pallas flash kernel masks
 # segments tile by tile in O(T) memory but is slower. Measured on an H100 (the 12-layer
-# 134M-parameter bf16 train step, RESULTS_train.md, 2026-11-23): cuDNN with the mask trains
-# 1.06x faster than the Pallas kernel at T=2048 and 1.64x at T=8192, at the same peak memory.
-# So packed documents go to cuDNN up to this length and to the Pallas kernel beyond it,
+# 134M-parameter bf16 train step, 2026-11-23; docs/benchmarks/train_throughput.md): cuDNN with
+# the mask trains 1.06x faster than the Pallas kernel at T=2048 and 1.64x at T=8192, at the
+# same peak memory. So packed documents go to cuDNN up to this length and to the Pallas kernel beyond it,
 # where the mask would grow to gigabytes (0 sends them all to Pallas).
 CUDNN_SEGMENT_MASK_MAX_T = 16384
 

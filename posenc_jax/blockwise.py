@@ -110,7 +110,7 @@ def map_query_blocks(query_block: Callable, n: int, *, parallel: bool | None = N
   above the diagonal are then computed and masked instead of skipped (twice the tile work),
   and the backward holds one carry per key step for all blocks (O(n T) transient memory).
   Measured in the 12-layer 134M-parameter bf16 train step on an H100 (2026-11-23,
-  experiments/benchmarks/RESULTS_train.md) it does not pay: TAPA at T = 2048 ran 12,492
+  docs/benchmarks/train_throughput.md) it does not pay: TAPA at T = 2048 ran 12,492
   tokens/s in parallel against 13,809 one block at a time (the tile arithmetic, not the
   launches, bounds it), at T = 8192 TAPA asked for 103.8 GiB and ran out of memory, and
   GRAPE-AP's step took over 420 s to compile. So None means sequential on every backend.

@@ -323,10 +323,10 @@ def embed_tokens(table_VC, tokens, *, dtype, one_hot: bool | None = None):
     (the one-hot block is transient: a whole [B*T, V] one would cost B*T*V*2 bytes, +3.9 GiB
     measured at V 32,000), accumulated in float32 and deterministic, where the scatter added
     in `dtype`.
-  Measured on an H200 (experiments/benchmarks/embed_grad.md, 32,768 bf16 tokens): the
+  Measured on an H200 (docs/benchmarks/embed_grad.md, 32,768 bf16 tokens): the
   scatter 44-380 ms, the chunked matmuls 0.21 ms at V 5 and 4.9 ms at V 32,000; the 125M
   model's step at V 32,000 gained 32% (rope) and 22% (path) at the same peak memory
-  (experiments/benchmarks/RESULTS_train.md). The matmuls' cost, 2 B T V C multiply-adds, is
+  (the same page). The matmuls' cost, 2 B T V C multiply-adds, is
   why larger vocabularies keep the scatter. So does the CPU at every size:
   there the scatter is cheap and the matmul is not (V 256, C 768: 7 against 173 ms).
   """

@@ -61,7 +61,7 @@ def test_softmax_gpu_path_long_segments_fall_back_to_cudnn(monkeypatch):
 
 
 @pytest.mark.parametrize("family,backend,T,expected", [
-    # CPU: the faster exact form by measurement (CPU_DENSE_MAX_T, cpu_auto.md).
+    # CPU: the faster exact form by measurement (CPU_DENSE_MAX_T, docs/benchmarks/cpu_auto.md).
     ("softmax", "cpu", 128, "reference"), ("softmax", "cpu", 2048, "chunked"),
     ("tapa", "cpu", 512, "reference"), ("path_integral", "cpu", 8192, "chunked"),
     ("path", "cpu", 64, "chunked"), ("path", "cpu", 512, "chunked"),
@@ -80,7 +80,7 @@ def test_auto_implementation_table(family, backend, T, expected):
   assert choice.reason.startswith(backend) or family == "softmax", choice
 
 
-# The measured CPU thresholds (experiments/benchmarks/cpu_auto.md): dense up to T, chunked
+# The measured CPU thresholds (docs/benchmarks/cpu_auto.md): dense up to T, chunked
 # beyond; 0 = chunked at every T. Re-measure before changing one.
 CPU_THRESHOLDS = {"softmax": 256, "path": 0, "forgetting": 2048, "path_integral": 2048,
                   "tapa": 2048}

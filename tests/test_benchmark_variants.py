@@ -1,68 +1,103 @@
-"""The kernel benchmark's variant tokens (experiments/benchmarks/path_kernel.py): each token
-changes one BlockSizes field from the library's defaults, and forcing a pre-pass bypasses the
-shared-memory routing only while it is active."""
+"""The kernel benchmarks' command line (experiments/benchmarks/): --options strings become
+kp.BlockSizes and a bad one fails before anything is timed, naming the valid options; --cases
+takes anchor indices and shapes; and the phases path_kernel_phases.py times compose to
+path_attention's gradients."""
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import kernels_pallas as kp
-from experiments.benchmarks.path_kernel import _block_sizes_of, _prepass_as_requested
-from kernels_pallas.path_attention import prepass_variants
+from experiments.benchmarks import common
+from experiments.benchmarks import path_kernel
+from experiments.benchmarks import path_kernel_phases
+from posenc_jax import householder
+
+FIELDS = "block, span, prepass, mosaic, keep_inverse"
 
 
-def test_tokens_change_the_defaults():
-  bs, forced = _block_sizes_of("l1rc")
-  assert bs == kp.BlockSizes(bwd_lanes=None, keep_operands=False) and not forced
-  bs, forced = _block_sizes_of("b128w8s1l4bw8kvmg")
-  assert bs == kp.BlockSizes(block_q=128, block_k=128, num_warps=8, num_stages=1, bwd_lanes=4,
-                             bwd_num_warps=8, dkv_in_dq=True, fwd_kernel="mosaic")
-  assert _block_sizes_of("pw8") == (kp.BlockSizes(prepass_num_warps=8), False)
-  assert _block_sizes_of("l2sp16") == (kp.BlockSizes(bwd_lanes=2, dkv_span=16), False)
-  assert _block_sizes_of("par") == (kp.BlockSizes(bwd_spans=1), False)
-  assert _block_sizes_of("par2sp4") == (kp.BlockSizes(bwd_spans=2, dkv_span=4), False)
-  assert _block_sizes_of("seqnp") == (kp.BlockSizes(bwd_spans=0, dq_pairs=False), False)
-  assert _block_sizes_of("pre=split_bf16") == (kp.BlockSizes(prepass="split_bf16"), False)
-  assert _block_sizes_of("pre!=split_bf16x3") == (kp.BlockSizes(prepass="split_bf16x3"), True)
-  assert _block_sizes_of("ft") == (kp.BlockSizes(chain_products="tf32"), False)
-  assert _block_sizes_of("fx") == (kp.BlockSizes(chain_products="bf16x3"), False)
-  assert _block_sizes_of("mfar") == (kp.BlockSizes(fwd_far="mosaic"), False)
-  assert _block_sizes_of("tfar") == (kp.BlockSizes(fwd_far="triton"), False)
-  assert _block_sizes_of("ky") == (kp.BlockSizes(prepass_keep_inverse=True), False)
-  assert _block_sizes_of("ky0") == (kp.BlockSizes(prepass_keep_inverse=False), False)
-  assert _block_sizes_of("sp16kyb") == (kp.BlockSizes(dkv_span=16, prepass_keep_inverse="bf16"),
-                                        False)
+def test_option_strings_are_block_sizes():
+  assert common.block_sizes("") == kp.BlockSizes()
+  assert common.block_sizes("span=8,mosaic=false") == kp.BlockSizes(span=8, mosaic=False)
+  assert common.block_sizes("prepass=split, keep_inverse=true,block=32") == kp.BlockSizes(
+      prepass="split", keep_inverse=True, block=32)
+  assert common.block_sizes("span=0,keep_inverse=bf16") == kp.BlockSizes(span=0,
+                                                                         keep_inverse="bf16")
+  assert common.variant_label("path", "") == "path"
+  assert common.variant_label("path_fox", "span=8") == "path_fox[span=8]"
 
 
-def test_forced_prepass_bypasses_the_routing_only_inside():
-  ask = dict(backend="gpu", heads_per_kv=1, head_dim=128)
-  assert prepass_variants.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
-  with _prepass_as_requested(True):
-    assert prepass_variants.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "split_hilo"
-    assert prepass_variants.usable_variant("split_hilo", dtype=jnp.float32, **ask) == "split"
-    assert prepass_variants.usable_variant("split2_hilo", dtype=jnp.float32, **ask) == "split2"
-  with _prepass_as_requested(False):
-    assert prepass_variants.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
-  assert prepass_variants.usable_variant("split_hilo", dtype=jnp.bfloat16, **ask) == "jnp"
+@pytest.mark.parametrize("bad", ["fwd_kernel=mosaic", "dkv_in_dq=true,span=8", "span"])
+def test_a_deleted_or_malformed_option_names_the_valid_ones(bad):
+  with pytest.raises(ValueError, match=f"--options '{bad}'.*the options are {FIELDS}"):
+    common.block_sizes(bad)
 
 
-def test_phases_block_sizes_parse_like_the_model_options():
-  """path_kernel_phases / path_kernel_memory / triton_resources --bs "K=V,...": integers,
-  booleans and strings, as the model's "pallas:K=V,..." (posenc_jax._checks.kernel_options)."""
-  from experiments.benchmarks.path_kernel_phases import _block_sizes
-  assert _block_sizes("") == {}
-  assert _block_sizes("bwd_lanes=0,prepass_keep_inverse=true,dq_pairs=False,prepass=uz") == dict(
-      bwd_lanes=0, prepass_keep_inverse=True, dq_pairs=False, prepass="uz")
-  assert kp.BlockSizes(**_block_sizes("prepass_keep_inverse=bf16")).prepass_keep_inverse == "bf16"
-  with pytest.raises(ValueError, match="KEY=VALUE"):
-    _block_sizes("bwd_lanes")
+def test_a_bad_value_names_the_valid_values():
+  with pytest.raises(ValueError, match=r"--options 'prepass=fold'.*\('uz', 'split', 'jnp'\)"):
+    common.block_sizes("prepass=fold")
+  with pytest.raises(ValueError, match="--options 'span=3'.*even"):
+    common.block_sizes("span=3")
+
+
+def test_the_scripts_reject_bad_options_and_variants_before_running(capsys):
+  """A bad --options or --cases entry ends the command with one line naming it (argparse's
+  error), before any kernel runs."""
+  for parse, argv, what in (
+      (path_kernel.parse_args, ["--part", "jax", "--options", "", "--options", "bwd_lanes=2"],
+       f"--options 'bwd_lanes=2': unknown kernel option bwd_lanes; the options are {FIELDS}"),
+      (path_kernel_phases.parse_args, ["--options", "keep_operands=false"],
+       "--options 'keep_operands=false'"),
+      (path_kernel_phases.parse_args, ["--cases", "0,8x8192"], "--cases entry '8x8192'")):
+    with pytest.raises(SystemExit):
+      parse(argv)
+    assert what in capsys.readouterr().err.strip().splitlines()[-1]
+  with pytest.raises(ValueError, match="--variants path@l1rc: not one of path, path_fox, fox"):
+    path_kernel.part_jax(["0"], ["cudnn", "path@l1rc"])
+  a = path_kernel.parse_args(["--part", "jax", "--cases", "3,8x8192x16x128", "--options",
+                              "span=8", "--options", ""])
+  assert a.cases == ["3", "8x8192x16x128"] and a.options == ["span=8", ""]
+  assert path_kernel.parse_args(["--part", "check"]).options == [""]
 
 
 def test_cases_take_indices_and_shapes():
-  """path_kernel.py / path_kernel_phases.py --cases: an index into CASES (the anchors), or a
-  shape BxTxHxD beside them; a bad entry names itself."""
-  from experiments.benchmarks.path_kernel import CASES, case_label, case_shape
-  assert case_shape("3") == CASES[3] and case_label("3") == 3
-  assert case_shape("8x8192x16x128") == (8, 8192, 16, 128)
-  assert case_label("8x8192x16x128") == "8x8192x16x128"
-  for bad in ("8x8192x16", "0x64x2x16", str(len(CASES)), "big"):
+  """--cases: an index into CASES (the anchors), or a shape BxTxHxD beside them; a bad entry
+  names itself."""
+  assert common.case_shape("3") == common.CASES[3] and common.case_label("3") == 3
+  assert common.case_shape("8x8192x16x128") == (8, 8192, 16, 128)
+  assert common.case_label("8x8192x16x128") == "8x8192x16x128"
+  assert common.parse_cases("0, 4,2x64x2x16") == ["0", "4", "2x64x2x16"]
+  for bad in ("8x8192x16", "0x64x2x16", "8xTx16x64", str(len(common.CASES)), "big"):
     with pytest.raises(ValueError, match=bad):
-      case_shape(bad)
+      common.parse_cases(f"0,{bad}")
+  with pytest.raises(ValueError, match="--cases is empty"):
+    common.parse_cases(" , ")
+
+
+def test_the_timed_phases_compose_to_path_attention_gradients():
+  """path_kernel_phases.programs on tiny shapes in interpret mode: kp.phases runs the four
+  phases, the script jits each as it times it, and the last one's output (the gradients of q,
+  k, v, w, beta and log f) is path_attention's gradient: the dense float32 oracle's to the
+  kernel tests' float32 tolerance. The backward reads the log-sum-exp the jitted forward makes,
+  and the plan is the one these options resolve to."""
+  B, T, H, D = 1, 32, 1, 16
+  q, k, v, w, beta, log_forget, do = common.inputs(B, T, H, D, dtype=jnp.float32)
+  bs = common.block_sizes("block=16,span=0,prepass=jnp")
+  progs = path_kernel_phases.programs(q, k, v, w, beta, log_forget, do=do, block_sizes=bs,
+                                      backend="interpret")
+  assert list(progs) == list(path_kernel_phases.PHASES)
+  f, args = progs["prepass_vjp"]
+  grads = f(*args)
+  oracle = lambda *a: householder.path_attention_reference(*a[:5], log_forget=a[5],
+                                                           scale=D ** -0.5)
+  with jax.default_matmul_precision("highest"):
+    _, pull = jax.vjp(oracle, q, k, v, w, beta, log_forget)
+    want = pull(do)
+  assert len(grads) == len(want) == 6
+  for name, g, ref in zip(("q", "k", "v", "w", "beta", "log_forget"), grads, want):
+    assert g.shape == ref.shape and common.rel_rms(g, ref) < 1e-4, (name, common.rel_rms(g, ref))
+  f, args = progs["forward"]
+  _, lse = f(*args)
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(progs["backward"][1][2]))
+  plan = str(kp.explain(q, k, v, w, beta, log_forget, block_sizes=bs, backend="interpret"))
+  assert "pre-pass:  jnp" in plan and "backward:  walk" in plan

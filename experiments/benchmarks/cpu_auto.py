@@ -2,7 +2,7 @@ r"""CPU: dense reference vs blockwise (chunked) attention, forward + backward, p
 
     python -m experiments.benchmarks.cpu_auto [--families softmax,path,...] \
         [--ts 64,128,256,512,1024,2048] [--batch 8 --heads 2 --head-dim 32] [--runs 5] \
-        [--path-scan] [--max-seconds 8] [--no-pin] [--out experiments/benchmarks/cpu_auto.md]
+        [--path-scan] [--max-seconds 8] [--no-pin] [--out docs/benchmarks/cpu_auto.md]
 
 Issue 15: what `implementation=None` runs on a CPU (posenc_jax.attention.auto_implementation,
 CPU_DENSE_MAX_T) is decided by this measurement. For each family and T it times, in one
@@ -24,8 +24,12 @@ up to 40x slower for long stretches, with user time = wall time and ~75 involunt
 context switches per call (as if a thread spun waiting for the other, busy core until
 preempted); whether it does varies from process to process (jax 0.10.2: the T=64 chunked
 PaTH step took 6 ms in about half of fresh processes and 270 ms in the others; pinned, 5-8 ms
-every time) and, over minutes, with the other jobs' load (cpu_auto.md, the quickstart runs).
-One core gives repeatable times.
+every time) and, over minutes, with the other jobs' load (docs/benchmarks/cpu_auto.md, the
+quickstart runs). One core gives repeatable times.
+
+jax and numpy are imported inside the functions, not at the top: --pin must set this
+process's CPU affinity before they load (importing jax already starts a thread sized by the
+CPU count; numpy's BLAS sizes its thread pool when it loads).
 
 Prints the table and writes it (command, machine, date, jax version) to --out.
 """
@@ -36,6 +40,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -133,7 +138,6 @@ def _max_rel_diff(grads: dict) -> float | None:
 
 def _lscpu() -> str:
   """Model name, CPU count and hypervisor from lscpu (what `lscpu | head` shows)."""
-  import subprocess
   try:
     out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
   except (OSError, subprocess.CalledProcessError):
@@ -163,7 +167,7 @@ def main(argv=None) -> None:
   p.add_argument("--path-scan", action="store_true", help="also time PaTH's scan form")
   p.add_argument("--max-seconds", type=float, default=8.0,
                  help="skip an implementation at lengths where a call would take longer")
-  p.add_argument("--out", default="experiments/benchmarks/cpu_auto.md")
+  p.add_argument("--out", default="docs/benchmarks/cpu_auto.md")
   p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                  help="run on one core (the lowest this process may use); see the docstring")
   a = p.parse_args(argv)

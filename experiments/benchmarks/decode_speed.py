@@ -16,7 +16,8 @@ cache's size (every layer) and XLA's temporary buffers of the compiled loop. The
 not timed (it is the training forward).
 
 The same command runs on a CPU or a GPU; it writes the table (command, machine, date, jax
-version) to --out (default: print only) and prints it.
+version) to --out (default: print only) and prints it. The current table is
+docs/benchmarks/decode_speed.md (--out=docs/benchmarks/decode_speed.md).
 """
 from __future__ import annotations
 
@@ -27,8 +28,15 @@ import statistics
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app
 from absl import flags
+from flax import nnx
+
+from posenc_jax import generation
+from posenc_jax import model as model_lib
 
 _ENCODINGS = flags.DEFINE_list("encodings", ["rope", "fox", "path", "grape_m_ctx"], "Encodings.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192", "32768"], "Cache sizes (max_len).")
@@ -47,14 +55,6 @@ MIB = 2**20
 
 def _setup(name: str, S: int) -> dict:
   """Builds, compiles and warms up one case; returns its `call` (one timed decode) and sizes."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from flax import nnx
-
-  from posenc_jax import generation
-  from posenc_jax import model as model_lib
-
   cfg = model_lib.ModelConfig(vocab_size=256, encoding=name, num_layers=_LAYERS.value,
                               d_model=_D_MODEL.value, num_heads=_HEADS.value,
                               head_dim=_HEAD_DIM.value, dtype=_DTYPE.value)
@@ -102,7 +102,6 @@ def _measure(cases: list[dict]) -> None:
 
 
 def _machine() -> str:
-  import jax
   d = jax.devices()[0]
   if d.platform == "cpu":
     return f"{os.cpu_count()}-core CPU ({platform.machine()}), jax {jax.__version__}"

@@ -30,8 +30,15 @@ document (and row) start, FLA's variable-length form; the short convolution rest
 from __future__ import annotations
 
 import math
+import sys
+import time
 
 import numpy as np
+
+from experiments.benchmarks.throughput_common import (
+    loss_summary, steps_to_run, text_batches, timing_fields, train_flops)
+from experiments.configs import base
+from posenc_jax import model as model_lib
 
 RANK, CONV_WIDTH = 32, 3  # posenc_jax/encodings/transport.py HPARAMS["path"]
 FORGET_TIME = (16.0, 4096.0)  # HPARAMS["path_fox"]: gate decay times 1/(1-f) across heads
@@ -271,14 +278,7 @@ def run_row(*, name: str, seq_len: int, batch: int, size, dtype: str, schedule,
     import torch
   except ImportError as e:
     raise ImportError(f"the FLA anchor needs torch, triton, fla-core 0.6.0 and CUDA: {e}") from e
-  import sys
-  import time
   anchor = sys.modules[__name__]
-  from experiments.benchmarks.train_throughput import (  # imported here: it imports this lazily
-      _steps_to_run, loss_summary, text_batches, timing_fields, train_flops)
-  from experiments.configs import base
-  from posenc_jax import model as model_lib
-
   if not torch.cuda.is_available():
     raise RuntimeError("the FLA anchor needs a CUDA GPU (FLA's kernels are Triton)")
   mlp_dim = model_lib.ModelConfig(vocab_size=size.vocab_size, d_model=size.d_model).mlp_width
@@ -297,7 +297,7 @@ def run_row(*, name: str, seq_len: int, batch: int, size, dtype: str, schedule,
   losses, step_s, compile_s = [], [], None
   # Every step sees a new batch, as in training (and as the JAX rows do): cu_seqlens differ per
   # batch, so whatever FLA builds per batch on first sight is part of its step time.
-  for i in range(_steps_to_run(schedule) + 1):  # step 0: Triton JIT + autotuning ("compile")
+  for i in range(steps_to_run(schedule) + 1):  # step 0: Triton JIT + autotuning ("compile")
     b = batches[i] if i < len(batches) else anchor.to_torch_batch(next(more), device="cuda",
                                                                   varlen=varlen)
     torch.cuda.synchronize()

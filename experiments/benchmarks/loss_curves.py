@@ -1,21 +1,28 @@
 """Loss curves of train_throughput.py rows: a plot, and a table of windowed means and of the
 largest step-wise gap between each row and the first.
 
-  python experiments/benchmarks/loss_curves.py experiments/benchmarks/train_losses_h200.jsonl \
-      --out experiments/benchmarks/train_losses_h200.png \
+  python -m experiments.benchmarks.loss_curves docs/benchmarks/data/train_losses_h200.jsonl \
+      --out docs/benchmarks/data/train_losses_h200.png \
       --labels "A: default (call 4),B: keep_inverse=false (call 4),C: default (call 5),D: default (call 5; beside C)"
 
 Each row is labelled by its line number, encoding, implementation and note's first clause
 (--labels overrides). Colours are the encodings' (experiments/plot_style.py); rows of one
-encoding differ by line style and marker. Two runs of one code in one process are bitwise equal; runs of one code in
-different device calls are not (the compiled kernels' algorithms may differ by machine), so a
-comparison needs such a pair beside it to read the gap against.
+encoding differ by line style and marker. Two runs of one code in one process are bitwise
+equal; runs of one code in different device calls are not (the compiled kernels' algorithms
+may differ by machine), so a comparison needs such a pair beside it to read the gap against.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never open a window
+import matplotlib.pyplot as plt  # noqa: E402
+
+from experiments import plot_style  # noqa: E402
 
 
 def read_rows(path: str) -> list[dict]:
@@ -59,7 +66,6 @@ def line_styles(rows: list[dict], *, every: int = 20) -> list[dict]:
   """plot() keywords per row: the encoding's colour (experiments/plot_style.py); rows of one
   encoding (the same code in two calls, or two options) differ by line style and by markers
   placed at staggered steps, so two bitwise-equal curves still show as two."""
-  from experiments import plot_style
   seen: dict[str, int] = {}
   out = []
   for r in rows:
@@ -72,9 +78,6 @@ def line_styles(rows: list[dict], *, every: int = 20) -> list[dict]:
 
 
 def plot(rows: list[dict], labels: list[str], out: str, smooth: int):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(8, 4.5))
   for lab, r, kw in zip(labels, rows, line_styles(rows)):
     y = r["losses"]

@@ -10,8 +10,8 @@ exceeds --max-gib. A case whose time, extrapolated from the previous length, wou
 --max-seconds is skipped with the reason printed. Times: jit'd forward, one warm-up call,
 then the median of --runs calls (a single call when one takes longer than 20 s).
 
-Writes the markdown table to experiments/benchmarks/path_cpu.md (with command, machine, date
-and jax version) and prints it last. B=1, H=K=1, D=64, float32, chunk 64, no segments/gate.
+Writes the markdown table to --out (default docs/benchmarks/path_cpu.md, with command, machine,
+date and jax version) and prints it last. B=1, H=K=1, D=64, float32, chunk 64, no segments/gate.
 """
 from __future__ import annotations
 
@@ -26,18 +26,19 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+
+from posenc_jax import householder
+
 GIB = 2**30
 IMPLS = ("reference", "scan", "chunked")
 # Work grows as T^2 for all three at these lengths (scan adds a T D^3 term).
 _TIME_EXPONENT = 2.0
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
 def _child(impl: str, T: int, runs: int, max_gib: float) -> dict:
-  import jax
-  import jax.numpy as jnp
-
-  from posenc_jax import householder
-
   fn = {"reference": householder.path_attention_reference, "scan": householder.path_attention_scan,
         "chunked": householder.path_attention_chunked}[impl]
   B, H, D = 1, 1, 64
@@ -103,7 +104,7 @@ def main(argv=None):
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--max-gib", type=float, default=16.0)
   ap.add_argument("--max-seconds", type=float, default=120.0)
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "path_cpu.md"))
+  ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks", "path_cpu.md"))
   ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
   a = ap.parse_args(argv)
   if a.child:
@@ -111,7 +112,6 @@ def main(argv=None):
     print(json.dumps(_child(impl, int(T), a.runs, a.max_gib)))
     return
 
-  import jax
   ts = [int(t) for t in a.ts.split(",")]
   impls = a.impls.split(",")
   load0 = os.getloadavg()[0]

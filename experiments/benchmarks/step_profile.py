@@ -18,12 +18,21 @@ writes a jax.profiler trace of a few loop steps for TensorBoard / Perfetto.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import jax  # noqa: E402
+
+from experiments import config_checks  # noqa: E402
+from experiments import data  # noqa: E402
+from experiments import train  # noqa: E402
+from experiments.benchmarks import common  # noqa: E402
+from experiments.sweeps import plan_runs  # noqa: E402
 
 
 def _median_ms(fn, n: int) -> float:
@@ -36,11 +45,8 @@ def _median_ms(fn, n: int) -> float:
 
 
 def profile(config, *, steps: int, trace_dir: str | None = None) -> dict:
-  """-> {"data_ms", "put_ms", "step_ms", "loop_ms", "tokens_per_step"} for `config`'s run."""
-  import jax
-
-  from experiments import config_checks, data, train
-
+  """-> {"data_ms", "put_ms", "step_ms", "loop_ms", "tokens_per_step", "plan"} for `config`'s
+  run; plan: the attention kernel's (common.model_plan), None where the model runs none."""
   mcfg = config_checks.check(config, workdir="", data_module=data, num_devices=jax.device_count())
   t = config.train
   mesh, trainer, it = train.setup(config, mcfg, data)
@@ -49,7 +55,10 @@ def profile(config, *, steps: int, trace_dir: str | None = None) -> dict:
     batch = trainer.put(next(it))
     state, m = trainer.train_step(state, batch)   # compile
     jax.block_until_ready(m)
-    out = {"tokens_per_step": t.batch_size * config.data.seq_len}
+    out = {"tokens_per_step": t.batch_size * config.data.seq_len,
+           "plan": common.model_plan(mcfg, batch=t.batch_size, seq_len=config.data.seq_len,
+                                     segments="segment_ids" in batch,
+                                     backend=jax.default_backend())}
     out["data_ms"] = _median_ms(lambda: next(it), steps)
     host = next(it)
     out["put_ms"] = _median_ms(lambda: jax.block_until_ready(trainer.put(host)), steps)
@@ -72,34 +81,8 @@ def profile(config, *, steps: int, trace_dir: str | None = None) -> dict:
       n = min(steps, 10)
       with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         loop(n)
-      out["top_ops"] = top_ops(trace_dir, steps=n)
+      out["top_ops"] = common.top_ops(trace_dir, steps=n)
   return out
-
-
-def top_ops(trace_dir: str, *, steps: int, k: int = 12) -> list[tuple[str, float, int]]:
-  """The k device ops with the most time in the trace: (name, ms per step, calls per step).
-  Device ops are the events of processes whose name mentions a GPU or TPU; a CPU run has none,
-  so its host events are ranked instead."""
-  import collections
-  import glob
-  import gzip
-  import json
-
-  files = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
-  if not files:
-    return []
-  with gzip.open(files[-1]) as f:
-    events = json.load(f)
-  events = events["traceEvents"] if isinstance(events, dict) else events
-  names = {e["pid"]: e["args"].get("name", "") for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  device = {pid for pid, n in names.items() if "GPU" in n or "TPU" in n or "/device:" in n}
-  total, calls = collections.Counter(), collections.Counter()
-  for e in events:
-    if e.get("ph") == "X" and (not device or e["pid"] in device):
-      total[e["name"]] += e.get("dur", 0) / 1e3
-      calls[e["name"]] += 1
-  return [(n, t / steps, calls[n] // steps) for n, t in total.most_common(k)]
 
 
 def main(argv=None) -> None:
@@ -109,9 +92,6 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=50)
   p.add_argument("--trace", default=None, help="write a jax.profiler trace here")
   a = p.parse_args(argv)
-  import importlib.util
-
-  from experiments.sweeps import plan_runs
   path, _, arg = a.config.partition(":")
   spec = importlib.util.spec_from_file_location("cfg", path)
   mod = importlib.util.module_from_spec(spec)
@@ -124,6 +104,7 @@ def main(argv=None) -> None:
   r = profile(runs[0]["config"], steps=a.steps, trace_dir=a.trace)
   tok = r["tokens_per_step"]
   print(f"{a.config} {a.encoding}: tokens/step {tok:,}")
+  print("attention kernel plan: " + (r["plan"] or "none (no Pallas kernel)").replace("\n", "\n  "))
   print("| data ms | put ms | step ms | loop ms | loop tokens/s |")
   print("|---|---|---|---|---|")
   print(f"| {r['data_ms']:.2f} | {r['put_ms']:.2f} | {r['step_ms']:.2f} | {r['loop_ms']:.2f} | "

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import time
 
+from experiments.benchmarks.throughput_common import REPO, ROW_PREFIX, now_utc, row_identity
 from experiments.benchmarks.throughput_tables import (
     ANCHORS, MATMUL, append_row, latest_rows, progress_line, read_rows, row_key)
-from experiments.benchmarks.train_throughput import REPO, ROW_PREFIX, now_utc, row_identity
 
 
 def child_argv(args, *, name: str, seq_len: int) -> list[str]:

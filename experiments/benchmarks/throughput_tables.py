@@ -1,5 +1,5 @@
 """Rows of experiments/benchmarks/train_throughput.py: the JSON-lines file, the names a row can
-carry, and the tables made from it (the end-of-run table and RESULTS_train.md's markdown).
+carry, and the tables made from it (the end-of-run table and the markdown of --markdown).
 
 A row is one (encoding, T) measurement as a dict; KEY_FIELDS identify it, so a later run skips
 what the file already holds and the last row written for a key wins.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+
+from posenc_jax import encodings
 
 ANCHORS = ("fla_path", "fla_path_fox")
 KV_SHIFT = "+kv_shift"  # "rope+kv_shift": ModelConfig(encoding="rope", kv_shift=True)
@@ -18,7 +20,6 @@ KEY_FIELDS = ("encoding", "seq_len", "batch", "dtype", "implementation", "scan_l
 
 def runnable_encodings() -> list[str]:
   """Every encoding the model can run alone, plus rope with the kv_shift modifier."""
-  from posenc_jax import encodings
   return [n for n in encodings.NAMES if n not in encodings.MODIFIERS] + ["rope" + KV_SHIFT]
 
 

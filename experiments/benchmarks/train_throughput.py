@@ -20,7 +20,10 @@ count). Tokens per step are constant: B = tokens_per_step / T (16 x 2048, 4 x 81
       --deadline 540 --out workdirs/train_throughput.jsonl
   # render the table of everything in --out
   python -m experiments.benchmarks.train_throughput --render-only \
-      --out workdirs/train_throughput.jsonl --markdown experiments/benchmarks/RESULTS_train.md
+      --out workdirs/train_throughput.jsonl --markdown workdirs/train_throughput.md
+
+docs/benchmarks/train_throughput.md has the current tables; their rows are in
+docs/benchmarks/data/train_throughput_*.jsonl (render one with --render-only --out FILE).
 
 Each (encoding, T) runs in a fresh subprocess (`--one NAME --seq-len T ...`), so peak memory is
 per encoding and an OOM, crash or timeout becomes a row with its error. The parent never
@@ -79,10 +82,7 @@ torch.cuda.synchronize around each.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
 import json
-import math
 import os
 import re
 import shlex
@@ -93,120 +93,22 @@ import time
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, REPO)  # also runnable as a file, like the other benchmarks
 
-from experiments.benchmarks.throughput_tables import (  # noqa: E402 (after the path insert)
+import jax  # noqa: E402 (after the path insert)
+import jax.numpy as jnp  # noqa: E402
+
+from experiments import sharding  # noqa: E402
+from experiments import train  # noqa: E402
+from experiments.benchmarks import common  # noqa: E402
+from experiments.benchmarks import fla_anchor_model  # noqa: E402 (torch only inside it)
+from experiments.benchmarks import throughput_parent  # noqa: E402
+from experiments.benchmarks.throughput_common import (  # noqa: E402
+    EMBED, ROW_PREFIX, Schedule, Size, family_of, now_utc, row_identity, split_name, steps_to_run,
+    text_batches, timing_fields, train_flops, loss_summary)
+from experiments.benchmarks.throughput_tables import (  # noqa: E402
     ANCHORS, MATMUL, print_table, read_rows, render_markdown, runnable_encodings)
-
-PATH_CHUNK = 64
-# --embed -> ModelConfig.embed_one_hot
-EMBED = {"auto": None, "gather": False, "one_hot": True}
-ROW_PREFIX = "ROW "  # the child's result line on stdout
-
-
-@dataclasses.dataclass(frozen=True)
-class Size:
-  """The model's sizes (the benchmark's are the defaults; the smoke test shrinks them)."""
-  num_layers: int = 12
-  d_model: int = 768
-  num_heads: int = 12
-  head_dim: int = 64
-  vocab_size: int = 32000
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-  """How many steps of each kind one row runs."""
-  steps: int = 10        # timed
-  warmup: int = 3        # run before timing, after compiling
-  loss_steps: int = 30   # losses recorded from the first step on (timed steps included)
-  num_batches: int = 13  # put on the device before timing (warm-up + timed steps: all distinct);
-                         # loss steps past them read fresh batches, untimed, so the loss check
-                         # measures learning, not memorising a few batches
-
-
-# --- names ---------------------------------------------------------------------------------
-
-
-def split_name(name: str) -> tuple[str, bool]:
-  """'rope+kv_shift' -> ('rope', True); 'path' -> ('path', False)."""
-  base, plus, modifier = name.partition("+")
-  if plus and modifier != "kv_shift":
-    raise ValueError(f"{name!r}: the only modifier is kv_shift")
-  return base, bool(plus)
-
-
-def family_of(name: str) -> str:
-  if name in ANCHORS:
-    return "path"
-  from posenc_jax import encodings
-  return encodings.get(split_name(name)[0]).family
-
-
-def batch_for(*, tokens_per_step: int, seq_len: int) -> int:
-  if tokens_per_step % seq_len:
-    raise ValueError(f"--tokens-per-step {tokens_per_step} is not a multiple of T={seq_len}")
-  return tokens_per_step // seq_len
-
-
-# --- FLOPs ---------------------------------------------------------------------------------
-
-
-def train_flops(*, family: str, dense_params: int, num_layers: int, num_heads: int,
-                head_dim: int, seq_len: int, batch: int, chunk: int = PATH_CHUNK) -> dict:
-  """FLOPs of one training step (forward + backward), by part; the module docstring explains."""
-  H, D, T, C = num_heads, head_dim, seq_len, chunk
-  per_seq_fwd = {"attention": 2 * H * D * T * T, "transport": 0.0, "prepass": 0.0}
-  if family == "path":
-    n = math.ceil(T / C)
-    per_seq_fwd["transport"] = H * (n * (n - 1) / 2) * 2 * C * D * D
-    per_seq_fwd["prepass"] = H * n * (12 * C * C * D + 2 * C * D * D + 2 * C**3 / 3)
-  out = {"dense": 6.0 * dense_params * batch * T}
-  out.update({k: 3.0 * num_layers * batch * v for k, v in per_seq_fwd.items()})
-  out["total"] = sum(out.values())
-  return out
-
-
-def mfu(flops: float, step_s: float, peak_tflops: float | None) -> float | None:
-  return None if not peak_tflops or not step_s else flops / step_s / (peak_tflops * 1e12)
-
-
-# --- batches and shared row fields ---------------------------------------------------------
-
-
-def text_batches(*, seq_len: int, batch: int, count: int) -> tuple[list[dict], object]:
-  """(`count` host batches of the `text` task, the iterator that continues after them), as
-  experiments/train.py draws them."""
-  from experiments import data
-  from experiments.configs import base
-  cfg = base.get_config().data
-  cfg.task, cfg.seq_len = "text", seq_len
-  it = data.make_train_iter(cfg, batch_size=batch, seed=0)
-  return [next(it) for _ in range(count)], it
-
-
-def loss_summary(losses: list[float]) -> dict:
-  k = max(1, min(5, len(losses) // 2))
-  finite = all(math.isfinite(x) for x in losses)
-  return {"losses": [round(x, 4) for x in losses], "loss_first": losses[0],
-          "loss_last": losses[-1], "loss_finite": finite,
-          "loss_falling": finite and statistics.mean(losses[-k:]) < statistics.mean(losses[:k])}
-
-
-def timing_fields(step_s: list[float], *, tokens: int, flops: dict, peak_tflops,
-                  measured_tflops) -> dict:
-  med = statistics.median(step_s)
-  return {"step_ms": med * 1e3, "step_ms_all": [round(s * 1e3, 3) for s in step_s],
-          "tokens_per_s": tokens / med, "flops": flops, "peak_tflops": peak_tflops,
-          "measured_tflops": measured_tflops, "mfu": mfu(flops["total"], med, peak_tflops),
-          "mfu_measured": mfu(flops["total"], med, measured_tflops)}
-
-
-def now_utc() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _steps_to_run(schedule: Schedule) -> int:
-  return max(schedule.loss_steps, schedule.warmup + schedule.steps)
-
+from experiments.configs import base  # noqa: E402
+from posenc_jax import attention  # noqa: E402
+from posenc_jax import model as model_lib  # noqa: E402
 
 # --- one JAX row ---------------------------------------------------------------------------
 
@@ -230,31 +132,19 @@ def attention_label(*, kernels: list[str], implementation: str, family: str, seq
       return label
   if implementation != "auto":
     return implementation
-  from posenc_jax import attention
   return attention.auto_implementation(family, T=seq_len, dtype=dtype, head_dim=head_dim,
                                        has_segments=True, backend=backend).implementation
 
 
 def jax_peak_gib() -> float | None:
-  import jax
   stats = jax.local_devices()[0].memory_stats()  # None on CPU
   if not stats or "peak_bytes_in_use" not in stats:
     return None
   return stats["peak_bytes_in_use"] / 2**30
 
 
-def compiled_gib(compiled) -> float | None:
-  """XLA's own estimate (arguments + outputs + temporaries): tells an OOM's size in advance."""
-  try:
-    m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes) / 2**30
-  except Exception:  # not every backend reports it
-    return None
-
-
 def count_params(params) -> tuple[int, int]:
   """(all parameters, the embedding table's) of the Trainer's params dict."""
-  import jax
   total = sum(int(x.size) for x in jax.tree.leaves(params))
   return total, int(params["embed"]["embedding"].size)
 
@@ -266,12 +156,6 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
   """Compiles and times the project's train step for one encoding; returns the row.
 
   compile_only: stop after compiling (the pre-compile phase fills the persistent cache)."""
-  import jax
-  from experiments import sharding
-  from experiments import train
-  from experiments.configs import base
-  from posenc_jax import model as model_lib
-
   encoding, kv_shift = split_name(name)
   mcfg = model_lib.ModelConfig(
       vocab_size=size.vocab_size, encoding=encoding, kv_shift=kv_shift,
@@ -295,9 +179,9 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
     if compile_only:
       return row
     kernels = attention_kernels(step.as_text())
-    row["compiled_gib"] = compiled_gib(step)
+    row["compiled_gib"] = common.compiled_gib(step)
     losses, step_s = [], []
-    for i in range(_steps_to_run(schedule)):
+    for i in range(steps_to_run(schedule)):
       b = batches[i] if i < len(batches) else trainer.put(next(more))
       t0 = time.perf_counter()  # a fresh batch's transfer is not timed (nor needed: untimed)
       state, metrics = step(state, b)
@@ -311,11 +195,14 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
                       num_layers=size.num_layers, num_heads=size.num_heads,
                       head_dim=size.head_dim, seq_len=seq_len, batch=batch)
   device = jax.devices()[0]
+  impl = attention_label(kernels=kernels, implementation=implementation, family=family_of(name),
+                         seq_len=seq_len, dtype=dtype, head_dim=size.head_dim,
+                         backend=jax.default_backend())
   row.update(
-      params=total, params_dense=total - embedding, kernels=kernels,
-      attention_impl=attention_label(kernels=kernels, implementation=implementation,
-                                     family=family_of(name), seq_len=seq_len, dtype=dtype,
-                                     head_dim=size.head_dim, backend=jax.default_backend()),
+      params=total, params_dense=total - embedding, kernels=kernels, attention_impl=impl,
+      # the Pallas kernel's plan in every layer (the text task's rows carry segment ids)
+      plan=common.model_plan(mcfg, batch=batch, seq_len=seq_len, segments=True,
+                             backend=jax.default_backend()) if impl == "pallas" else None,
       peak_gib=jax_peak_gib(), device_kind=device.device_kind, jax_version=jax.__version__,
       **timing_fields(step_s, tokens=batch * seq_len, flops=flops, peak_tflops=peak_tflops,
                       measured_tflops=measured_tflops),
@@ -328,8 +215,6 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
 
 def run_matmul_peak(*, n: int, repeats: int = 10) -> dict:
   """bf16 [n, n] @ [n, n] in JAX: median seconds of `repeats` runs -> TFLOP/s."""
-  import jax
-  import jax.numpy as jnp
   ka, kb = jax.random.split(jax.random.key(0))
   a = jax.random.normal(ka, (n, n), jnp.bfloat16)
   b = jax.random.normal(kb, (n, n), jnp.bfloat16)
@@ -349,41 +234,23 @@ def run_matmul_peak(*, n: int, repeats: int = 10) -> dict:
 # --- the child: one row --------------------------------------------------------------------
 
 
-def row_identity(args, *, name: str, seq_len: int) -> dict:
-  """The fields that identify a row (KEY_FIELDS): what was asked, known before running."""
-  if name == MATMUL:
-    return {"encoding": name, "seq_len": seq_len, "batch": 1, "dtype": "bfloat16",
-            "implementation": "xla"}
-  impl = args.implementation
-  if name in ANCHORS:  # the document masking changes the anchor's work
-    impl = "fla" if args.fla_varlen else "fla_no_doc_mask"
-  return {"encoding": name, "seq_len": seq_len,
-          "batch": batch_for(tokens_per_step=args.tokens_per_step, seq_len=seq_len),
-          "dtype": args.dtype, "implementation": impl,
-          # None, not False, unscanned: the key of the rows from before the flag
-          "scan_layers": True if args.scan_layers and name not in ANCHORS else None,
-          # None: the gather, which every row from before the flag used
-          "embed": None if args.embed == "gather" or name in ANCHORS else args.embed}
-
-
 def one_row(args, *, name: str, seq_len: int) -> dict:
   """Runs one (encoding, T) and returns its row; any exception becomes the row's error."""
   row = {**row_identity(args, name=name, seq_len=seq_len), "date": now_utc(), "error": None}
   t0 = time.time()
-  common = dict(seq_len=seq_len, batch=row["batch"], size=size_of(args), dtype=args.dtype,
+  shared = dict(seq_len=seq_len, batch=row["batch"], size=size_of(args), dtype=args.dtype,
                 schedule=schedule_of(args), peak_tflops=args.peak_tflops,
                 measured_tflops=args.measured_tflops)
   try:
     if name == MATMUL:
       row.update(run_matmul_peak(n=seq_len))
     elif name in ANCHORS:
-      from experiments.benchmarks import fla_anchor_model  # torch only here
-      row.update(fla_anchor_model.run_row(name=name, varlen=args.fla_varlen, **common))
+      row.update(fla_anchor_model.run_row(name=name, varlen=args.fla_varlen, **shared))
     else:
       row.update(run_jax(name=name, implementation=args.implementation,
                          scan_layers=args.scan_layers, embed=args.embed,
                          compile_only=args.compile_only,
-                         **common))
+                         **shared))
   except Exception as e:  # one row's failure is data, not the end of the run
     row["error"] = f"{type(e).__name__}: {_first_line(str(e))}"
   row["wall_s"] = time.time() - t0
@@ -487,8 +354,6 @@ def main(argv=None) -> None:
       raise SystemExit(f"unknown encodings {unknown}; expected some of "
                        f"{runnable_encodings() + list(ANCHORS)}")
     print(f"rows -> {args.out}", flush=True)
-    # Imported here: the parent module imports this one for the child's row identity.
-    from experiments.benchmarks import throughput_parent
     throughput_parent.run_all(args)
   rows = read_rows(args.out)
   print_table(rows)

@@ -29,7 +29,14 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
+
+import kernels_pallas as kp_new
+import posenc_jax as pj_new
 
 ANCHORS = ((4, 16384, 16, 128), (32, 2048, 32, 64), (8, 4096, 16, 128), (32, 4096, 32, 64),
            (8, 8192, 32, 64))
@@ -70,7 +77,6 @@ def compare(a, b) -> dict:
 
 def timed_pair(f_new, f_old, args, reps: int):
   """Median wall ms of f_new(*args) and f_old(*args), calls interleaved."""
-  import jax
   for f in (f_new, f_old):
     jax.block_until_ready(f(*args))
   t = {"new": [], "old": []}
@@ -84,8 +90,6 @@ def timed_pair(f_new, f_old, args, reps: int):
 
 def anchor_inputs(B, T, H, D, seed=0):
   """q, k, v (bf16), w (unit rows), beta in (0, 2) (float32), dO (bf16), as the anchors draw."""
-  import jax
-  import jax.numpy as jnp
   ks = jax.random.split(jax.random.key(seed), 6)
   q, k, v, do = (jax.random.normal(ks[i], (B, T, H, D), jnp.bfloat16) for i in (0, 1, 2, 5))
   w = jax.random.normal(ks[3], (B, T, H, D), jnp.float32)
@@ -95,7 +99,6 @@ def anchor_inputs(B, T, H, D, seed=0):
 
 
 def part_kernel(kp_new, kp_old, cases, reps, *, interpret=False):
-  import jax
   rows = []
   for B, T, H, D in cases:
     q, k, v, w, beta, do = anchor_inputs(B, T, H, D)
@@ -128,9 +131,6 @@ def part_kernel(kp_new, kp_old, cases, reps, *, interpret=False):
 def model_step(pj, encoding, *, T, batch, layers=12, d_model=768, seed=0):
   """(jitted step(params, opt_state, tokens) -> (loss, grads, params, opt_state), its
   arguments) of the 12-layer model in package pj (posenc_jax or its baseline copy)."""
-  import jax
-  import optax
-  from flax import nnx
   model_lib = importlib.import_module(pj.__name__ + ".model")
   cfg = model_lib.ModelConfig(vocab_size=256, encoding=encoding, num_layers=layers,
                               d_model=d_model, num_heads=d_model // 64, head_dim=64,
@@ -153,7 +153,6 @@ def model_step(pj, encoding, *, T, batch, layers=12, d_model=768, seed=0):
 
 
 def part_model(pj_new, pj_old, encodings, T, batch, reps, **sizes):
-  import jax
   rows = []
   for encoding in encodings:
     step_new, args_new = model_step(pj_new, encoding, T=T, batch=batch, **sizes)
@@ -214,13 +213,11 @@ def main():
   p.add_argument("--out", default=None, help="also append the JSON lines here")
   a = p.parse_args()
   kp_old, pj_old = import_baseline(os.path.abspath(a.baseline), model=a.part == "model")
-  import kernels_pallas as kp_new
   if a.part == "kernel":
     cases = [tuple(int(x) for x in c.split("x")) if "x" in c else ANCHORS[int(c)]
              for c in a.cases.split(",")]
     rows = part_kernel(kp_new, kp_old, cases, a.reps, interpret=a.interpret)
   else:
-    import posenc_jax as pj_new
     rows = part_model(pj_new, pj_old, a.encodings.split(","), a.seq_len, a.batch, a.reps,
                       layers=a.layers, d_model=a.d_model)
   if a.out:

@@ -39,7 +39,7 @@ UNTESTED = (
             "SBA is not implemented"),
     Verdict("PaTH Fig. 1", "PaTH's kernel speed against RoPE and FoX kernels across lengths",
             "untested", "no such plot; kernel timings against FLA and cuDNN are in "
-            "experiments/benchmarks/RESULTS.md"),
+            "docs/benchmarks/path_kernel.md"),
     Verdict("GRAPE Tables 1-2", "GRAPE-M matches RoPE and GRAPE-A/AP lead in language "
             "modelling (downstream accuracy)", "untested",
             "GRAPE-M was not run in language modelling; no downstream evaluation"),
@@ -60,5 +60,5 @@ verdict resting on one seed says so, and a difference inside one seed's spread i
 finding.
 """
 
-INDEX_OUTRO = """`experiments/benchmarks/` holds the kernel and training-speed measurements
-(RESULTS.md), which are not paper reproductions."""
+INDEX_OUTRO = """`docs/benchmarks/` holds the kernel and training-speed measurements (one
+table per benchmark of `experiments/benchmarks/`), which are not paper reproductions."""
