@@ -21,8 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas as kp
-# phases is one of api.py's public entry points; kernels_pallas does not re-export it yet.
-from kernels_pallas.path_attention.api import phases  # noqa: F401 (re-exported for the scripts)
 from posenc_jax import attention
 from posenc_jax import model as model_lib
 

@@ -36,7 +36,7 @@ def programs(q, k, v, w, beta, log_forget=None, *, do, block_sizes, backend) -> 
   """{phase: (jitted function, its arguments)}: kp.phases' four (each fed what the phases
   before it returned) and "fwd_bwd", the jitted gradient of sum(path_attention(...) * do) with
   respect to every input, which the four together compute."""
-  parts = common.phases(q, k, v, w, beta, log_forget, do=do, block_sizes=block_sizes,
+  parts = kp.phases(q, k, v, w, beta, log_forget, do=do, block_sizes=block_sizes,
                         backend=backend)
   out = {name: (jax.jit(f), args) for name, (f, args) in parts.items()}
   args = (q, k, v, w, beta) + (() if log_forget is None else (log_forget,))
