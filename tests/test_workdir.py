@@ -252,6 +252,14 @@ def test_changed_learning_rate_is_refused_or_kept_in_history(run_copy):
   assert [s for s, _ in _train_records(run_copy)] == [1, 2, 3, 4, 5, 6]
 
 
+def test_unreadable_config_json_names_the_file(run_copy):
+  with open(os.path.join(run_copy, "config.json"), "w") as f:
+    f.write("")
+  with pytest.raises(errors.RunError, match=rf"^{run_copy}/config.json is unreadable \(Expecting "
+                     r"value: .*\); restore it, or delete it to resume under this command's config"):
+    train.run(_config(steps=6), run_copy)
+
+
 def test_which_fields_a_resume_may_change():
   stored = run_config.as_dict(_config())
   changed = _config(steps=600, log_every=5, checkpoint_every=100)
