@@ -124,6 +124,10 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "checkpoint_every": integer(0, note=" (0 = only at the end)"),
         "log_every": integer(1),
         "seed": integer(0, _SEED_MAX),
+        "divergence_factor": real(1.0),
+        "divergence_margin": real(0.0),
+        "divergence_patience": integer(0, note=" (0 = stop only at a NaN / inf loss)"),
+        "allow_config_change": flag(),
     },
     "eval": {
         "lengths": integers(1, example="64,128 (() = data.seq_len only)"),

@@ -37,7 +37,8 @@ thread generates as fast (the GIL serialises them anyway) without the convoy.
 Determinism: synthetic example i of a stream comes from numpy's Generator seeded with
 (seed, stream, i), stream 0 for training and 1 + k for the k-th test set, so eval sets
 never reuse training examples' randomness. The training iterator is a grain
-DatasetIterator whose get_state()/set_state() resume it exactly. Multi-host: process p
+DatasetIterator whose get_state()/set_state() resume it exactly, also from a state that went
+through JSON (as grain's Orbax handler stores it). Multi-host: process p
 of n reads examples p, p + n, ... (synthetic) or every n-th training file (text);
 `batch_size` is the per-process batch.
 """
@@ -202,6 +203,43 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
+# --- resumable iterator -------------------------------------------------------------
+
+
+class _JsonStateIterator(grain.DatasetIterator):
+  """The pipeline's iterator, restorable from its state after a JSON round trip.
+
+  grain's Orbax handler writes get_state() as JSON, which turns the tuples of the text
+  packer's state (ConcatThenSplit's `remainder_slices`, (-1, -1) for "no remainder") into
+  lists. The packer tests its sentinel with `!=`, so a restored [-1, -1] reads as a
+  remainder: it pulls one document too many and every later row shifts. That state is
+  saved for every position inside the first shuffle window (the window restarts from its
+  start state, taken before any document was read), so a run stopped there resumed onto
+  other data. set_state turns those lists back into tuples before grain sees them.
+  """
+
+  def __init__(self, parent: grain.DatasetIterator):
+    super().__init__(parent)
+
+  def __next__(self):
+    return next(self._parent)
+
+  def get_state(self):
+    return self._parent.get_state()
+
+  def set_state(self, state) -> None:
+    self._parent.set_state(_slices_as_tuples(state))
+
+
+def _slices_as_tuples(state):
+  if isinstance(state, dict):
+    return {k: ({f: tuple(s) for f, s in v.items()} if k == "remainder_slices"
+                else _slices_as_tuples(v)) for k, v in state.items()}
+  if isinstance(state, list):
+    return [_slices_as_tuples(v) for v in state]
+  return state
+
+
 # --- the contract ------------------------------------------------------------------
 
 
@@ -215,12 +253,13 @@ def make_train_iter(config, *, batch_size: int, seed: int, process_index: int = 
                         process_index=process_index, process_count=process_count)
     if config.shuffle_window > 1:
       rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=config.shuffle_window, seed=seed)
-    return iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack))
+    return _JsonStateIterator(iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack)))
   rows = _synthetic_rows(config, split="train", seq_len=config.seq_len, seed=seed)
   rows = rows[process_index::process_count]
   read = grain.ReadOptions(num_threads=config.read_threads,
                            prefetch_buffer_size=config.prefetch_batches)
-  return iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack).to_iter_dataset(read))
+  return _JsonStateIterator(
+      iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack).to_iter_dataset(read)))
 
 
 def make_eval_sets(config, *, seq_len: int, batch_size: int, num_batches: int,

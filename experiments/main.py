@@ -3,15 +3,20 @@ r"""Entry point: train, evaluate and report one experiment config (or a sweep of
   python -m experiments.main --config=experiments/configs/quickstart.py[:arg] \
       --workdir=DIR [--config.model.encoding=path --config.train.steps=100 ...]
 
-WORKDIR receives metrics.jsonl, tensorboard/, checkpoints/, report.md and plots. Running
-the same command again resumes from the latest checkpoint. With config.sweep.encodings set,
-each encoding trains into WORKDIR/<encoding>/ and WORKDIR/report.md compares them.
+WORKDIR receives metrics.jsonl, tensorboard/, checkpoints/, config.json, report.md and plots.
+Running the same command again resumes from the newest intact checkpoint, with the same
+losses as an uninterrupted run; while a run trains it holds WORKDIR/run.lock, and a second
+command on the same workdir stops. With config.sweep.encodings set, each encoding trains
+into WORKDIR/<encoding>/ and WORKDIR/report.md compares them.
 
 A config error (an unknown field or a value of the wrong type or range, an unknown encoding,
 odd head_dim for a rotation, sequence too long, a workdir holding a different model, ...)
-prints one `error: ...` line and exits with status 2 before anything compiles; a diverging
-loss prints the step and exits with status 1. --config.model.encoding=NAME on a config that
-sweeps encodings trains NAME alone (into WORKDIR/NAME/) and says so.
+prints one `error: ...` line and exits with status 2 before anything compiles, as does a
+workdir that cannot be used (in use by another run, not writable, no intact checkpoint,
+trained under another config: see config.train.allow_config_change) or a checkpoint that
+fails to save; a diverging loss prints "loss diverged at step N ..." and exits with status 1.
+--config.model.encoding=NAME on a config that sweeps encodings trains NAME alone (into
+WORKDIR/NAME/) and says so.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ def main(argv) -> None:
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
   from experiments import data
+  from experiments import errors
   from experiments import report
   from experiments import train
 
@@ -86,6 +92,9 @@ def main(argv) -> None:
   for c, w, mcfg in runs:
     try:
       summary = train.run(c, w, data_module=data, mcfg=mcfg)
+    except errors.RunError as e:  # the workdir (in use, unwritable, damaged) or a train field
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      errors.exit_quietly(2)
     except train.TrainingDiverged as e:
       print(f"error: {w}: {e}", file=sys.stderr)
       sys.exit(1)

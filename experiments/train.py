@@ -9,15 +9,17 @@ The train state is one pytree of arrays, so it is donated, sharded and checkpoin
           so a resumed run draws exactly the keys an uninterrupted one would
 
 `Trainer` owns the compiled functions; `run` is the loop (data, logging, evaluation,
-checkpoints, SIGTERM, NaN guard, report).
+checkpoints, SIGTERM, divergence guard, report) inside the workdir's lock.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -30,19 +32,23 @@ from flax import traverse_util
 
 from experiments import checkpoint
 from experiments import config_checks
+from experiments import divergence
+from experiments import errors
 from experiments import evaluate
 from experiments import report
+from experiments import run_config
 from experiments import sharding
+from experiments import workdir_lock
 from posenc_jax import model as model_lib
 
 SUMMARY = "summary.json"
-CONFIG = "config.json"   # the run's whole config, for readers such as experiments.generate
+CONFIG = run_config.CONFIG  # the run's whole config, for readers such as experiments.generate
 WALL = "wall_time.json"  # training seconds of a run's interrupted segments, summed on resume
 BATCH_KEYS = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 
 
 class TrainingDiverged(RuntimeError):
-  """The loss became NaN or inf; the message names the step."""
+  """The loss diverged (experiments.divergence); the message names the step."""
 
 
 def make_optimizer(t) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -73,8 +79,13 @@ class Trainer:
     self.param_shardings = sharding.named_shardings(logical, abstract_params, mesh, rules=self.rules)
     self.tx, self.schedule = make_optimizer(train_cfg)
     repl = sharding.replicated(mesh)
+    # The state's shapes, kept for restores (tracing _init_state again would rebuild the model).
+    self._abstract = {"params": abstract_params,
+                      "opt": jax.eval_shape(self.tx.init, abstract_params),
+                      "step": jax.ShapeDtypeStruct((), jnp.int32),
+                      "rng": jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))}
     opt_shardings = optax.tree_map_params(
-        self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, abstract_params),
+        self.tx, lambda _, s: s, self._abstract["opt"],
         self.param_shardings, transform_non_params=lambda _: repl)
     self.state_shardings = {"params": self.param_shardings, "opt": opt_shardings,
                             "step": repl, "rng": repl}
@@ -128,8 +139,8 @@ class Trainer:
             for k in BATCH_KEYS}
 
   def abstract_state(self):
-    shapes = jax.eval_shape(self._init_state, 0)
-    return checkpoint.abstract(shapes, self.state_shardings)
+    """The train state's shapes, dtypes and shardings (what a restore fills in)."""
+    return checkpoint.abstract(self._abstract, self.state_shardings)
 
 
 @contextlib.contextmanager
@@ -171,7 +182,12 @@ def setup(config, mcfg, data_module):
 def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | None = None) -> dict:
   """Trains config's model in workdir (resuming if it holds a checkpoint); returns a summary.
 
-  A workdir whose run already finished is not trained again: its summary is returned.
+  A workdir whose run already reached config.train.steps is not trained again: its summary
+  is returned (with a note on stderr when it went past them). Problems the user can fix (a
+  workdir in use by another run, not writable, trained under another config, holding no
+  intact checkpoint) raise errors.RunError before the first step; a failed checkpoint write
+  raises it when found. A diverging loss raises TrainingDiverged, keeping the checkpoints
+  from before it.
   stop_after: stop (saving a checkpoint) once this many steps are done, as if interrupted.
   """
   if data_module is None:
@@ -180,57 +196,106 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
   if mcfg is None:
     mcfg = config_checks.check(config, workdir=workdir, data_module=data_module,
                                num_devices=jax.device_count())
+  divergence.check_config(config.train)
+  if checkpoint.latest_step(workdir) is not None:
+    run_config.check_resume(workdir, config)
   finished = _finished_summary(workdir, config.train.steps)
   if finished is not None:
     return finished
-  os.makedirs(workdir, exist_ok=True)
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, CONFIG), "w") as f:
-      f.write(config.to_json_best_effort(indent=1))
-  t = config.train
-  mesh, trainer, train_iter = setup(config, mcfg, data_module)
-  pc = jax.process_count()
-  eval_sets = _eval_sets(config, data_module, pc)
-  evaluate_now = lambda params: evaluate.evaluate_all(trainer.eval_step, params, eval_sets,
-                                                      trainer.put)
-  ckpt = checkpoint.Checkpointer(workdir, every=t.checkpoint_every)
-  stored = config_checks.stored_form(mcfg)
   primary = jax.process_index() == 0
-  log = report.MetricsLog(workdir, enabled=primary)
   try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise errors.RunError(f"--workdir={workdir} cannot be created ({e.strerror}); "
+                          f"use a directory you can write") from None
+  with workdir_lock.hold(workdir, enabled=primary):
+    try:
+      return _train(config, workdir, data_module=data_module, mcfg=mcfg, stop_after=stop_after,
+                    started=started, primary=primary)
+    except OSError as e:  # the workdir's own files (records, config, reports)
+      inside = e.filename and os.path.abspath(e.filename).startswith(os.path.abspath(workdir))
+      if e.errno not in _WRITE_ERRNOS or not inside:
+        raise
+      raise errors.RunError(f"writing {e.filename} failed ({e.strerror}); fix the cause and "
+                            f"run the same command to resume") from None
+
+
+# What a full disk, a quota or a read-only / unwritable workdir raise on write.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: float,
+           primary: bool) -> dict:
+  t = config.train
+  ckpt = checkpoint.Checkpointer(workdir, every=t.checkpoint_every, primary=primary)
+  log = bar = None
+  try:
+    mesh, trainer, train_iter = setup(config, mcfg, data_module)
+    pc = jax.process_count()
+    eval_sets = _eval_sets(config, data_module, pc)
+    evaluate_now = lambda params: evaluate.evaluate_all(trainer.eval_step, params, eval_sets,
+                                                        trainer.put)
+    stored = config_checks.stored_form(mcfg)
     with jax.set_mesh(mesh), _sigterm_flag() as sigterm:
-      if ckpt.latest_step() is not None:
-        step, state = ckpt.restore(trainer.abstract_state(), train_iter)
-        log.truncate_after(step)  # drop records an interrupted run wrote past its checkpoint
+      restored = ckpt.restore(trainer.abstract_state(), train_iter)
+      step, state = restored if restored is not None else (0, trainer.init_state(t.seed))
+      if primary:
+        # Records past the restored step were written by a segment that did not count.
+        kept = _keep_records_through(workdir, step, final=step >= t.steps)
+        run_config.record(workdir, config, step=step)
+        _reopen_finished_run(workdir)
       else:
-        step, state = 0, trainer.init_state(t.seed)
+        kept = report.read_metrics(workdir)
+      log = report.MetricsLog(workdir, enabled=primary)
+      guard = divergence.Guard(
+          vocab_size=mcfg.vocab_size, factor=t.divergence_factor, margin=t.divergence_margin,
+          patience=t.divergence_patience,
+          recent=[r["loss"] for r in kept if r["kind"] == "train"][-divergence.LEVEL_WINDOW:])
       tokens_per_step = t.batch_size * config.data.seq_len
       last = min(t.steps, stop_after) if stop_after is not None else t.steps
       bar = tqdm.tqdm(total=t.steps, initial=step, desc=mcfg.encoding, unit="step",
                       dynamic_ncols=True, mininterval=0.5)
+      losses = _Losses(guard, first_step=step + 1)
       pending, window_start = [], time.time()
       while step < last and not sigterm["set"]:
         state, metrics = trainer.train_step(state, trainer.put(next(train_iter)))
         step += 1
         pending.append(metrics)
+        losses.add(metrics["loss"])
         bar.update(1)
-        if step % t.log_every == 0 or step == last or sigterm["set"]:
-          _flush(log, pending, step, tokens_per_step, window_start, bar)
+        if step % t.log_every == 0 or step == last:
+          _flush_or_stop(losses, log, pending, step, tokens_per_step, window_start, bar)
           pending, window_start = [], time.time()
         if config.eval.every and step % config.eval.every == 0 and step < t.steps and eval_sets:
           log.eval(step, evaluate_now(state["params"]))
-        if ckpt.should_save(step) or step == last or sigterm["set"]:
-          ckpt.save(step, state, train_iter, stored)
+        if ckpt.should_save(step) or step == last:
+          _save_unless_diverging(ckpt, losses, step, state, train_iter, stored)
       bar.close()
-      if step < t.steps:  # interrupted (SIGTERM or stop_after), checkpoint saved
+      if step < t.steps:  # interrupted (SIGTERM, whenever it came, or stop_after)
+        _flush_or_stop(losses, log, pending, step, tokens_per_step, window_start, None)
+        if step > 0:
+          _save_unless_diverging(ckpt, losses, step, state, train_iter, stored)  # if not yet
+        ckpt.wait()
         if primary:
           _write_prior_wall(workdir, _prior_wall(workdir) + time.time() - started)
         return {"encoding": mcfg.encoding, "step": step, "interrupted": True}
       final_eval = evaluate_now(state["params"]) if eval_sets else []
       log.eval(step, final_eval)
+  except TrainingDiverged as e:
+    if bar is not None:
+      bar.close()
+    ckpt.close()
+    good = checkpoint.latest_step(workdir)
+    raise TrainingDiverged(
+        f"{e}; {'no checkpoint kept' if good is None else f'checkpoint step {good} is from before it'}; "
+        f"lower config.train.learning_rate and rerun with "
+        f"--config.train.allow_config_change=True (or in a new --workdir)") from None
   finally:
-    ckpt.close()  # waits for the asynchronous save
-    log.close()
+    if bar is not None:
+      bar.close()  # so that an error line starts on a line of its own
+    ckpt.close()  # waits for the asynchronous save; RunError if it failed
+    if log is not None:
+      log.close()
   summary = {"encoding": mcfg.encoding, "kv_shift": mcfg.kv_shift, "step": step,
              "final_loss": log.last_loss(), "eval": final_eval,
              # Over every segment, where the run resumed after interruptions.
@@ -248,6 +313,59 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
   return summary
 
 
+def _flush_or_stop(losses, log, pending, step, tokens_per_step, window_start, bar) -> None:
+  """Records the steps in `pending` (if any); TrainingDiverged if their losses diverged."""
+  diverged = losses.check()
+  if pending:
+    _flush(log, pending, step, tokens_per_step, window_start, bar)
+  if diverged:
+    raise TrainingDiverged(diverged)
+
+
+def _save_unless_diverging(ckpt, losses, step, state, train_iter, stored) -> None:
+  """Saves `step`, except in a run of high losses: the last checkpoint stays a good one."""
+  diverged = losses.check()
+  if diverged:
+    raise TrainingDiverged(diverged)
+  if not losses.in_streak:
+    ckpt.save(step, state, train_iter, stored)
+
+
+class _Losses:
+  """Each step's loss, read back from the device only when checked (at log and save steps,
+  so the loop never waits on the device in between) and fed to the divergence guard."""
+
+  def __init__(self, guard: divergence.Guard, *, first_step: int):
+    self._guard, self._next_step, self._unchecked = guard, first_step, []
+
+  def add(self, loss) -> None:
+    self._unchecked.append(loss)
+
+  @property
+  def in_streak(self) -> bool:
+    return self._guard.in_streak
+
+  def check(self) -> str | None:
+    """Feeds the unchecked losses to the guard; why the run diverged, or None."""
+    values, self._unchecked = jax.device_get(self._unchecked), []
+    for loss in values:
+      why = self._guard.update(self._next_step, float(loss))
+      self._next_step += 1
+      if why is not None:
+        return why
+    return None
+
+
+def _reopen_finished_run(workdir: str) -> None:
+  """A finished run trained on (more steps): its summary goes, its wall time becomes the
+  earlier segments' time, so the new summary's wall time spans the whole run."""
+  path = os.path.join(workdir, SUMMARY)
+  if os.path.exists(path):
+    with open(path) as f:
+      _write_prior_wall(workdir, float(json.load(f)["wall_time_s"]))
+    os.remove(path)
+
+
 def _prior_wall(workdir: str) -> float:
   """Seconds the run's earlier, interrupted segments took (0 for a fresh run)."""
   path = os.path.join(workdir, WALL)
@@ -263,25 +381,63 @@ def _write_prior_wall(workdir: str, seconds: float) -> None:
 
 
 def _finished_summary(workdir: str, steps: int) -> dict | None:
-  """The summary of a run in `workdir` that already trained `steps` steps, or None."""
-  path = os.path.join(workdir, SUMMARY)
-  if not os.path.exists(path) or checkpoint.latest_step(workdir) != steps:
+  """The summary of a run in `workdir` that already trained `steps` steps (or more), or None.
+
+  A run past `steps` keeps its summary untouched, with a note on stderr; one past `steps`
+  without a summary (stopped later than `steps`) is a RunError.
+  """
+  done = checkpoint.latest_step(workdir)
+  if done is None or done < steps:
     return None
+  path = os.path.join(workdir, SUMMARY)
+  summary = None
+  if os.path.exists(path):
+    with open(path) as f:
+      summary = json.load(f)
+  if summary is None or summary.get("step") != done:
+    if done == steps:
+      return None  # its final evaluation and summary did not happen: the rerun does them
+    raise errors.RunError(f"--workdir={workdir} is already at step {done}, past "
+                          f"config.train.steps={steps}; rerun with config.train.steps >= "
+                          f"{done} to continue training")
+  if done > steps:
+    print(f"{workdir}: already at step {done} >= config.train.steps={steps}; rerunning with "
+          f"more steps continues training", file=sys.stderr, flush=True)
+  return summary
+
+
+def _keep_records_through(workdir: str, step: int, *, final: bool) -> list[dict]:
+  """Rewrites metrics.jsonl without the records past `step` (and, when `step` ends the run,
+  without its final evaluation, which the run redoes); returns the records kept.
+
+  Written to a temporary file and renamed, so a kill here leaves the old or the new file;
+  a line cut short by an earlier kill is dropped.
+  """
+  path = os.path.join(workdir, report.METRICS)
+  if not os.path.exists(path):
+    return []
+  kept = []
   with open(path) as f:
-    summary = json.load(f)
-  return summary if summary.get("step") == steps else None
+    for line in f:
+      try:
+        r = json.loads(line)
+      except ValueError:
+        continue
+      if r["step"] < step or (r["step"] == step and not (final and r["kind"] == "eval")):
+        kept.append(r)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in kept)
+  os.replace(tmp, path)
+  return kept
 
 
 def _flush(log, pending: list, step: int, tokens_per_step: int, window_start: float,
            bar) -> float:
-  """Writes the metrics of the steps in `pending` (ending at `step`); stops on NaN/inf."""
+  """Writes the metrics of the steps in `pending` (ending at `step`)."""
   host = jax.device_get(pending)  # waits for the steps: only now is the window's time known
   tok_s = tokens_per_step * len(host) / max(time.time() - window_start, 1e-9)
   losses = np.array([m["loss"] for m in host], np.float64)
-  bad = evaluate.first_nonfinite(losses)
-  if bad is not None:
-    raise TrainingDiverged(f"loss is {losses[bad]} at step {step - len(host) + bad + 1}; "
-                           f"lower config.train.learning_rate or check the data")
   # One record per logged step: that step's own values (exact, comparable across runs)
   # plus the window's mean loss.
   record = {k: float(v) for k, v in host[-1].items()}

@@ -1,6 +1,7 @@
 """grain pipelines: the batch contract, determinism, checkpoint resume, packing, sharding."""
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -87,6 +88,24 @@ def test_iterator_state_round_trip(task, corpus_dir):
   fresh = data.make_train_iter(config, batch_size=2, seed=1)
   fresh.set_state(state)
   _assert_batches_equal(expected, _take(fresh, 2))
+
+
+@pytest.mark.parametrize("task", SYNTHETIC[:1] + ("text",))
+def test_resume_from_json_state_inside_the_first_window(task, corpus_dir):
+  """The state as Orbax stores it (JSON: tuples become lists) resumes exactly inside the first
+  shuffle window (whose start state, before any document was read, a JSON round trip used
+  to break), at its end, and in the windows after it."""
+  config = (_text_config(corpus_dir, seq_len=16, shuffle_window=8) if task == "text"
+            else _config(task))
+  it = data.make_train_iter(config, batch_size=2, seed=7)
+  states, batches = {}, []
+  for k in range(13):  # a window holds 8 rows = 4 batches
+    states[k] = json.loads(json.dumps(it.get_state()))
+    batches.append(next(it))
+  for k in (0, 1, 3, 4, 5, 11):
+    fresh = data.make_train_iter(config, batch_size=2, seed=7)
+    fresh.set_state(states[k])
+    _assert_batches_equal(batches[k:k + 2], _take(fresh, 2))
 
 
 def test_text_resume_across_epochs(corpus_dir):

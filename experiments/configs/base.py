@@ -22,6 +22,16 @@ Experiment files start from `base.get_config()` and override what they study. Fi
                           num_layers; same parameters and checkpoints; speed-only)
   train.*                 AdamW with linear warmup, cosine decay to 10%, global-norm clipping
                           (grad_clip 0 turns it off); batch_size is global (all devices)
+  train.divergence_factor, divergence_margin, divergence_patience
+                          stop the run ("loss diverged at step N") at a NaN / inf loss, or after
+                          `patience` steps in a row whose loss is above both `factor` x its
+                          running level and log(vocab) + `margin` (experiments/divergence.py);
+                          patience 0 stops only at NaN / inf
+  train.allow_config_change
+                          resuming a workdir under a config whose training fields differ from
+                          its config.json stops with the changed fields named; True continues
+                          under the new values (the old config is kept as config.<step>.json;
+                          experiments/run_config.py lists the fields that may always change)
   eval.lengths            evaluate at these sequence lengths (() = data.seq_len only)
   eval.every              also evaluate every this many steps (0 = only at the end)
   eval.num_batches        batches per eval set and length (0 = no evaluation)
@@ -54,7 +64,9 @@ def get_config() -> ml_collections.ConfigDict:
       scan_layers=False))
   c.train = ml_collections.ConfigDict(dict(
       steps=1000, batch_size=32, learning_rate=1e-3, warmup_steps=100, weight_decay=0.1,
-      grad_clip=1.0, checkpoint_every=500, log_every=50, seed=0))
+      grad_clip=1.0, checkpoint_every=500, log_every=50, seed=0,
+      divergence_factor=2.0, divergence_margin=1.0, divergence_patience=5,
+      allow_config_change=False))
   c.eval = ml_collections.ConfigDict(dict(
       lengths=(), every=0, num_batches=4, batch_size=0, seed=1234))
   c.data = data.default_data_config()
