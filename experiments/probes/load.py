@@ -1,7 +1,7 @@
 """Loads a trained run's parameters and exposes each layer's prepared attention inputs.
 
 `restore(config, workdir)` rebuilds the run's model from its config (the same Trainer the
-run used) and restores only the parameters of the latest checkpoint. `layer_inputs` walks
+run used) and restores only the parameters of the newest intact checkpoint. `layer_inputs` walks
 the model on a batch and yields, per layer, the attention's Prepared (the family's
 q/k/v and inputs, exactly what the model attends with) and the raw pre-encoding q/k, so
 probes can re-apply an encoding at chosen positions or read its transports.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from experiments import checkpoint
 from experiments import config_checks
@@ -24,22 +23,16 @@ from posenc_jax import model as model_lib
 
 
 def restore(config, workdir: str):
-  """(trainer, params) of the latest checkpoint in workdir, trained from `config`."""
+  """(trainer, params) of the newest intact checkpoint in workdir, trained from `config`
+  (damaged newer steps passed over with a warning line each, as training does)."""
   mcfg = config_checks.model_config(config, data.vocab_size(config.data))
-  step = checkpoint.latest_step(workdir)
-  if step is None:
+  if checkpoint.latest_step(workdir) is None:
     raise ValueError(f"workdir={workdir!r} holds no checkpoint; train it first")
   mesh = sharding.make_mesh(data=1, fsdp=1)
   trainer = train.Trainer(mcfg, config.train, mesh, rules=config.mesh.rules)
-  mngr = ocp.CheckpointManager(checkpoint._directory(workdir),
-                               options=ocp.CheckpointManagerOptions(create=False))
-  try:
-    with jax.set_mesh(mesh):
-      state = mngr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(trainer.abstract_state())))["state"]
-  finally:
-    mngr.close()
-  return trainer, state["params"]
+  with jax.set_mesh(mesh):
+    _, params = checkpoint.restore_params(workdir, trainer.abstract_state()["params"])
+  return trainer, params
 
 
 def layer_inputs(model: model_lib.Transformer, tokens_BT) -> list[dict]:
