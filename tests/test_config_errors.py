@@ -53,7 +53,7 @@ ROWS = [
     (["--config.model.foo=1"], ["config.model has no field foo; fields: block, d_model,"]),
     (["--config.foo.bar=1"], ["config has no field foo; fields: data, eval, mesh, model, sweep"]),
     (["--config.train.warmup=3"], ["config.train has no field warmup (did you mean "
-                                   "warmup_steps?); fields: batch_size,"]),
+                                   "warmup_steps?); fields: allow_config_change, batch_size,"]),
     (["--config.model.encoding.x=1"], ["config.model.encoding='rope' is a str, not a group"]),
     (["--config.model.encoding_kwargs.bogus=3"], ["config.model.encoding_kwargs={'bogus': 3}",
                                                   "unknown hyperparameters ['bogus']"]),

@@ -69,7 +69,7 @@ def test_healthy_spikes_never_stop_a_run():
 
 def test_recorded_gpu_runs_never_trip():
   """Per-step losses of the text model's GPU training runs in the repository."""
-  path = os.path.join(REPO, "experiments", "benchmarks", "train_losses_h200.jsonl")
+  path = os.path.join(REPO, "docs", "benchmarks", "data", "train_losses_h200.jsonl")
   runs = [json.loads(line) for line in open(path)]
   assert runs and all(len(r["losses"]) >= 100 for r in runs)
   for r in runs:
