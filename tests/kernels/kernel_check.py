@@ -55,7 +55,7 @@ def resolve(args, seg, *, fox, backend, block_sizes=None, pins=None, expect=None
 
 def check(key, *, backend, dtype, H, K, D, T, B=2, gate=False, segments=False, fox=False,
           w_mode="random", block_sizes=None, pins=None, expect=None, determinism=False,
-          chunked_oracle=False, tol=None):
+          chunked_oracle=False):
   """The kernel against the oracle on fresh inputs (see the module docstring) -> the plan run.
 
   chunked_oracle: PaTH's oracle is householder.path_attention_chunked (the UT algorithm, no
@@ -101,7 +101,7 @@ def check(key, *, backend, dtype, H, K, D, T, B=2, gate=False, segments=False, f
   got = kernel(args, seg, do)
   with jax.default_matmul_precision("highest"):
     want = oracle(args, seg, do)
-  tol = tol or TOL[jnp.dtype(dtype)]
+  tol = TOL[jnp.dtype(dtype)]
   for name, a, b in zip(names, got, want):
     assert_rel_rms(a, b, tol, name)
   if determinism:
