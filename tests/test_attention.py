@@ -254,44 +254,94 @@ def test_tapa_chunked_with_a_grown_block_matches_reference(key):
 
 
 def test_pallas_kernel_options_reach_the_path_kernel(key, monkeypatch):
-  """implementation="pallas:KEY=VALUE,..." passes BlockSizes to the PaTH / FoX kernels (what
-  `--config.model.implementation` and train_throughput's --implementation take); the result
-  matches the dense oracle."""
+  """implementation="pallas:KEY=VALUE,..." and kernel_options (a dict or ConfigDict of
+  kernels_pallas.BlockSizes fields, as config.model.kernel_options gives them) pass their
+  fields to the PaTH / FoX kernels together; the result matches the dense oracle."""
   import kernels_pallas
+  import ml_collections
   from posenc_jax import householder
   seen = []
-  real = kernels_pallas.path_attention
-  monkeypatch.setattr(kernels_pallas, "path_attention",
-                      lambda *a, **kw: seen.append(kw["block_sizes"]) or real(*a, **kw))
+  for name in ("path_attention", "forgetting_attention"):
+    real = getattr(kernels_pallas, name)
+    monkeypatch.setattr(kernels_pallas, name, lambda *a, real=real, **kw: seen.append(
+        kw["block_sizes"]) or real(*a, **kw))
   ks = jax.random.split(key, 5)
   B, T, H, D = 1, 40, 2, 16
   q, k, v = (jax.random.normal(ks[i], (B, T, H, D)) for i in range(3))
   w = jax.random.normal(ks[3], (B, T, H, D))
   w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
   beta = 2 * jax.random.uniform(ks[4], (B, T, H))
-  impl = "pallas:block_q=16,block_k=16,bwd_lanes=0,dkv_in_dq=true"
-  # Both jitted: one compile instead of eager op-by-op dispatch (CI time).
-  out = jax.jit(lambda *a: attention.path_attention(*a, implementation=impl))(q, k, v, w, beta)
-  assert seen == [kernels_pallas.BlockSizes(block_q=16, block_k=16, bwd_lanes=0,
-                                            dkv_in_dq=True)]
+  options = ml_collections.ConfigDict(dict(block=None, span=0, prepass="jnp"))
+  # Jitted: one compile instead of eager op-by-op dispatch (CI time).
+  out = jax.jit(lambda *a: attention.path_attention(
+      *a, implementation="pallas:block=16", kernel_options=options))(q, k, v, w, beta)
+  assert seen == [kernels_pallas.BlockSizes(block=16, span=0, prepass="jnp")]
   with jax.default_matmul_precision("highest"):
     ref = jax.jit(lambda *a: householder.path_attention_reference(*a, scale=D ** -0.5))(
         q, k, v, w, beta)
   assert_rel_rms(out, ref, 1e-4, "forward")
+  jax.eval_shape(lambda *a: attention.forgetting_attention(
+      *a, implementation="pallas", kernel_options={"span": 0}), q, k, v, -jnp.ones((B, T, H)))
+  assert seen[-1] == kernels_pallas.BlockSizes(span=0)
 
 
-@pytest.mark.parametrize("call,impl,match", [
-    ("path", "pallas:no_such_field=1", "unexpected keyword"),
-    ("path", "pallas:bwd_lanes", "not KEY=VALUE"),
-    ("path", "chunked:bwd_lanes=0", "options after ':'"),
-    ("softmax", "pallas:bwd_lanes=0", "options after ':'")])
-def test_pallas_kernel_options_errors_name_the_implementation(call, impl, match):
+@pytest.mark.parametrize("call,impl,options,match", [
+    ("path", "pallas:no_such_field=1", None,
+     r"^implementation='pallas:no_such_field=1': unknown kernel option no_such_field; the "
+     r"options are block, span, prepass, mosaic, keep_inverse$"),
+    ("path", "pallas:span", None, r"^implementation='pallas:span': kernel option 'span' is not "
+                                  r"KEY=VALUE$"),
+    ("path", "pallas", {"bogus": 1}, r"^kernel_options=\{'bogus': 1\}: unknown kernel option "
+                                     r"bogus; the options are block, span"),
+    ("forgetting", "pallas", {"span": 3}, r"^kernel_options=\{'span': 3\}: span=3 must be"),
+    ("path", "pallas:span=2", {"span": 4}, r"^kernel_options=\{'span': 4\}: span set both here "
+                                           r"and in implementation='pallas:span=2'$"),
+    ("path", "chunked:span=0", None, "options after ':'"),
+    ("softmax", "pallas:span=0", None, "options after ':'")])
+def test_pallas_kernel_options_errors_name_the_argument(call, impl, options, match):
   q, k, v = _zeros()
   B, T, H, D = q.shape
-  with pytest.raises(ValueError, match=match):
+  K = k.shape[2]
+  with pytest.raises(ValueError, match=match) as raised:
     if call == "softmax":
       attention.softmax_attention(q, k, v, implementation=impl)
+    elif call == "forgetting":
+      attention.forgetting_attention(q, k, v, -jnp.ones((B, T, H)), implementation=impl,
+                                     kernel_options=options)
     else:
-      K = k.shape[2]
       w = jnp.ones((B, T, K, D)) / D ** 0.5
-      attention.path_attention(q, k, v, w, jnp.ones((B, T, K)), implementation=impl)
+      attention.path_attention(q, k, v, w, jnp.ones((B, T, K)), implementation=impl,
+                               kernel_options=options)
+  assert "\n" not in str(raised.value)
+
+
+def test_auto_implementation_gives_the_kernel_plan():
+  """With batch and heads, the reason for a Pallas PaTH / FoX kernel ends with the plan it runs
+  (kernels_pallas.explain), kernel_options included; without them it names the kernel only."""
+  kw = dict(T=2048, dtype=BF16, head_dim=64, has_segments=True, backend="gpu")
+  plain = attention.auto_implementation("path", **kw)
+  assert plain.implementation == "pallas" and "plan" not in plain.reason, plain
+  choice = attention.auto_implementation("path", **kw, batch=16, heads=12, gate=True)
+  lines = choice.reason.splitlines()
+  assert lines[0] == "gpu: the Pallas path kernel; its plan:", choice.reason
+  assert lines[1].startswith("  PaTH on gpu") and "B=16 T=2048 H=12 K=12 D=64" in lines[1]
+  assert "gate, segments" in lines[1]
+  assert any(line.startswith("  backward:  span-parallel: far dq on mosaic") for line in lines)
+  walk = attention.auto_implementation("path", **kw, batch=16, heads=12, gate=True,
+                                       kernel_options={"span": 0})
+  assert "  backward:  walk: dq/dP on 2 lanes a kv head, then dk/dv" in walk.reason.splitlines()
+  fox = attention.auto_implementation("forgetting", **kw, batch=2, heads=4, kv_heads=2,
+                                      gate=True)
+  assert "  FoX on gpu" in fox.reason and "K=2" in fox.reason, fox.reason
+
+
+def test_model_kernel_options_reach_the_plan():
+  """ModelConfig.kernel_options (config.model.kernel_options) is what the model's attention
+  layers pass on: posenc_jax.model.attention_choice shows the plan they give."""
+  from posenc_jax import model as model_lib
+  cfg = model_lib.ModelConfig(vocab_size=64, encoding="path", num_heads=12, head_dim=64,
+                              d_model=768, dtype="bfloat16")
+  reason = lambda c: model_lib.attention_choice(c, batch=16, seq_len=2048, backend="gpu").reason
+  assert "spans of 8 chunks" in reason(cfg)
+  pinned = model_lib.ModelConfig(**{**cfg.__dict__, "kernel_options": (("span", 0),)})
+  assert "backward:  walk" in reason(pinned) and "spans of" not in reason(pinned)

@@ -47,8 +47,8 @@ ROWS = [
      ["config.eval.lengths", "1000000000"]),
     (["--config.train.warmup_steps=50"], ["config.train.warmup_steps=50"]),
     (["--config.mesh.data=3"], ["config.mesh"]),
-    (["--config.model.implementation=pallas:bwd_lanes"],
-     ["config.model.implementation='pallas:bwd_lanes'", "not KEY=VALUE"]),
+    (["--config.model.implementation=pallas:span"],
+     ["config.model.implementation='pallas:span'", "not KEY=VALUE"]),
     # Unknown fields, in any group, on the command line: named with the valid ones.
     (["--config.model.foo=1"], ["config.model has no field foo; fields: block, d_model,"]),
     (["--config.foo.bar=1"], ["config has no field foo; fields: data, eval, mesh, model, sweep"]),
@@ -65,6 +65,19 @@ ROWS = [
                                    "glob"]),
     (["--config.train.learning_rate=inf"], ["config.train.learning_rate=inf must be a finite"]),
     (["--config.train.seed=-1"], ["config.train.seed=-1 must be an integer in [0,"]),
+    # The PaTH / FoX kernels' options: an unknown one named with the valid ones, a bad value
+    # naming its field, a field set twice.
+    (["--config.model.kernel_options.bogus=1"],
+     ["config.model.kernel_options={'bogus': 1}: unknown kernel option bogus; the options are "
+      "block, span, prepass, mosaic, keep_inverse"]),
+    (["--config.model.kernel_options.prepass=fold"],
+     ["config.model.kernel_options={'prepass': 'fold'}: prepass='fold' must be None or one of "
+      "('uz', 'split', 'jnp')"]),
+    (["--config.model.kernel_options.keep_inverse=maybe"],
+     ["keep_inverse='maybe' must be one of (False, True, 'bf16')"]),
+    (["--config.model.implementation=pallas:span=2", "--config.model.kernel_options.span=4"],
+     ["config.model.kernel_options={'span': 4}: span set both here and in "
+      "implementation='pallas:span=2'"]),
 ]
 # The CLI (a subprocess: ~5 s of CI time a row) runs a model, a data, a mesh and an unknown-
 # field row (0, 5, 8, 10); the other rows take its same path (cli_config.parse's or main.plan's

@@ -1,4 +1,4 @@
-"""prepass_kernel.transport_pallas_vjp: the Pallas pre-pass's VJP reading the E cotangent as the
+"""prepass.kernels.transport_pallas_vjp: the Pallas pre-pass's VJP reading the E cotangent as the
 attention backward leaves it, dL/dP in float32 (P = I - E), and negating and rounding it in its
 kernels. Checked against the batched jnp pre-pass (the oracle) and, bitwise, against jax.vjp of
 transport_pallas fed dL/dE = (-dL/dP).astype(E's dtype), the form it replaces."""
@@ -12,13 +12,14 @@ import pytest
 from tests.util import assert_rel_rms
 
 
-@pytest.mark.parametrize("dtype,variant,backend,keep_inverse", [
-    (jnp.bfloat16, "uz_hilo", "interpret", "bf16"),     # the GPU's default at head_dim 64
-    (jnp.bfloat16, "split2_hilo", "interpret", "bf16"),  # ... at head_dim 128
-    (jnp.float32, "split", "tpu_interpret", False)])  # the one-kernel VJP (_cts); blocked
-                                                        # inputs: dq, dk, dw unblocked after
-def test_vjp_from_dp_matches_jnp_and_vjp(key, dtype, variant, backend, keep_inverse):
-  from kernels_pallas.path_attention import prepass, prepass_kernel
+@pytest.mark.parametrize("dtype,form,backend,keep_inverse", [
+    (jnp.bfloat16, "uz", "interpret", "bf16"),     # the GPU's default at head_dim 64
+    (jnp.bfloat16, "split", "interpret", "bf16"),  # ... at head_dim 128
+    (jnp.float32, "uz", "tpu_interpret", False)])  # the TPU's: blocked inputs, dq, dk, dw
+                                                   # unblocked after
+def test_vjp_from_dp_matches_jnp_and_vjp(key, dtype, form, backend, keep_inverse):
+  from kernels_pallas.path_attention.plan import prepass_warps
+  from kernels_pallas.path_attention.prepass import kernels, reference
   B, H, K, n, C, D = 2, 4, 2, 3, 16, 16
   ks = jax.random.split(key, 8)
   q = jax.random.normal(ks[0], (B, n * C, H, D), dtype)
@@ -26,26 +27,26 @@ def test_vjp_from_dp_matches_jnp_and_vjp(key, dtype, variant, backend, keep_inve
   w = jax.random.normal(ks[2], (B, n * C, K, D), jnp.float32)
   w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
   bb = 2 * jax.random.uniform(ks[3], (B, K, n, C), jnp.float32)
-  kw = dict(scale=0.25, dtype=dtype, backend=backend, variant=variant,
+  kw = dict(scale=0.25, dtype=dtype, backend=backend, form=form, warps=prepass_warps(D),
             keep_inverse=keep_inverse)
-  outs = jax.eval_shape(functools.partial(prepass_kernel.transport_pallas, **kw), q, k, w, bb)
+  outs = jax.eval_shape(functools.partial(kernels.transport_pallas, **kw), q, k, w, bb)
   dqh, dkh, dp, dd = (jax.random.normal(k_, s.shape, jnp.float32) for k_, s in zip(ks[4:], outs))
   dqh, dkh, dd = (x.astype(dtype) for x in (dqh, dkh, dd))   # as the backward kernels give them
 
   @jax.jit
   def from_dp(q, k, w, bb, cts):
-    out, pull = prepass_kernel.transport_pallas_vjp(q, k, w, bb, **kw)
+    out, pull = kernels.transport_pallas_vjp(q, k, w, bb, **kw)
     return out, pull(cts)
 
   @jax.jit
   def from_de(q, k, w, bb, cts):
-    out, pull = jax.vjp(functools.partial(prepass_kernel.transport_pallas, **kw), q, k, w, bb)
+    out, pull = jax.vjp(functools.partial(kernels.transport_pallas, **kw), q, k, w, bb)
     dqh, dkh, dp, dd = cts
     return out, pull((dqh, dkh, (-dp).astype(out[2].dtype), dd))
 
   @jax.jit
   def oracle(q, k, w, bb, cts):
-    out, pull = jax.vjp(functools.partial(prepass.transport_jnp, scale=0.25, dtype=jnp.float32),
+    out, pull = jax.vjp(functools.partial(reference.transport_jnp, scale=0.25, dtype=jnp.float32),
                         q, k, w, bb)
     dqh, dkh, dp, dd = cts
     # the oracle's E cotangent: -dP at E's rounding, as the kernels read it

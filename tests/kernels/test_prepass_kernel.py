@@ -1,5 +1,6 @@
-"""The PaTH pre-pass: one chunk's hand-written VJP against autodiff, the in-kernel UT inverse
-against float64, and the Pallas pre-pass kernels (forward and VJP) against the batched jnp one."""
+"""The PaTH pre-pass: each VJP form's chunk functions against autodiff, the in-kernel UT inverse
+(and its Newton refinement and closed-form VJP) against float64, and the Pallas pre-pass kernels
+(forward and VJP) against the batched jnp one (prepass/reference.py)."""
 from __future__ import annotations
 
 import jax
@@ -10,39 +11,17 @@ from tests.kernels.transport_inputs import transport_vectors
 from tests.util import assert_rel_rms
 
 
-def test_chunk_operands_vjp_matches_autodiff(key):
-  """The hand-written VJP of one chunk's operands against jax.vjp of the forward function."""
-  import functools
-  from kernels_pallas.path_attention import prepass_chunk as pk
-  C, D, G = 16, 8, 2
-  ks = jax.random.split(key, 6)
-  qs = tuple(jax.random.normal(k_, (C, D)) for k_ in ks[:G])
-  k = jax.random.normal(ks[2], (C, D))
-  w = jax.random.normal(ks[3], (C, D))
-  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
-  beta_r = 2 * jax.random.uniform(ks[4], (1, C))
-  hi = jax.lax.Precision.HIGHEST
-  y = pk.chunk_inverse(w, beta_r.T, precision=hi)
-  fn = functools.partial(pk.chunk_operands, scale=0.3, precision=hi)
-  out, pull = jax.vjp(fn, qs, k, w, y, beta_r)
-  leaves, tree = jax.tree.flatten(out)
-  cts = jax.tree.unflatten(tree, [jax.random.normal(k_, x.shape)
-                                  for k_, x in zip(jax.random.split(ks[5], len(leaves)), leaves)])
-  got = pk.chunk_operands_vjp(qs, k, w, y, beta_r, cts, scale=0.3, precision=hi)
-  for name, a, b in zip(("dq0", "dq1", "dk", "dw", "dy", "dbeta"), jax.tree.leaves(got),
-                        jax.tree.leaves(pull(cts))):
-    assert_rel_rms(a, b, 1e-5, name)
-
-
+@pytest.mark.parametrize("form", ["uz", "split"])
 @pytest.mark.parametrize("D,G", [(8, 2), (16, 1), (32, 2)])
 @pytest.mark.parametrize("hilo", [False, True])
-def test_chunk_uz_vjp_matches_autodiff(key, D, G, hilo):
-  """The VJP from dU, dZ (prepass_uz.py: its two kernels' chunk functions in sequence) against
+def test_chunk_vjp_matches_autodiff(key, form, D, G, hilo):
+  """Each pre-pass VJP form's chunk functions in the sequence its kernels run them against
   jax.vjp of the chunk's whole forward, inverse included, at head_dim below, at and above C;
-  exact products, and the GPU's bf16 halves on bf16-exact q, k and cotangents (then as close
-  as the "split2_*" VJP's hand-written form with the same halves)."""
-  from kernels_pallas.path_attention import prepass_chunk as pk
-  from kernels_pallas.path_attention import prepass_uz as uz
+  exact products, and the GPU's bf16 halves on bf16-exact q, k and cotangents. "uz": from dU
+  and dZ (uz.py), then T's pullback; "split": the E and k^ terms, the query heads' terms, then
+  the inverse's closed-form VJP (chunk.py)."""
+  from kernels_pallas.path_attention.prepass import chunk as pk
+  from kernels_pallas.path_attention.prepass import uz
   C = 16
   exact = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
   ks = jax.random.split(key, 6)
@@ -65,11 +44,21 @@ def test_chunk_uz_vjp_matches_autodiff(key, D, G, hilo):
   prec = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3 if hilo else hi
   p = pk.Products(hilo=True) if hilo else pk.Products(hi)
   y = pk.chunk_inverse(w, beta[:, None], precision=prec)
-  dqs, dk, dw, t, dbeta = uz.chunk_operands_vjp_uz(uz.uz_common(k, w, y, beta[None], p), qs,
-                                                   *cts, y, w, beta[:, None], scale=0.3, p=p)
-  dw, dbeta = uz.chunk_t_pullback(w, y, beta[:, None], beta[None], t, dw, dbeta, precision=prec)
+  if form == "uz":
+    dqs, dk, dw, t, dbeta = uz.chunk_operands_vjp_uz(uz.uz_common(k, w, y, beta[None], p), qs,
+                                                     *cts, y, w, beta[:, None], scale=0.3, p=p)
+    dw, dbeta = uz.chunk_t_pullback(w, y, beta[:, None], beta[None], t, dw, dbeta,
+                                    precision=prec)
+  else:
+    dqhs, dkh, de, dds = cts
+    common = pk.vjp_common(k, w, y, beta[None], p)
+    partial = pk.chunk_operands_vjp_kv(common, dkh, de, p)
+    dqs, dk, dw, dy, dbeta_r = pk.chunk_operands_vjp_q(common, qs, dqhs, dkh, dds, partial,
+                                                       scale=0.3, p=p)
+    dw_y, dbeta_c = pk.chunk_inverse_vjp(w, beta[:, None], y, dy, precision=prec)
+    dw, dbeta = dw + dw_y, dbeta_c + dbeta_r.T
   # bf16 halves: the operands' error (hi(scale dd) drops the scaled cotangent's lo half),
-  # ~1e-3 here for both hand-written VJPs alike (split2's form measured 1.0e-3 to 1.6e-3)
+  # ~1e-3 here for both hand-written VJPs alike (the split form measured 1.0e-3 to 1.6e-3)
   tol = 3e-3 if hilo else 1e-5
   for g in range(G):
     assert_rel_rms(dqs[g], dqs_ref[g], tol, f"dq{g}")
@@ -86,7 +75,7 @@ def test_chunk_inverse_correlated_w(key, w_mode):
   The Neumann product it replaced was off by 1e10-1e21 (relative) on these inputs in exact
   float32; float32 rounding of the inputs alone gives up to ~1.3e-5 (worst of 20 seeds each)."""
   import numpy as np
-  from kernels_pallas.path_attention import prepass_chunk as pk
+  from kernels_pallas.path_attention.prepass import chunk as pk
   C = D = 64
   w, beta = transport_vectors(key, 1, C, 1, D, mode=w_mode)
   w, beta = w[0, :, 0], beta[0, :, 0]
@@ -105,7 +94,7 @@ def test_chunk_inverse_refine_correlated_w(key, w_mode):
   a layout the ratio's worst was 1.62, at w shared to 0.01). The rounding itself is ~200x the
   inverse's error on random w."""
   import numpy as np
-  from kernels_pallas.path_attention import prepass_chunk as pk
+  from kernels_pallas.path_attention.prepass import chunk as pk
   from tests.util import rel_rms
   C = D = 64
   w, beta = transport_vectors(key, 1, C, 1, D, mode=w_mode)
@@ -128,7 +117,7 @@ def test_chunk_inverse_vjp_matches_autodiff(key, D, precision):
   """chunk_inverse_vjp's closed form against jax.vjp of chunk_inverse in float64, at head_dim
   = C (dbeta and dS W from dA W) and 2C (W W^T formed again), with exact products and with
   the GPU's bf16 halves (Products(hilo=True))."""
-  from kernels_pallas.path_attention import prepass_chunk as pk
+  from kernels_pallas.path_attention.prepass import chunk as pk
   C = 16
   kw, kb, kd = jax.random.split(key, 3)
   w = jax.random.normal(kw, (C, D))
@@ -148,30 +137,28 @@ def test_chunk_inverse_vjp_matches_autodiff(key, D, precision):
   assert_rel_rms(db, db64, tol, "dbeta")
 
 
-@pytest.mark.parametrize("dtype,variant,backend,keep_inverse,late_wk", [
-    (dtype, variant, "interpret", False, False) for dtype in (jnp.float32, jnp.bfloat16)
-    for variant in ("split", "split_bf16", "fold_bf16")] + [
-    (jnp.bfloat16, "split_bf16x3", "interpret", False, False)] + [
-    (dtype, "split_hilo", "interpret", False, False) for dtype in (jnp.float32, jnp.bfloat16)] + [
-    (jnp.bfloat16, "split2_hilo", "interpret", False, False),
-    (jnp.float32, "split2", "interpret", False, False)]
-    + [(jnp.bfloat16, "split2_hilo", "interpret", True, False),
-       (jnp.float32, "split", "interpret", True, False)]
-    + [(jnp.bfloat16, "split2_hilo", "interpret", False, True),
-       (jnp.float32, "split2", "interpret", True, True)]
-    + [(jnp.bfloat16, "uz_hilo", "interpret", False, False),
-       (jnp.float32, "uz", "interpret", True, False)]
-    + [(jnp.bfloat16, "uz_hilo", "interpret", "bf16", False),     # Y kept in bf16, refined
-       (jnp.bfloat16, "split2_hilo", "interpret", "bf16", False),
-       (jnp.float32, "uz", "interpret", "bf16", False)]           # (recomputed)
-    + [(jnp.float32, "fold_bf16", "tpu_interpret", False, False),   # TPU: blocked inputs
-       (jnp.float32, "uz", "tpu_interpret", False, False)])
-def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse, late_wk):
-  """The Pallas pre-pass (forward and its VJP) against the batched jnp pre-pass; with
-  keep_inverse the VJP reads the forward's Y instead of recomputing it ("bf16": refines its
-  bf16 rounding); with late_wk WK's pullback runs in the inverse-VJP kernel."""
+# 16-bit inputs take the bf16 halves, float32 ones exact products; "bf16" applies only with
+# the halves (the plan resolves it to False elsewhere). The TPU reads blocked inputs.
+@pytest.mark.parametrize("dtype,form,backend,keep_inverse", [
+    (jnp.bfloat16, "uz", "interpret", "bf16"),     # the GPU's default at head_dim 64
+    (jnp.bfloat16, "split", "interpret", "bf16"),  # ... at head_dim 128
+    (jnp.bfloat16, "uz", "interpret", False),
+    (jnp.bfloat16, "split", "interpret", True),
+    (jnp.float32, "uz", "interpret", True),
+    (jnp.float32, "split", "interpret", False),
+    (jnp.float32, "uz", "tpu_interpret", False),   # the TPU's default
+    pytest.param(jnp.bfloat16, "uz", "interpret", True, marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, "split", "interpret", False, marks=pytest.mark.slow),
+    pytest.param(jnp.float32, "uz", "interpret", False, marks=pytest.mark.slow),
+    pytest.param(jnp.float32, "split", "interpret", True, marks=pytest.mark.slow),
+    pytest.param(jnp.float32, "split", "tpu_interpret", False, marks=pytest.mark.slow)])
+def test_prepass_kernel_matches_jnp(key, dtype, form, backend, keep_inverse):
+  """The Pallas pre-pass (forward and its VJP, form "uz" or "split") against the batched jnp
+  pre-pass; with keep_inverse the VJP reads the forward's Y instead of recomputing it ("bf16":
+  refines its bf16 rounding)."""
   import functools
-  from kernels_pallas.path_attention import prepass, prepass_kernel
+  from kernels_pallas.path_attention.plan import prepass_warps
+  from kernels_pallas.path_attention.prepass import kernels, reference
   B, H, K, n, C, D = 2, 4, 2, 3, 16, 16
   ks = jax.random.split(key, 8)   # q, k, w time-major [B, T, heads, D]; beta blocked
   q = jax.random.normal(ks[0], (B, n * C, H, D), dtype)
@@ -179,10 +166,10 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse, 
   w = jax.random.normal(ks[2], (B, n * C, K, D), jnp.float32)
   w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
   bb = 2 * jax.random.uniform(ks[3], (B, K, n, C), jnp.float32)
-  ref = functools.partial(prepass.transport_jnp, scale=0.25, dtype=jnp.float32)
-  fast = functools.partial(prepass_kernel.transport_pallas, scale=0.25, dtype=jnp.float32,
-                           backend=backend, variant=variant, keep_inverse=keep_inverse,
-                           late_wk=late_wk)
+  ref = functools.partial(reference.transport_jnp, scale=0.25, dtype=jnp.float32)
+  fast = functools.partial(kernels.transport_pallas, scale=0.25, dtype=jnp.float32,
+                           backend=backend, form=form, warps=prepass_warps(D),
+                           keep_inverse=keep_inverse)
   outs = jax.eval_shape(ref, q, k, w, bb)
   cts = tuple(jax.random.normal(k_, s.shape) for k_, s in zip(ks[4:], outs))
 
@@ -198,13 +185,9 @@ def test_prepass_kernel_matches_jnp(key, dtype, variant, backend, keep_inverse, 
   with jax.default_matmul_precision("highest"):
     o_ref, g_ref = value_and_pull(ref)((q, k, w, bb), cts)
   o_fast, g_fast = value_and_pull(fast)((q, k, w, bb), cts)
-  # float32 inputs: float32 products throughout. bf16 inputs: bf16 operands in the "_bf16"
-  # variants, bf16 halves where the output is insensitive in "split_hilo" (designed for <=
-  # 2.5e-4 per chunk: _Products), and bf16 gradients of q, k.
-  tol = 1e-5 if dtype == jnp.float32 else {"split_bf16": 1e-2, "fold_bf16": 1e-2,
-                                             "split_hilo": 1e-3, "split2_hilo": 1e-3,
-                                             "uz_hilo": 1e-3}.get(
-                                                 variant, 1e-5)
+  # float32 inputs: float32 products throughout. bf16 inputs: bf16 halves where the output is
+  # insensitive (chunk.Products: designed for <= 2.5e-4 per chunk), bf16 gradients of q, k.
+  tol = 1e-5 if dtype == jnp.float32 else 1e-3
   for name, a, b in zip(("q^", "k^", "E", "diag"), o_fast, o_ref):
     assert_rel_rms(a, b, tol, name)
   tol = 1e-5 if dtype == jnp.float32 else 1e-2

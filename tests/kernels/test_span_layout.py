@@ -8,17 +8,19 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels_pallas.path_attention import calls
+import kernels_pallas as kp
+from kernels_pallas.path_attention import operands
+from kernels_pallas.path_attention import spans
+from kernels_pallas.path_attention.tiles import boundary_array_rows, boundary_offset
 from tests.kernels.transport_inputs import segment_ids
 from tests.util import assert_rel_rms
 
 
 @pytest.mark.parametrize("n,span", [(7, 2), (9, 4), (16, 4), (5, 4), (64, 8)])
 def test_boundary_layout_packs_each_state_once(n, span):
-  """The packed boundary-state layout (kernels.boundary_offset): boundary j's chunks
+  """The packed boundary-state layout (tiles.boundary_offset): boundary j's chunks
   c = (j + 1) span .. n-1 take the rows 0 .. R-1 once each, in (j, c) order, and the traced
   offset (the kernels' j is an int32 scalar) agrees with the Python one."""
-  from kernels_pallas.path_attention.kernels import boundary_offset
   nb = (n - 1) // span
   rows = [boundary_offset(j, n=n, span=span) + c - (j + 1) * span
           for j in range(nb) for c in range((j + 1) * span, n)]
@@ -30,20 +32,23 @@ def test_boundary_layout_packs_each_state_once(n, span):
 
 @pytest.mark.parametrize("n,span,H,K", [(7, 2, 2, 1), (16, 4, 2, 2), (9, 4, 1, 1), (5, 4, 1, 1)])
 def test_far_queries_y_kernel(key, n, span, H, K):
-  """The span backward's Y_J = sum qb^T A (calls_span.far_queries_y, a launch reading the packed
+  """The span backward's Y_J = sum qb^T A (spans.far_queries_y, a launch reading the packed
   states where they lie) against its jnp oracle (einsums over slices), with grouped heads and
   an odd chunk count; boundary 0 (and a single boundary) is zero. A mutation check: reading
   A from block j instead of j - 1 fails it (relative RMS ~1.4)."""
-  from kernels_pallas.path_attention import calls_span
-  from kernels_pallas.path_attention.kernels import boundary_array_rows
   C, D, B = 16, 16, 2
+  x, kv = jax.ShapeDtypeStruct((B, n * C, H, D), jnp.float32), jax.ShapeDtypeStruct(
+      (B, n * C, K, D), jnp.float32)
+  plan = kp.explain(x, kv, kv, kv, jax.ShapeDtypeStruct((B, n * C, K), jnp.float32),
+                    block_sizes=dict(block=C, span=span), interpret=True)
+  assert (plan.span, plan.chunks, plan.precision) == (span, n, jax.lax.Precision.HIGHEST)
   R = boundary_array_rows(n=n, span=span, C=C)
   kq, ka = jax.random.split(key)
   qb = jax.random.normal(kq, (B, H, R, D), jnp.float32)
   a = jax.random.normal(ka, (B, H, R, D), jnp.float32)
-  kw = dict(K=K, n=n, chunk=C, span=span, precision=jax.lax.Precision.HIGHEST)
-  got = calls_span.far_queries_y(qb, a, backend="interpret", bs=calls.BlockSizes(), **kw)
-  want = calls_span.far_queries_y_reference(qb, a, **kw)
+  got = spans.far_queries_y(qb, a, plan)
+  want = spans.far_queries_y_reference(qb, a, K=K, n=n, chunk=C, span=span,
+                                       precision=plan.precision)
   assert got.shape == want.shape == (B, K, (n - 1) // span, D, D)
   assert float(jnp.abs(got[:, :, 0]).max()) == 0.0
   if (n - 1) // span > 1:
@@ -54,10 +59,9 @@ def test_far_queries_y_kernel(key, n, span, H, K):
 def test_chunk_bounds_cover_every_visible_pair(key, mode):
   """lo_c <= m and hi_m >= c for every chunk pair (c >= m) holding a same-segment (query, key)
   pair; for packed documents the bounds are tight (the first / last such chunk)."""
-  from kernels_pallas.path_attention import prepass
   B, T, C = 3, 101, 8
   seg = segment_ids(key, B, T, mode)
-  lo, hi = prepass.chunk_bounds(seg, C=C)
+  lo, hi = operands.chunk_bounds(seg, C=C)
   n = -(-T // C)
   chunk = jnp.arange(T) // C
   same = (seg[:, :, None] == seg[:, None, :]) & (jnp.arange(T)[:, None] >= jnp.arange(T)[None])

@@ -1,0 +1,110 @@
+"""The kernels against their dense oracles: one check that every kernel test runs.
+
+`check(...)` draws fresh inputs, resolves the call's plan (kernels_pallas.explain), pins fields
+of it (`pins`: dataclasses.replace, how a test runs a form that is not the default at its
+shape), asserts the plan runs the forms the test names (`expect`), then compares the kernel's
+output and every gradient with the oracle's at the dtype's tolerance, and with `determinism`
+checks the gradients bitwise equal over two runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import kernels_pallas as kp
+from posenc_jax import householder
+from posenc_jax import unipotent
+from tests.kernels.transport_inputs import segment_ids, transport_vectors
+from tests.util import assert_rel_rms
+
+# Relative RMS against the float32 oracle: the dtype's rounding of the kernels' operands.
+TOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 1e-2}
+
+
+def inputs(key, B, T, H, K, D, dtype, *, gate, segments, w_mode="random"):
+  """-> q, k, v, w, beta, log_forget (None without gate), segment ids (None without segments),
+  the output cotangent do. segments: True ("few" documents) or a transport_inputs.segment_ids
+  mode."""
+  ks = jax.random.split(key, 8)
+  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+  k = jax.random.normal(ks[1], (B, T, K, D), dtype)
+  v = jax.random.normal(ks[2], (B, T, K, D), dtype)
+  w, beta = transport_vectors(ks[3], B, T, K, D, mode=w_mode)
+  lf = jax.nn.log_sigmoid(jax.random.normal(ks[5], (B, T, H)) + 2.0) if gate else None
+  seg = None
+  if segments:
+    seg = segment_ids(ks[6], B, T, "few" if segments is True else segments)
+  do = jax.random.normal(ks[7], (B, T, H, D), dtype)
+  return q, k, v, w, beta, lf, seg, do
+
+
+def resolve(args, seg, *, fox, backend, block_sizes=None, pins=None, expect=None):
+  """The plan of the call (args: q, k, v, w, beta, log_forget; w, beta ignored with fox) with
+  `pins` replaced, after asserting each `expect` field (on the pinned plan)."""
+  q, k, v, w, beta, lf = args
+  plan = kp.explain(q, k, v, None if fox else w, None if fox else beta, lf, segment_ids=seg,
+                    block_sizes=block_sizes, backend=backend)
+  plan = dataclasses.replace(plan, **(pins or {}))
+  for field, want in (expect or {}).items():
+    got = getattr(plan, field)
+    assert got == want, f"plan.{field} is {got!r}, the test names {want!r}:\n{plan}"
+  return plan
+
+
+def check(key, *, backend, dtype, H, K, D, T, B=2, gate=False, segments=False, fox=False,
+          w_mode="random", block_sizes=None, pins=None, expect=None, determinism=False,
+          chunked_oracle=False):
+  """The kernel against the oracle on fresh inputs (see the module docstring) -> the plan run.
+
+  chunked_oracle: PaTH's oracle is householder.path_attention_chunked (the UT algorithm, no
+  T x T array: long sequences) instead of the dense walk."""
+  q, k, v, w, beta, lf, seg, do = inputs(key, B, T, H, K, D, dtype, gate=gate,
+                                         segments=segments, w_mode=w_mode)
+  plan = resolve((q, k, v, w, beta, lf), seg, fox=fox, backend=backend,
+                 block_sizes=block_sizes, pins=pins, expect=expect)
+  scale = D ** -0.5
+  # The segment ids and the cotangent are arguments, not constants: the oracle's program is
+  # then one per shape, which the session's compilation cache compiles once (CI time).
+  if fox:
+    args = (q, k, v) + ((lf,) if gate else ())
+    fast = lambda seg, *a: kp.forgetting_attention(*a[:3], a[3] if gate else None,
+                                                   segment_ids=seg, backend=backend, plan=plan)
+    ref = lambda seg, *a: unipotent.forgetting_attention_reference(
+        *a[:3], a[3] if gate else jnp.zeros(a[0].shape[:3]), segment_ids=seg, scale=scale)
+    names = ("q", "k", "v", "log_forget")
+  else:
+    args = (q, k, v, w, beta) + ((lf,) if gate else ())
+    fast = lambda seg, *a: kp.path_attention(*a, segment_ids=seg, backend=backend, plan=plan)
+    dense = (householder.path_attention_chunked if chunked_oracle
+             else householder.path_attention_reference)
+    ref = lambda seg, *a: dense(*a[:5], log_forget=a[5] if gate else None, segment_ids=seg,
+                                scale=scale)
+    names = ("q", "k", "v", "w", "beta", "log_forget")
+  names = ("forward",) + tuple(f"d{name}" for name in names[:len(args)])
+
+  # One program each for the kernel and the oracle, forward and gradients together (jitted:
+  # the interpreter's grid loops recompile at every eager call). The kernel's output comes from
+  # its own call, as a caller without gradients runs it (the custom VJP's primal).
+  @jax.jit
+  def kernel(args, seg, do):
+    grads = jax.grad(lambda *a: jnp.sum(fast(seg, *a).astype(jnp.float32) * do),
+                     argnums=tuple(range(len(args))))(*args)
+    return [fast(seg, *args), *grads]
+
+  @jax.jit
+  def oracle(args, seg, do):
+    out, pull = jax.vjp(lambda *a: ref(seg, *a), *args)
+    return [out, *pull(do.astype(out.dtype))]
+
+  got = kernel(args, seg, do)
+  with jax.default_matmul_precision("highest"):
+    want = oracle(args, seg, do)
+  tol = TOL[jnp.dtype(dtype)]
+  for name, a, b in zip(names, got, want):
+    assert_rel_rms(a, b, tol, name)
+  if determinism:
+    for name, a, b in zip(names[1:], got[1:], kernel(args, seg, do)[1:]):
+      assert bool(jnp.array_equal(a, b)), f"{name} differs between two runs"
+  return plan
