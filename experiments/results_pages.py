@@ -25,6 +25,7 @@ import ml_collections
 from experiments import claims as results_claims
 from experiments import results_render
 from experiments import results_writers
+from experiments.probes import pages as probe_pages
 
 RESULTS_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 VERDICTS = ("reproduced", "partly", "contradicted", "untested")
@@ -97,10 +98,9 @@ def relative(path: str) -> str | None:
 
 def _section(folder: Folder, out_dir: str | None, *, img: str, notes: dict) -> list[str]:
   if folder.kind in ("distance_bias", "mixing_window"):
-    from experiments.probes import distance_bias
-    from experiments.probes import mixing_window
-    probe = {"distance_bias": distance_bias, "mixing_window": mixing_window}[folder.kind]
-    return probe.section(folder.config, folder.results, folder.provenance, out_dir, img=img)
+    section = {"distance_bias": probe_pages.distance_bias_section,
+               "mixing_window": probe_pages.mixing_window_section}[folder.kind]
+    return section(folder.config, folder.results, folder.provenance, out_dir, img=img)
   return (results_render.header(folder.config, folder.provenance, folder.seeds) + [""]
           + results_render.section(folder.kind, folder.results, folder.config, out_dir, img=img,
                                    notes=notes))
@@ -229,6 +229,16 @@ def index_text() -> str:
   return "\n".join([results_claims.INDEX_INTRO.rstrip("\n"), "", "## Claims", ""] + table + [
       "", "## Folders", ""] + where + ["", results_claims.INDEX_OUTRO.rstrip("\n")]) + "\n"
 
+
+
+def write_results(experiment: str, summaries: list[dict], config, out_dir: str,
+                  prov: dict) -> dict:
+  """results.json + provenance.json from the runs (results_writers), then the README and
+  plots from those."""
+  results = results_writers.aggregate(experiment, summaries, config)
+  results_writers.save_results(out_dir, experiment, results, config, prov)
+  write_page(out_dir)
+  return results
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

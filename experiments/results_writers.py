@@ -1,8 +1,8 @@
-"""Turns a sweep's run summaries into a results folder: results.json, provenance.json, and
-(through experiments/results_pages.py) README.md and PNG plots.
+"""Turns a sweep's run summaries into a results folder's data: results.json and provenance.json
+(experiments/results_pages.write_results then draws README.md and the PNG plots from them).
 
-`write(experiment, summaries, config, out_dir, provenance)` dispatches on the experiment
-name (config.sweep.experiment). Every summary is experiments.train.run's, plus "seed" and
+`aggregate(experiment, summaries, config)` dispatches on the experiment name
+(config.sweep.experiment). Every summary is experiments.train.run's, plus "seed" and
 "axis_value" (experiments/sweeps.py adds them). Seeds are aggregated as mean, per-seed
 values and spread (max - min). Also here: gathering the runs of several invocations into one
 folder (merge_summaries, gather_summaries) and the README's Runs table.
@@ -133,16 +133,6 @@ def save_results(out_dir: str, experiment: str, results: dict, config, prov: dic
     json.dump({"experiment": experiment, **prov, "config": config.to_dict()}, f, indent=1,
               default=str)
     f.write("\n")
-
-
-def write(experiment: str, summaries: list[dict], config, out_dir: str, prov: dict) -> dict:
-  """results.json + provenance.json from the runs, then the README and plots from those."""
-  from experiments import results_pages
-
-  results = aggregate(experiment, summaries, config)
-  save_results(out_dir, experiment, results, config, prov)
-  results_pages.write_page(out_dir)
-  return results
 
 
 SUMMARIES = "summaries.json"

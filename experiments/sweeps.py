@@ -178,12 +178,13 @@ def _gather(config, dirs, results) -> None:
 
 def _write_results(config, summaries, results: str, prov: dict) -> None:
   """This invocation's runs merged with those already in `results`, and its files written."""
+  from experiments import results_pages
   from experiments import results_writers
 
   summaries = results_writers.merge_summaries(results, summaries,
                                               fingerprint=config_fingerprint(config))
   prov["train_time_s"] = round(sum(s["wall_time_s"] for s in summaries))
-  results_writers.write(config.sweep.experiment, summaries, config, results, prov)
+  results_pages.write_results(config.sweep.experiment, summaries, config, results, prov)
   print(f"results: {results} ({len(summaries)} runs)")
 
 

@@ -1,7 +1,7 @@
 """End-to-end smoke test of every paper-reproduction experiment at its runlocal size.
 
 Each experiment's config is run through the same code path as its committed command
-(experiments.sweeps.run_sweep + results_writers.write, the probes' run + write), with one
+(experiments.sweeps.run_sweep + results_pages.write_results, the probes' run + write), with one
 or two encodings to keep it short; the probes read a length_extrapolation checkpoint
 trained here. Besides "it runs", it checks the results files' contracts and two facts the
 probes must get right: attention mass sums to 1 and RoPE's route transport is
@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 
+from experiments import results_pages
 from experiments import results_writers
 from experiments import sweeps
 
@@ -27,7 +28,7 @@ def _sweep(name: str, arg: str, workdir: str, out: str) -> dict:
   mod = __import__(f"experiments.configs.{name}", fromlist=["get_config"])
   config = mod.get_config(arg)
   summaries = sweeps.run_sweep(config, workdir, log=lambda *_: None)
-  results_writers.write(config.sweep.experiment, summaries, config, out, PROV)
+  results_pages.write_results(config.sweep.experiment, summaries, config, out, PROV)
   for f in ("results.json", "README.md"):
     assert os.path.getsize(os.path.join(out, f)) > 0
   assert any(f.endswith(".png") for f in os.listdir(out))

@@ -165,35 +165,6 @@ def write(c, results, hists, out_dir: str, prov: dict) -> None:
   results_pages.write_page(out_dir)
 
 
-def section(c, results: dict, prov: dict, out_dir: str | None, *, img: str = "") -> list[str]:
-  """The README's setting lines, table and histogram link, from results.json alone (the
-  histograms need the raw differences, so only write() draws them)."""
-  from experiments import report
-
-  del out_dir
-  ivs = list(results)
-  sources = list(results[ivs[0]])
-  rows = [[iv, source, name, f"{s['mean']:.3f}", f"{s['std']:.3f}",
-           f"{100 * s['frac_positive']:.1f}%", s["n"]]
-          for iv in ivs for source in sources for name, s in results[iv][source].items()]
-  return [
-      f"- command: `{prov['command']}`",
-      f"- setting: {'runlocal (smoke test only)' if c.runlocal else 'full'}",
-      f"- intervals: {', '.join(ivs)}; {c.num_pairs} pairs per source (trained: split over the "
-      f"heads of each layer); random content in head_dim {c.head_dim}",
-      f"- trained q/k: checkpoints of `{c.source_config}` ({c.source_arg or 'full setting'}) in "
-      f"`{c.source_workdir}`, held-out text rows of {c.text_len} bytes" if c.source_workdir
-      else "- trained q/k: not run",
-      f"- machine: {prov['machine']}, jax {prov['jax']}; date {prov['date']}; wall time "
-      f"{prov['wall_time_s']} s", "",
-      report.markdown_table(["intervals", "source", "encoding", "mean Delta", "std Delta",
-                             "Delta > 0", "n"], rows), "",
-      "Delta = s(q, k; lambda) - s(q, k; Lambda) with s the encoding's attention logit for key "
-      "at position 0 and query at position lambda ~ U(short) or Lambda ~ U(long) (the same "
-      "content pair at both distances). Paper (trained 8K models, PG19): RoPE mean 4.1 / std "
-      "0.85, TAPA mean 0.03 / std 3.3.", "", f"![histograms]({img}histograms.png)", ""]
-
-
 def main(argv) -> None:
   del argv
   from experiments import results_writers

@@ -6,7 +6,8 @@ held-out text rows of T bytes. The per-token transport G_t is the encoding's own
                          (read back from the encoding: phi_t = angle of the rotated unit
                          pair, delta_t = phi_t - phi_{t-1}); T(j -> i) = R(phi_i - phi_j)
   PaTH                   G_t = H_t = I - beta_t w_t w_t^T; T(j -> i) = H_i ... H_{j+1}
-Three statistics, each averaged over layers and kv heads (per layer in results.json):
+Three statistics, each averaged over layers and kv heads (per layer in results.json; the
+README shows them from pages.MIXING_WINDOW_STATISTICS, the same text):
 
   first moment    m(r) = || E_routes[T(j -> j + r)] ||_2, the spectral norm of the mean
                   transport over all routes of length r in the rows (every start j), and
@@ -197,74 +198,6 @@ def write(c, results: dict, out_dir: str, prov: dict) -> None:
 
   results_writers.save_results(out_dir, "mixing_window", results, c, prov)
   results_pages.write_page(out_dir)
-
-
-def _plot(results: dict, path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  from experiments import plot_style
-
-  fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-  names = list(results)
-  for name, r in results.items():
-    st = plot_style.encoding(name)
-    rs = [int(k) for k in r["first_moment_spectral"]]
-    axes[0].plot(rs, list(r["first_moment_spectral"].values()), label=f"{name} ||.||_2", **st)
-    axes[0].plot(rs, list(r["first_moment_frobenius"].values()), markerfacecolor="none",
-                 label=f"{name} ||.||_F/sqrt(D)", **{**st, "linestyle": ":"})
-    bins = list(r["attention_mass"])
-    axes[1].plot(range(len(bins)), list(r["attention_mass"].values()), label=name, **st)
-    axes[1].set_xticks(range(len(bins)), bins, rotation=45, fontsize=7)
-  axes[0].set(xscale="log", yscale="log", xlabel="route length r", ylabel="||E[T_route]||",
-              title="first moment of the route transport")
-  axes[1].set(yscale="log", xlabel="distance bin", ylabel="attention mass",
-              title="attention mass vs distance (queries i >= T/2)")
-  for i, n in enumerate(names):
-    color = plot_style.encoding(n)["color"]
-    axes[2].bar(i - 0.2, results[n]["cancellation_plain"], 0.4, color=color, alpha=0.45,
-                label="plain values" if i == 0 else None)
-    axes[2].bar(i + 0.2, results[n]["cancellation_transported"], 0.4, color=color,
-                label="transported" if i == 0 else None)
-  axes[2].set_xticks(np.arange(len(names)), names, rotation=20)
-  axes[2].set(ylabel="||sum a T v|| / sum a ||v||",
-              title="value-side cancellation\n(light: plain values, dark: transported)")
-  for ax in axes:
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-
-
-def section(c, results: dict, prov: dict, out_dir: str | None, *, img: str = "") -> list[str]:
-  """The README's setting lines, definitions, tables and plot, from results.json alone."""
-  from experiments import report
-
-  if out_dir:
-    _plot(results, os.path.join(out_dir, "mixing_window.png"))
-  names = list(results)
-  rs = list(next(iter(results.values()))["first_moment_spectral"])
-  rows = [[n] + [f"{results[n]['first_moment_spectral'][k]:.3f} / "
-                 f"{results[n]['first_moment_frobenius'][k]:.3f}" for k in rs] for n in names]
-  bins = list(next(iter(results.values()))["attention_mass"])
-  mrows = [[n] + [f"{results[n]['attention_mass'][b]:.3f}" for b in bins] for n in names]
-  crows = [[n, f"{results[n]['cancellation_plain']:.3f}",
-            f"{results[n]['cancellation_transported']:.3f}"] for n in names]
-  doc = sys.modules[__name__].__doc__.split("\n\n")[1:3]
-  return [f"- command: `{prov['command']}`",
-          f"- setting: {'runlocal (smoke test only)' if c.runlocal else 'full'}",
-          f"- checkpoints: `{c.source_config}` ({c.source_arg or 'full setting'}) in "
-          f"`{c.source_workdir}`; {c.text_batch} held-out rows of {c.text_len} bytes",
-          f"- machine: {prov['machine']}, jax {prov['jax']}; date {prov['date']}; wall time "
-          f"{prov['wall_time_s']} s", "", "### Definitions", "", *doc, "",
-          "### First moment of the route transport: spectral / Frobenius-rms norm vs r", "",
-          report.markdown_table(["encoding"] + [f"r={k}" for k in rs], rows), "",
-          "### Attention mass per distance bin", "",
-          report.markdown_table(["encoding"] + bins, mrows), "",
-          "### Value-side cancellation", "",
-          report.markdown_table(["encoding", "c_plain", "c_transported"], crows), "",
-          f"![mixing window]({img}mixing_window.png)", ""]
 
 
 def main(argv) -> None:
