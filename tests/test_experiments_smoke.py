@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from experiments import results_pages
-from experiments import results_writers
 from experiments import sweeps
 
 PROV = {"command": "pytest", "machine": "test", "jax": "-", "date": "-", "wall_time_s": 0,

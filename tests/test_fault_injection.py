@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from experiments import report
 from tests import fault_segment

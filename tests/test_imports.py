@@ -17,7 +17,6 @@ import ast
 import os
 import subprocess
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

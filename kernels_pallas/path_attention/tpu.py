@@ -37,9 +37,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas.path_attention import launch
 from kernels_pallas.path_attention import operands
-from kernels_pallas.path_attention.tiles import (diagonal, dot, dq_step, eye, logits, move,
-                                                 softmax_step, tile_grads, tile_mask, unpack,
-                                                 unpack_forward)
+from kernels_pallas.path_attention.tiles import (diagonal, dot, dq_step, eye, move, softmax_step,
+                                                 tile_grads, tile_mask, unpack, unpack_forward)
 
 
 def fwd_kv_kernel(*refs, scale, transport, gate, segments, precision):

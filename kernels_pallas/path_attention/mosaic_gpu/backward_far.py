@@ -305,7 +305,6 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
           "delta": as_vector(delta, C)}
   keys = {"k": kb, "v": ops.v}
   gate_vectors(ops, C, query_side=ring, key_side=keys)
-  per_query_head = {"qb", "do", "lse", "delta", "fq", "fk"}
 
   def body(refs, smem, bars, consumed):
     p, kh, b = lax.axis_index("m"), lax.axis_index("heads"), lax.axis_index("batch")
