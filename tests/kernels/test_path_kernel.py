@@ -74,6 +74,11 @@ INTERPRET_CASES = [
          expect=dict(backward="walk", lanes=1)),
     case("walk-plain-f32", slow=True, dtype=F32, H=2, K=2, T=T3, block_sizes=dict(block=C, span=0),
          determinism=True, expect=dict(backward="walk")),
+    # One chunk in all (T = block, and T < block: padded): the walk has no query pair to trace.
+    case("walk-one-chunk-f32", dtype=F32, H=2, K=1, T=C, gate=True, segments=True,
+         block_sizes=dict(block=C), expect=dict(backward="walk", span=0)),
+    case("walk-part-of-a-chunk-bf16", dtype=BF16, H=2, K=2, T=C - 7,
+         block_sizes=dict(block=C), expect=dict(backward="walk", span=0)),
     # Packed documents of ~8 tokens: the walks stop at the document's first chunk.
     case("walk-skips-chunks-short-documents", dtype=F32, H=2, K=1, T=T4, gate=True,
          segments="short", block_sizes=dict(block=C, span=0), expect=dict(backward="walk")),
