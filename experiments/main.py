@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import warnings
 
 from absl import app
 from absl import flags
@@ -68,6 +69,9 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   # Orbax and JAX log every checkpoint step at INFO; the progress bar says enough.
+  # A compilation cache entry that cannot be written (a full disk) costs a recompile next time,
+  # nothing else: the run's own error line says what failed.
+  warnings.filterwarnings("ignore", message="Error writing persistent compilation cache entry")
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   import jax
