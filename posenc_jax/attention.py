@@ -83,6 +83,9 @@ PALLAS_MAX_HEAD_DIM = 128
 
 FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa")
 _KERNEL_FAMILIES = ("path", "forgetting")
+# kernels_pallas.path_attention.plan.GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM (the kernels are imported
+# lazily; tests/kernels/test_plan.py checks the two agree)
+GPU_FLOAT32_PATH_MAX_HEAD_DIM = 64
 
 
 class Choice(NamedTuple):
@@ -187,6 +190,11 @@ def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim
     if limit == 0:
       return Choice("chunked", f"{backend}: blockwise jnp at every T ({name}: faster than dense)")
     return Choice("chunked", f"{backend}: T={T} > {name}, blockwise jnp")
+  if (family == "path" and backend == "gpu" and jnp.dtype(dtype).itemsize == 4
+      and head_dim > GPU_FLOAT32_PATH_MAX_HEAD_DIM):
+    return Choice("chunked", f"gpu: blockwise jnp; the Pallas PaTH kernel has no float32 "
+                  f"backward at head_dim {head_dim} > {GPU_FLOAT32_PATH_MAX_HEAD_DIM} (shared "
+                  "memory); bfloat16 runs it")
   if family in _KERNEL_FAMILIES:
     reason = f"{backend}: the Pallas {family} kernel"
     if batch is not None and heads is not None:

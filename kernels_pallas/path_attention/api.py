@@ -33,7 +33,7 @@ from kernels_pallas.path_attention import span_backward
 from kernels_pallas.path_attention import spans
 from kernels_pallas.path_attention import tpu
 from kernels_pallas.path_attention.options import BlockSizes
-from kernels_pallas.path_attention.plan import Plan, Spec, resolve
+from kernels_pallas.path_attention.plan import Plan, Spec, no_backward_message, resolve
 from kernels_pallas.path_attention.prepass import kernels as prepass_kernels
 from kernels_pallas.path_attention.prepass import reference as prepass_reference
 
@@ -103,6 +103,8 @@ def _forward(plan, ops, boundary):
 
 
 def _backward(plan, ops, do, lse, delta, boundary):
+  if plan.backward == "none":
+    raise ValueError(no_backward_message(plan.spec))
   if plan.backward == "tpu":
     return tpu.backward(ops, do, lse, delta, plan)
   if plan.backward == "span":

@@ -26,6 +26,10 @@ SPAN_MIN = 8
 # From this many chunks the span backward's far dk/dv walk gets a launch of its own at head_dim
 # 64 too, where that launch is Mosaic GPU's.
 FAR_DKV_MIN_CHUNKS = 64
+# PaTH's backward kernels in float32 build on the GPU up to this head_dim: at 128 every backward
+# form asks for more than the 227 KiB of shared memory a block has (256-427 KiB on the H200).
+# There the plan has no backward ("none"); the forward runs.
+GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM = 64
 # The SM count where no GPU answers (the interpreter; lowering for a GPU on a CPU host): the
 # H100's and H200's.
 DEFAULT_SMS = 132
@@ -77,7 +81,8 @@ class Plan:
   forward_far: with "span", where the far keys run: "triton" (inside the forward kernel) or
     "mosaic" (a launch of their own).
   backward: "walk" (dq/dP swept per (batch, kv head, lane), then dk/dv per key chunk) | "span"
-    (span-parallel: boundary, far dq, key side, span sweep) | "tpu".
+    (span-parallel: boundary, far dq, key side, span sweep) | "tpu" | "none" (float32 PaTH at
+    head_dim > 64 on the GPU: no kernel fits; GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM).
   far_dkv: with "span", the key side's far walk: "dkv" (inside the dk/dv kernel) or its own
     launch, "triton" or "mosaic".
   far_dq, sweep: with "span", "triton" or "mosaic".
@@ -280,14 +285,20 @@ def resolve(spec: Spec, options: BlockSizes, *, scale: float, device: Device | N
   if span:
     backward = "span"
     far_dq = "mosaic" if far_mosaic else "triton"
-    far_dq_pairs = D > 64
+    # 2C-row tiles (chunk pairs) in float32 exceed the GPU's shared memory at head_dim 128.
+    wide_fits = spec.itemsize <= 2 or backend != "gpu"
+    far_dq_pairs = D > 64 and wide_fits
     own = D > 64 or (n >= FAR_DKV_MIN_CHUNKS and far_mosaic)
     far_dkv = ("mosaic" if far_mosaic else "triton") if own else "dkv"
-    far_dkv_pairs = own and (spec.itemsize <= 2 or backend != "gpu")
-    sweep_pairs = spec.itemsize <= 2 or backend != "gpu"   # 2C-row tiles: shared memory
+    far_dkv_pairs = own and wide_fits
+    sweep_pairs = wide_fits
     why_sweep = sweep_takes(spec, C, n) if backend == "gpu" else (
         f"{n} chunks (it takes an even number)" if n % 2 else None)
     sweep = "mosaic" if mosaic and sweep_pairs and why_sweep is None else "triton"
+
+  if not gpu_float32_backward(spec):
+    backward, far_dkv, far_dq, sweep = "none", "none", "none", "none"
+    sweep_pairs = far_dq_pairs = far_dkv_pairs = False
 
   lanes = 1
   dq_pairs = spec.transport
@@ -308,6 +319,21 @@ def resolve(spec: Spec, options: BlockSizes, *, scale: float, device: Device | N
               far_dkv_pairs=far_dkv_pairs, sweep=sweep, sweep_pairs=sweep_pairs, chain=chain,
               launches=_launches(spec, block=C, dq_pairs=dq_pairs, far_dq_pairs=far_dq_pairs,
                                  far_dkv_pairs=far_dkv_pairs, sweep_pairs=sweep_pairs))
+
+
+def gpu_float32_backward(spec: Spec) -> bool:
+  """Whether the kernels have a backward for this call (all but float32 PaTH at head_dim > 64
+  on the GPU)."""
+  return not (spec.backend == "gpu" and spec.transport and spec.itemsize == 4
+              and spec.head_dim > GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM)
+
+
+def no_backward_message(spec: Spec) -> str:
+  return (f"PaTH's GPU kernels have no backward for float32 inputs at head_dim {spec.head_dim} "
+          f"> {GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM}: their float32 tiles need more than the "
+          "227 KiB of shared memory a block has. Cast q, k, v to bfloat16, or take the "
+          "blockwise jnp implementation (posenc_jax: implementation='chunked'); the forward "
+          "alone runs")
 
 
 def _mosaic_allowed(option, backend: str, device: Device) -> bool:
@@ -357,6 +383,9 @@ def explain_text(plan: Plan) -> str:
   elif plan.backward == "walk":
     lines.append(f"backward:  walk: dq/dP on {plan.lanes} lane{'s' * (plan.lanes > 1)} a kv "
                  "head, then dk/dv")
+  elif plan.backward == "none":
+    lines.append(f"backward:  none (float32 at head_dim {s.head_dim} on the GPU: its tiles "
+                 "exceed shared memory)")
   else:
     lines.append("backward:  TPU walks (query and key chunks grid axes)")
   if s.backend == "gpu":
@@ -367,7 +396,7 @@ def explain_text(plan: Plan) -> str:
 
 
 def _used_launches(plan: Plan) -> set:
-  used = {"forward"}
+  used = {"forward"} | ({"boundary"} if plan.forward == "span" else set())
   if plan.backward == "walk":
     used |= {"dq", "dkv"}
   elif plan.backward == "span":

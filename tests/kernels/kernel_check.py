@@ -55,8 +55,10 @@ def resolve(args, seg, *, fox, backend, block_sizes=None, pins=None, expect=None
 
 def check(key, *, backend, dtype, H, K, D, T, B=2, gate=False, segments=False, fox=False,
           w_mode="random", block_sizes=None, pins=None, expect=None, determinism=False,
-          chunked_oracle=False):
+          chunked_oracle=False, forward_only=False):
   """The kernel against the oracle on fresh inputs (see the module docstring) -> the plan run.
+
+  forward_only: the output alone (a plan without a backward: plan.backward "none").
 
   chunked_oracle: PaTH's oracle is householder.path_attention_chunked (the UT algorithm, no
   T x T array: long sequences) instead of the dense walk."""
@@ -89,6 +91,8 @@ def check(key, *, backend, dtype, H, K, D, T, B=2, gate=False, segments=False, f
   # its own call, as a caller without gradients runs it (the custom VJP's primal).
   @jax.jit
   def kernel(args, seg, do):
+    if forward_only:
+      return [fast(seg, *args)]
     grads = jax.grad(lambda *a: jnp.sum(fast(seg, *a).astype(jnp.float32) * do),
                      argnums=tuple(range(len(args))))(*args)
     return [fast(seg, *args), *grads]
@@ -96,7 +100,7 @@ def check(key, *, backend, dtype, H, K, D, T, B=2, gate=False, segments=False, f
   @jax.jit
   def oracle(args, seg, do):
     out, pull = jax.vjp(lambda *a: ref(seg, *a), *args)
-    return [out, *pull(do.astype(out.dtype))]
+    return [out] if forward_only else [out, *pull(do.astype(out.dtype))]
 
   got = kernel(args, seg, do)
   with jax.default_matmul_precision("highest"):

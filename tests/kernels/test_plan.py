@@ -13,6 +13,7 @@ import pytest
 
 import kernels_pallas as kp
 from kernels_pallas.path_attention import plan as plan_lib
+from posenc_jax import attention
 from tests.kernels import kernel_check
 from tests.kernels import test_path_kernel
 
@@ -252,8 +253,9 @@ def test_mosaic_falls_back_to_triton_per_launch():
   other than 64 or an odd chunk count (the sweep) leave the launch it concerns on Triton
   instead of raising. In the interpreter their oracles run only where asked."""
   f32 = _plan(2, 1280, 2, 128, dtype=F32, block_sizes=dict(mosaic=True))
-  assert (f32.forward_far, f32.far_dq, f32.far_dkv, f32.sweep) == (
-      "triton", "triton", "triton", "triton")
+  assert (f32.forward_far, f32.backward) == ("triton", "none")   # (no float32 backward there)
+  f32 = _plan(2, 4160, 2, 64, dtype=F32, block_sizes=dict(mosaic=True))   # 65 chunks
+  assert (f32.far_dq, f32.far_dkv, f32.sweep) == ("triton", "dkv", "triton")
   small = _plan(2, 1280, 2, 64, block_sizes=dict(mosaic=True, block=32))
   assert (small.far_dq, small.sweep) == ("triton", "triton")
   odd = _plan(2, 1300, 2, 64, block_sizes=dict(mosaic=True))   # 21 chunks
@@ -322,3 +324,30 @@ def test_plan_must_match_the_call():
     kp.path_attention(x, x, x, w, beta, interpret=True, plan=plan, block_sizes=dict(span=0))
   with pytest.raises(ValueError, match=r"^backend='cuda' must be one of"):
     kp.explain(x, x, x, w, beta, backend="cuda")
+
+
+def test_float32_path_at_head_dim_128_on_the_gpu_has_no_backward():
+  """No backward form builds for float32 PaTH at head_dim 128 on the GPU (each asked for
+  256-427 KiB of shared memory on the H200): the plan says so, the forward still runs (its
+  forms are pinned), a gradient is one error naming the way out, and the model's automatic
+  choice takes the blockwise jnp implementation there. FoX and head_dim 64 keep theirs."""
+  plan = _plan(2, 620, 2, 128, dtype=F32, gate=True, segments=True)
+  assert (plan.backward, plan.forward, plan.forward_far) == ("none", "span", "triton")
+  assert "backward:  none (float32 at head_dim 128 on the GPU" in str(plan)
+  assert _plan(2, 620, 2, 64, dtype=F32).backward == "span"
+  assert _plan(2, 620, 2, 128, dtype=BF16).backward == "span"
+  assert _plan(2, 620, 2, 128, dtype=F32, fox=True, gate=True).backward == "walk"
+  assert _plan(2, 620, 2, 128, dtype=F32, backend="interpret").backward == "span"
+
+  q = SD((1, 620, 2, 128), F32)
+  w, beta = SD((1, 620, 2, 128), F32), SD((1, 620, 2), F32)
+  loss = lambda q, w: jnp.sum(kp.path_attention(q, q, q, w, beta, backend="gpu"))
+  with pytest.raises(ValueError, match=r"^PaTH's GPU kernels have no backward for float32 "
+                                       r"inputs at head_dim 128 > 64: .*bfloat16"):
+    jax.eval_shape(jax.grad(loss, argnums=1), q, w)
+
+  assert attention.GPU_FLOAT32_PATH_MAX_HEAD_DIM == plan_lib.GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM
+  pick = lambda dtype, D, family="path": attention.auto_implementation(
+      family, T=620, dtype=dtype, head_dim=D, backend="gpu").implementation
+  assert (pick(F32, 128), pick(BF16, 128), pick(F32, 64), pick(F32, 128, "forgetting")) == (
+      "chunked", "pallas", "pallas", "pallas")
