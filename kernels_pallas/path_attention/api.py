@@ -152,9 +152,14 @@ def _cotangents(ops, g, *, transport: bool, segments: bool):
       fk=g.get("fk"), sq=zero(ops.sq), sk=zero(ops.sk), lo=zero(ops.lo), hi=zero(ops.hi))
 
 
-def _attend_bwd(plan, res, do):
+def _attend_bwd(plan, res, do, dlse=None):
   q, k, v, w, beta, log_forget, seg, out, lse, (ops, pullback, boundary) = res
   do_b, delta = _backward_inputs(plan, out, do.astype(q.dtype))
+  if dlse is not None:
+    # d lse_i / d s_ij = P_ij: an lse cotangent adds P_ij dlse_i to dS_ij = P_ij (dP_ij -
+    # Delta_i), which is Delta_i - dlse_i in place of Delta_i
+    delta = delta - operands.blocked(operands.pad_time(
+        dlse.astype(jnp.float32)[..., None], plan.chunks * plan.block), plan.block)
   g = _backward(plan, ops, do_b, lse, delta, boundary)
   grads = pullback(_cotangents(ops, g, transport=w is not None, segments=seg is not None))
   grads = tuple(None if x is None else gx.astype(x.dtype)
@@ -163,6 +168,33 @@ def _attend_bwd(plan, res, do):
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _lse_rows(plan, lse):
+  """The forward's lse, blocked [B, H, n, C, 1] -> [B, T, H] float32."""
+  B, H = lse.shape[:2]
+  return jnp.moveaxis(lse.reshape(B, H, -1)[:, :, :plan.spec.seq_len], 1, 2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend_lse(plan, q, k, v, w, beta, log_forget, seg):
+  """_attend with the log-sum-exp of every query row's logits: (o, lse [B, T, H])."""
+  ops = _prepare(plan, q, k, v, w, beta, log_forget, seg)
+  o, lse = _forward(plan, ops, _boundary(plan, ops))
+  return operands.unchunked(o)[:, :plan.spec.seq_len], _lse_rows(plan, lse)
+
+
+def _attend_lse_fwd(plan, *args):
+  out, res = _attend_fwd(plan, *args)
+  return (out, _lse_rows(plan, res[8])), res
+
+
+def _attend_lse_bwd(plan, res, cts):
+  do, dlse = cts
+  return _attend_bwd(plan, res, do, dlse)
+
+
+_attend_lse.defvjp(_attend_lse_fwd, _attend_lse_bwd)
 
 
 def _backend(interpret, backend):
@@ -218,8 +250,11 @@ def explain(q, k, v, w=None, beta=None, log_forget=None, *, scale=None, segment_
 
 
 def path_attention(q, k, v, w, beta, log_forget=None, *, scale=None, segment_ids=None,
-                   block_sizes=None, interpret=False, backend=None, plan: Plan | None = None):
-  """PaTH (and PaTH-FoX with log_forget) attention -> o [B, T, H, D] in v's dtype.
+                   block_sizes=None, interpret=False, backend=None, plan: Plan | None = None,
+                   return_lse: bool = False):
+  """PaTH (and PaTH-FoX with log_forget) attention -> o [B, T, H, D] in v's dtype; with
+  return_lse, (o, lse): lse [B, T, H] float32, the natural log-sum-exp of each query's scaled
+  logits (gate included), differentiable (it merges partial attentions, e.g. across devices).
 
   block_sizes: a BlockSizes, or a dict / "key=value,..." of its fields. backend: "gpu", "tpu",
   "interpret" or "tpu_interpret" (None: the default platform's, or "interpret" with
@@ -228,17 +263,20 @@ def path_attention(q, k, v, w, beta, log_forget=None, *, scale=None, segment_ids
   if w is None or beta is None:
     raise ValueError("w and beta are required (use forgetting_attention for no transport)")
   spec = _spec(q, k, v, w, beta, log_forget, segment_ids, _backend(interpret, backend))
-  return _attend(_plan(spec, scale, block_sizes, plan), q, k, v, w, beta, log_forget,
-                 segment_ids)
+  attend = _attend_lse if return_lse else _attend
+  return attend(_plan(spec, scale, block_sizes, plan), q, k, v, w, beta, log_forget,
+                segment_ids)
 
 
 def forgetting_attention(q, k, v, log_forget, *, scale=None, segment_ids=None, block_sizes=None,
-                         interpret=False, backend=None, plan: Plan | None = None):
+                         interpret=False, backend=None, plan: Plan | None = None,
+                         return_lse: bool = False):
   """FoX attention (no transport); ALiBi is a constant log_forget per head; None is plain causal
   softmax attention. Arguments as path_attention's."""
   spec = _spec(q, k, v, None, None, log_forget, segment_ids, _backend(interpret, backend))
-  return _attend(_plan(spec, scale, block_sizes, plan), q, k, v, None, None, log_forget,
-                 segment_ids)
+  attend = _attend_lse if return_lse else _attend
+  return attend(_plan(spec, scale, block_sizes, plan), q, k, v, None, None, log_forget,
+                segment_ids)
 
 
 def phases(q, k, v, w, beta, log_forget=None, *, do=None, scale=None, segment_ids=None,
