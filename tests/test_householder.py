@@ -83,7 +83,8 @@ def _out_and_grads(fn, args, seg, cot, **kw):
   return jax.jit(run)({n: args[n] for n in names}, rest, seg)
 
 
-@pytest.mark.parametrize("forget,segments", [(False, False), (True, True), (True, False)])
+@pytest.mark.parametrize("forget,segments", [
+    (False, False), (True, True), pytest.param(True, False, marks=pytest.mark.slow)])
 def test_fast_paths_match_reference(key, forget, segments):
   """Both fast forms against one oracle run (its compiles shared: CI time)."""
   k1, k2 = jax.random.split(key)

@@ -10,8 +10,9 @@ import pytest
 from tests.kernels import kernel_check
 
 
-@pytest.mark.parametrize("fox,dtype", [(False, jnp.float32), (True, jnp.float32),
-                                       (False, jnp.bfloat16)])
+@pytest.mark.parametrize("fox,dtype", [
+    (False, jnp.float32), (True, jnp.float32),
+    pytest.param(False, jnp.bfloat16, marks=pytest.mark.slow)])   # the same forms: CI time
 def test_tpu_forms_against_oracle(key, fox, dtype):
   """The TPU plan has no spans and no Mosaic GPU launch; its pre-pass is the Pallas "uz" form
   on blocked inputs (PaTH), Y recomputed in its VJP at every dtype (HIGHEST products)."""
