@@ -1,7 +1,8 @@
 """return_lse: the kernels' (o, lse) against a dense oracle, forward and gradients with a
 cotangent on both outputs (lse merges partial attentions, e.g. the context-parallel ring, so
-its gradient must be right too). Interpreter, float32, the walk backward of PaTH and FoX: the
-lse cotangent enters through Delta, which every backward form reads alike."""
+its gradient must be right too). Interpreter: float32, the walk backward of PaTH and FoX (the
+lse cotangent enters through Delta, which every backward form reads alike). GPU: the default
+plans (span backward, Mosaic launches) in bf16 at both head_dims."""
 from __future__ import annotations
 
 import jax
@@ -33,26 +34,24 @@ def _dense(q, k, v, w, beta, lf, seg, *, scale):
   return masking.dense_attention(logits, v, mask), jnp.moveaxis(lse, 1, 2)
 
 
-@pytest.mark.parametrize("fox", [False, True])
-def test_return_lse_matches_dense_with_gradients(key, fox):
-  B, T, H, K, D = 2, 100, 2, 1, 16   # 2 chunks of 64
-  q, k, v, w, beta, lf, seg, do = kernel_check.inputs(key, B, T, H, K, D, jnp.float32,
+def _check(key, *, backend, dtype, B, T, H, K, D, fox, block_sizes=None, expect=None):
+  q, k, v, w, beta, lf, seg, do = kernel_check.inputs(key, B, T, H, K, D, dtype,
                                                       gate=True, segments=True)
   dl = jax.random.normal(jax.random.fold_in(key, 1), (B, T, H))
   if fox:
     w = beta = None
-  block_sizes = None if fox else dict(span=0)   # dlse enters Delta, which every form reads
-  scale = D ** -0.5
 
   def kernel(q, k, v, w, beta, lf):
     if fox:
-      return kp.forgetting_attention(q, k, v, lf, segment_ids=seg, interpret=True,
+      return kp.forgetting_attention(q, k, v, lf, segment_ids=seg, backend=backend,
                                      return_lse=True)
-    return kp.path_attention(q, k, v, w, beta, lf, segment_ids=seg, interpret=True,
+    return kp.path_attention(q, k, v, w, beta, lf, segment_ids=seg, backend=backend,
                              block_sizes=block_sizes, return_lse=True)
 
-  oracle = lambda *a: _dense(*a, seg, scale=scale)
-  loss = lambda f: lambda *a: sum(jnp.sum(x * c) for x, c in zip(f(*a), (do, dl)))
+  f32 = lambda x: None if x is None else x.astype(jnp.float32)
+  oracle = lambda *a: _dense(*map(f32, a), f32(seg), scale=D ** -0.5)
+  loss = lambda f: lambda *a: sum(jnp.sum(x.astype(jnp.float32) * c)
+                                  for x, c in zip(f(*a), (do.astype(jnp.float32), dl)))
   args = (q, k, v, w, beta, lf)
   argnums = tuple(i for i, x in enumerate(args) if x is not None)
   got = jax.jit(lambda *a: (kernel(*a), jax.grad(loss(kernel), argnums)(*a)))(*args)
@@ -60,8 +59,22 @@ def test_return_lse_matches_dense_with_gradients(key, fox):
     want = jax.jit(lambda *a: (oracle(*a), jax.grad(loss(oracle), argnums)(*a)))(*args)
   names = ["o", "lse"] + [f"d{'q k v w beta log_forget'.split()[i]}" for i in argnums]
   for name, a, b in zip(names, [*got[0], *got[1]], [*want[0], *want[1]]):
-    assert_rel_rms(a, b, kernel_check.TOL[jnp.dtype(jnp.float32)], name)
-  if not fox:
-    plan = kp.explain(q, k, v, w, beta, lf, segment_ids=seg, interpret=True,
-                      block_sizes=block_sizes)
-    assert plan.backward == "walk", plan
+    assert_rel_rms(a, b, kernel_check.TOL[jnp.dtype(dtype)], name)
+  plan = kp.explain(q, k, v, w, beta, lf, segment_ids=seg, backend=backend,
+                    block_sizes=block_sizes)
+  for field, value in (expect or {}).items():
+    assert getattr(plan, field) == value, plan
+
+
+@pytest.mark.parametrize("fox", [False, True])
+def test_return_lse_matches_dense_with_gradients(key, fox):
+  _check(key, backend="interpret", dtype=jnp.float32, B=2, T=100, H=2, K=1, D=16, fox=fox,
+         block_sizes=None if fox else dict(span=0), expect=dict(backward="walk"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("D", [64, 128])
+def test_return_lse_on_gpu_default_plan(key, D):
+  _check(key, backend="gpu", dtype=jnp.bfloat16, B=2, T=1100, H=4, K=2, D=D, fox=False,
+         expect=dict(backward="span"))
