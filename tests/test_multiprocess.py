@@ -157,3 +157,26 @@ def test_cli_bad_process_id_is_one_error_line(tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
       "error: config.distributed.process_id=5 must be an integer in [0, 1] (num_processes=2)"]
+
+
+def test_pair_on_a_locked_workdir_stops_in_both_processes(tmp_path):
+  """Process 0 cannot take run.lock: each process prints one error line and exits with 2
+  (process 1 does not wait for process 0 at the first step until a timeout)."""
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys; from experiments import workdir_lock; "
+       "lock = workdir_lock.hold(sys.argv[1]); lock.__enter__(); print('held', flush=True); "
+       "sys.stdin.read()", str(tmp_path)],
+      cwd=REPO, env=_env(1), text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    procs = _start(tmp_path, MESHES[0], processes=2)
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+  finally:
+    holder.kill()
+    for p in locals().get("procs", []):
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [2, 2], outs
+  errors = [[line for line in out.splitlines() if line.startswith("error: ")] for out in outs]
+  assert len(errors[0]) == 1 and "is in use by another run" in errors[0][0], outs[0]
+  assert len(errors[1]) == 1 and "process 0 could not take run.lock" in errors[1][0], outs[1]
