@@ -167,13 +167,14 @@ def test_pair_on_a_locked_workdir_stops_in_both_processes(tmp_path):
        "lock = workdir_lock.hold(sys.argv[1]); lock.__enter__(); print('held', flush=True); "
        "sys.stdin.read()", str(tmp_path)],
       cwd=REPO, env=_env(1), text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+  procs = []
   try:
     assert holder.stdout.readline().strip() == "held"
     procs = _start(tmp_path, MESHES[0], processes=2)
     outs = [p.communicate(timeout=120)[0] for p in procs]
   finally:
     holder.kill()
-    for p in locals().get("procs", []):
+    for p in procs:
       if p.poll() is None:
         p.kill()
   assert [p.returncode for p in procs] == [2, 2], outs
