@@ -4,7 +4,8 @@ One Orbax CheckpointManager under WORKDIR/checkpoints holds, per step, three ite
 
   state   the train state pytree (params, optimizer state, step, RNG key data), restored
           straight into its shardings
-  data    the grain iterator position (grain's own Orbax handler, one file per process)
+  data    the grain iterator position (grain's own Orbax handler, one file per process;
+          read back directly, so that a run under another number of processes resumes it)
   config  the model config as JSON, compared against the current config before anything
           compiles so that a workdir is never silently reused for a different model
 
@@ -73,15 +74,18 @@ def has_checkpoint(workdir: str) -> bool:
 
 
 def all_steps(workdir: str) -> list[int]:
-  """The steps written completely (intact or not), oldest first."""
+  """The steps written completely (intact or not), oldest first.
+
+  Read from the directory names, not through an Orbax CheckpointManager: opening one is a
+  barrier across processes, and processes may ask this at different moments (one before the
+  directory exists, another after).
+  """
   path = _directory(workdir)
   if not os.path.isdir(path):
     return []
-  mngr = _reader(path)
-  try:
-    return sorted(mngr.all_steps())
-  finally:
-    mngr.close()
+  # Orbax writes a step under a temporary name and renames it to the bare number when done.
+  return sorted(int(n) for n in os.listdir(path)
+                if n.isdigit() and os.path.isdir(os.path.join(path, n)))
 
 
 def latest_step(workdir: str) -> int | None:
@@ -160,6 +164,18 @@ def damage(step_dir: str, *, items: tuple[str, ...] = ITEMS) -> str | None:
   return None
 
 
+def _data_state(step_dir: str):
+  """The data iterator state saved in step_dir: this process's file, or, for a checkpoint
+  that another number of processes wrote, process 0's (experiments.data keeps every
+  process's state the same, so any process's file resumes the stream)."""
+  directory = os.path.join(step_dir, "data")
+  own = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+  names = sorted(n for n in os.listdir(directory) if n.startswith("process_0-of-"))
+  name = own if os.path.isfile(os.path.join(directory, own)) else (names or [own])[0]
+  with open(os.path.join(directory, name)) as f:
+    return json.load(f)
+
+
 @dataclasses.dataclass
 class _Damaged:
   step: int
@@ -229,14 +245,12 @@ def stored_model_config(workdir: str, *, warn_fn: Callable[[str], None] | None =
   steps = all_steps(workdir)
   if not steps:
     return None
-  mngr = _reader(directory)
-  try:
-    read = lambda step: mngr.restore(step, args=ocp.args.Composite(
-        config=ocp.args.JsonRestore()))["config"]
-    return _read_newest_intact(directory, steps, read, items=("config",),
-                               on_damaged=_warn_using(directory, warn_fn or (lambda _: None)))[1]
-  finally:
-    mngr.close()
+
+  def read(step):  # the file Orbax's JsonSave wrote, read without a (cross-process) manager
+    with open(os.path.join(directory, str(step), "config", "metadata")) as f:
+      return json.load(f)
+  return _read_newest_intact(directory, steps, read, items=("config",),
+                             on_damaged=_warn_using(directory, warn_fn or (lambda _: None)))[1]
 
 
 def restore_params(workdir: str, abstract_params: Any, *,
@@ -393,9 +407,12 @@ class Checkpointer:
       return None
 
     def read(step):
-      return self._mngr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state),
-          data=grain.checkpoint.CheckpointRestore(data_iter)))["state"]
+      data_state = _data_state(os.path.join(self._directory, str(step)))
+      state = self._mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state)))["state"]
+      data_iter.set_state(data_state)
+      data_iter.start_prefetch()
+      return state
 
     def set_aside(d: _Damaged, fallback: int | None) -> None:
       moved = self._set_aside(d.step) if self._primary else None

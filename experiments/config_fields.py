@@ -161,6 +161,12 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "fsdp": Rule(lambda v: _is_int(v) and (v >= 1 or v == -1), "a positive size or -1 (fill)"),
         "rules": Rule(_rules_table, "(logical axis, mesh axes) pairs (experiments/sharding.py)"),
     },
+    # Their combination: experiments/distributed.py, before JAX starts.
+    "distributed": {
+        "coordinator": text("HOST:PORT of process 0, or None (one process)", none=True),
+        "num_processes": integer(1, none=True),
+        "process_id": integer(0, none=True),
+    },
     # Only encodings is read by experiments.main; the rest are experiments.sweeps' fields.
     "sweep": {
         "encodings": strings(example="rope,path (() = one run of model.encoding)"),

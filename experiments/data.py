@@ -38,9 +38,16 @@ Determinism: synthetic example i of a stream comes from numpy's Generator seeded
 (seed, stream, i), stream 0 for training and 1 + k for the k-th test set, so eval sets
 never reuse training examples' randomness. The training iterator is a grain
 DatasetIterator whose get_state()/set_state() resume it exactly, also from a state that went
-through JSON (as grain's Orbax handler stores it). Multi-host: process p
-of n reads examples p, p + n, ... (synthetic) or every n-th training file (text);
-`batch_size` is the per-process batch.
+through JSON (as grain's Orbax handler stores it).
+
+Several processes: the global batch of B = batch_size x process_count rows is cut into
+process_count blocks of batch_size rows, and the process with process_index p reads block p
+of every global batch (rows p x batch_size ... (p + 1) x batch_size - 1). So the processes
+together see exactly the batches one process with batch_size B would, and every process's
+iterator state is the same (a count of global batches, or the text packer's position), which
+lets a checkpoint written by n processes resume under any other number. Synthetic tasks
+generate only their own rows; text rows are packed from the whole corpus by every process
+(the packing is cheap next to a training step) and each keeps its block.
 """
 from __future__ import annotations
 
@@ -162,20 +169,25 @@ def _synthetic_rows(config, *, split: str, seq_len: int, seed: int) -> grain.Map
   return grain.MapDataset.range(_STREAM_LEN).map(example)
 
 
+def _block_index(i: int, *, rows: int, index: int, count: int) -> int:
+  """The stream index of this process's i-th example: row i % rows of its block `index` in
+  global batch i // rows (global batches hold `count` blocks of `rows` rows)."""
+  return (i // rows) * rows * count + index * rows + i % rows
+
+
+def _take_block(batch: dict[str, np.ndarray], *, rows: int, index: int) -> dict[str, np.ndarray]:
+  return {k: v[index * rows:(index + 1) * rows] for k, v in batch.items()}
+
+
 # --- text --------------------------------------------------------------------------
 
 
-def _packed_text(config, split: str, *, seq_len: int, seed: int, process_index: int,
-                 process_count: int) -> grain.IterDataset:
+def _packed_text(config, split: str, *, seq_len: int, seed: int) -> grain.IterDataset:
   """Documents packed into rows of seq_len (long ones split), unbatched."""
   root, files, _ = code_corpus.split_files(config, split)
   docs = grain.MapDataset.source(files)
   if split == "train":
-    # Shard files across processes, then reshuffle every epoch.
-    docs = docs[process_index::process_count]
-    if len(docs) == 0:
-      raise ValueError(f"process_count={process_count} exceeds the {len(files)} training files")
-    docs = docs.shuffle(seed).repeat()
+    docs = docs.shuffle(seed).repeat()  # reshuffled every epoch
   docs = docs.map(functools.partial(code_corpus.read_document, root))
   rows = grain.experimental.ConcatThenSplitIterDataset(
       docs.to_iter_dataset(), length_struct={"inputs": seq_len, "targets": seq_len})
@@ -249,13 +261,18 @@ def make_train_iter(config, *, batch_size: int, seed: int, process_index: int = 
   _check(config)
   _check_batching(batch_size, process_index, process_count)
   if config.task == "text":
-    rows = _packed_text(config, "train", seq_len=config.seq_len, seed=seed,
-                        process_index=process_index, process_count=process_count)
+    rows = _packed_text(config, "train", seq_len=config.seq_len, seed=seed)
     if config.shuffle_window > 1:
       rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=config.shuffle_window, seed=seed)
-    return _JsonStateIterator(iter(rows.batch(batch_size, drop_remainder=True, batch_fn=_stack)))
-  rows = _synthetic_rows(config, split="train", seq_len=config.seq_len, seed=seed)
-  rows = rows[process_index::process_count]
+    batches = rows.batch(batch_size * process_count, drop_remainder=True, batch_fn=_stack)
+    if process_count > 1:
+      batches = batches.map(functools.partial(_take_block, rows=batch_size, index=process_index))
+    return _JsonStateIterator(iter(batches))
+  indices = grain.MapDataset.range(_STREAM_LEN)
+  if process_count > 1:
+    indices = indices.map(functools.partial(_block_index, rows=batch_size, index=process_index,
+                                            count=process_count))
+  rows = indices.map(_SyntheticExample(config, split="train", seq_len=config.seq_len, seed=seed))
   read = grain.ReadOptions(num_threads=config.read_threads,
                            prefetch_buffer_size=config.prefetch_batches)
   return _JsonStateIterator(
@@ -263,29 +280,35 @@ def make_train_iter(config, *, batch_size: int, seed: int, process_index: int = 
 
 
 def make_eval_sets(config, *, seq_len: int, batch_size: int, num_batches: int,
-                   seed: int) -> dict[str, list[dict[str, np.ndarray]]]:
+                   seed: int, process_index: int = 0,
+                   process_count: int = 1) -> dict[str, list[dict[str, np.ndarray]]]:
   """name -> list of batches at `seq_len`; the same arguments give the same batches.
 
   Synthetic tasks: each test set has exactly num_batches batches. Text: "valid" holds
   the held-out files packed in sorted order (seed unused), up to num_batches batches;
   the last batch is filled with all-padding rows (loss_mask 0) if the files run out.
+  batch_size is per process: block process_index of global batches of
+  batch_size x process_count rows, as in make_train_iter.
   """
   _check(config, seq_len)
-  _check_batching(batch_size)
+  _check_batching(batch_size, process_index, process_count)
   if num_batches < 1:
     raise ValueError(f"num_batches={num_batches} must be >= 1")
+  whole = batch_size * process_count
   if config.task == "text":
-    rows = _packed_text(config, "valid", seq_len=seq_len, seed=seed, process_index=0, process_count=1)
+    rows = _packed_text(config, "valid", seq_len=seq_len, seed=seed)
     batches, it = [], iter(rows)
     for _ in range(num_batches):
-      chunk = [row for _, row in zip(range(batch_size), it)]
+      chunk = [row for _, row in zip(range(whole), it)]
       if not chunk:
         break
-      chunk += [_empty_row(seq_len)] * (batch_size - len(chunk))
-      batches.append(_stack(chunk))
+      chunk += [_empty_row(seq_len)] * (whole - len(chunk))
+      batches.append(_take_block(_stack(chunk), rows=batch_size, index=process_index))
     return {"valid": batches}
   sets = {}
+  first = process_index * batch_size
   for name in SYNTHETIC[config.task].TEST_SETS:
     rows = _synthetic_rows(config, split=name, seq_len=seq_len, seed=seed)
-    sets[name] = [_stack([rows[b * batch_size + i] for i in range(batch_size)]) for b in range(num_batches)]
+    sets[name] = [_stack([rows[b * whole + first + i] for i in range(batch_size)])
+                  for b in range(num_batches)]
   return sets

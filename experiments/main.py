@@ -3,6 +3,11 @@ r"""Entry point: train, evaluate and report one experiment config (or a sweep of
   python -m experiments.main --config=experiments/configs/quickstart.py[:arg] \
       --workdir=DIR [--config.model.encoding=path --config.train.steps=100 ...]
 
+Over several processes (hosts), each runs the same command plus
+  --config.distributed.coordinator=HOST0:PORT --config.distributed.num_processes=N
+  --config.distributed.process_id=I
+(experiments/distributed.py; process 0 writes the workdir's records and reports).
+
 WORKDIR receives metrics.jsonl, tensorboard/, checkpoints/, config.json, report.md and plots.
 Running the same command again resumes from the newest intact checkpoint, with the same
 losses as an uninterrupted run; while a run trains it holds WORKDIR/run.lock, and a second
@@ -33,8 +38,9 @@ from experiments import cli_config
 
 _CONFIG = cli_config.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, report.")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
-                                 "Call jax.distributed.initialize() (multi-host runs).")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Start jax.distributed from a cluster's environment that jax "
+    "detects (SLURM, Open MPI, Cloud TPU); config.distributed names the processes otherwise.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -74,10 +80,15 @@ def main(argv) -> None:
   warnings.filterwarnings("ignore", message="Error writing persistent compilation cache entry")
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
+  from experiments import distributed
+
+  try:  # before anything asks JAX for its devices
+    distributed.initialize(_CONFIG.value.get("distributed"), detect=_DISTRIBUTED.value)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   import jax
 
-  if _DISTRIBUTED.value:
-    jax.distributed.initialize()
   from experiments import data
   from experiments import errors
   from experiments import report

@@ -32,6 +32,7 @@ from flax import traverse_util
 
 from experiments import checkpoint
 from experiments import config_checks
+from experiments import distributed
 from experiments import divergence
 from experiments import errors
 from experiments import evaluate
@@ -158,12 +159,16 @@ def _sigterm_flag():
       signal.signal(signal.SIGTERM, previous)
 
 
-def _eval_sets(config, data_module, process_count: int) -> dict:
+def _eval_sets(config, data_module, batch_sharding) -> dict:
   e = config.eval
-  batch = (e.batch_size or config.train.batch_size) // process_count
-  return {n: data_module.make_eval_sets(config.data, seq_len=n, batch_size=batch,
-                                        num_batches=e.num_batches, seed=e.seed)
-          for n in config_checks.eval_lengths(config)} if e.num_batches else {}
+  sets = {}
+  for n in (config_checks.eval_lengths(config) if e.num_batches else ()):
+    whole = e.batch_size or config.train.batch_size
+    first, end = distributed.process_rows(batch_sharding, (whole, n))
+    sets[n] = data_module.make_eval_sets(
+        config.data, seq_len=n, batch_size=end - first, num_batches=e.num_batches, seed=e.seed,
+        process_index=first // (end - first), process_count=whole // (end - first))
+  return sets
 
 
 def setup(config, mcfg, data_module):
@@ -172,10 +177,12 @@ def setup(config, mcfg, data_module):
   data_n, fsdp_n = config_checks.check_mesh(config, jax.device_count())
   mesh = sharding.make_mesh(data=data_n, fsdp=fsdp_n)
   trainer = Trainer(mcfg, t, mesh, rules=config.mesh.rules)
-  pc = jax.process_count()
-  train_iter = data_module.make_train_iter(config.data, batch_size=t.batch_size // pc,
-                                           seed=t.seed, process_index=jax.process_index(),
-                                           process_count=pc)
+  # This process reads the rows its devices hold (all of them in a run of one process).
+  first, end = distributed.process_rows(trainer.batch_sharding,
+                                        (t.batch_size, config.data.seq_len))
+  train_iter = data_module.make_train_iter(config.data, batch_size=end - first, seed=t.seed,
+                                           process_index=first // (end - first),
+                                           process_count=t.batch_size // (end - first))
   return mesh, trainer, train_iter
 
 
@@ -231,21 +238,20 @@ def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: floa
   log = bar = None
   try:
     mesh, trainer, train_iter = setup(config, mcfg, data_module)
-    pc = jax.process_count()
-    eval_sets = _eval_sets(config, data_module, pc)
+    eval_sets = _eval_sets(config, data_module, trainer.batch_sharding)
     evaluate_now = lambda params: evaluate.evaluate_all(trainer.eval_step, params, eval_sets,
                                                         trainer.put)
     stored = config_checks.stored_form(mcfg)
     with jax.set_mesh(mesh), _sigterm_flag() as sigterm:
       restored = ckpt.restore(trainer.abstract_state(), train_iter)
       step, state = restored if restored is not None else (0, trainer.init_state(t.seed))
+      # Records past the restored step were written by a segment that did not count; every
+      # process reads the same records (its divergence guard decides as process 0's does),
+      # process 0 rewrites the file.
+      kept = _keep_records_through(workdir, step, final=step >= t.steps, write=primary)
       if primary:
-        # Records past the restored step were written by a segment that did not count.
-        kept = _keep_records_through(workdir, step, final=step >= t.steps)
         run_config.record(workdir, config, step=step)
         _reopen_finished_run(workdir)
-      else:
-        kept = report.read_metrics(workdir)
       log = report.MetricsLog(workdir, enabled=primary)
       guard = divergence.Guard(
           vocab_size=mcfg.vocab_size, factor=t.divergence_factor, margin=t.divergence_margin,
@@ -406,7 +412,8 @@ def _finished_summary(workdir: str, steps: int) -> dict | None:
   return summary
 
 
-def _keep_records_through(workdir: str, step: int, *, final: bool) -> list[dict]:
+def _keep_records_through(workdir: str, step: int, *, final: bool,
+                          write: bool = True) -> list[dict]:
   """Rewrites metrics.jsonl without the records past `step` (and, when `step` ends the run,
   without its final evaluation, which the run redoes); returns the records kept.
 
@@ -425,6 +432,8 @@ def _keep_records_through(workdir: str, step: int, *, final: bool) -> list[dict]
         continue
       if r["step"] < step or (r["step"] == step and not (final and r["kind"] == "eval")):
         kept.append(r)
+  if not write:
+    return kept
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in kept)

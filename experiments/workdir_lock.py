@@ -5,8 +5,10 @@ it ends (SIGKILL included): a lock left by a dead run is simply taken, with no s
 cleanup. A second run on the same workdir while the first is alive stops with one line
 naming the holder (pid, host and start time, which the holder writes into the file).
 
-Multi-host runs lock on process 0 only: the other processes train the same run, and flock
-over a network filesystem need not span hosts.
+A run over several processes locks on process 0 only (the others train the same run, and
+flock over a network filesystem need not span hosts), and every process learns whether it
+got the lock: when it did not, each stops with one line instead of waiting for process 0 at
+the run's first collective step.
 """
 from __future__ import annotations
 
@@ -24,10 +26,39 @@ LOCK = "run.lock"
 
 @contextlib.contextmanager
 def hold(workdir: str, *, enabled: bool = True):
-  """Holds WORKDIR/run.lock for the `with` block; RunError if a live run holds it."""
+  """Holds WORKDIR/run.lock for the `with` block; RunError if a live run holds it.
+
+  enabled=False (every process but process 0 of a run over several): takes no lock, but
+  raises RunError too when process 0 did not get it.
+  """
   if not enabled:
+    if not _agree(True):
+      raise RunError(f"--workdir={workdir}: process 0 could not take {LOCK} (its error line "
+                     f"says why); this process stops with it")
     yield
     return
+  with contextlib.ExitStack() as stack:
+    try:
+      stack.enter_context(_locked(workdir))
+    except RunError:
+      _agree(False)
+      raise
+    _agree(True)
+    yield
+
+
+def _agree(ok: bool) -> bool:
+  """Process 0's `ok` in every process (itself when the run has one process)."""
+  import jax
+
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  return bool(multihost_utils.broadcast_one_to_all(ok))
+
+
+@contextlib.contextmanager
+def _locked(workdir: str):
   path = os.path.join(workdir, LOCK)
   try:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -129,24 +129,38 @@ def test_synthetic_rows_are_single_sequences(task):
 
 
 @pytest.mark.parametrize("task", SYNTHETIC)
-def test_process_shards_partition_the_stream(task):
+def test_processes_read_blocks_of_the_global_batch(task):
   config = _config(task)
-  whole = next(data.make_train_iter(config, batch_size=6, seed=2))
-  shards = [next(data.make_train_iter(config, batch_size=3, seed=2, process_index=p, process_count=2))
-            for p in range(2)]
-  for p in range(2):  # process p reads examples p, p + 2, p + 4
-    np.testing.assert_array_equal(shards[p]["tokens"], whole["tokens"][p::2])
+  whole = _take(data.make_train_iter(config, batch_size=6, seed=2), 2)
+  for p in range(2):  # process p reads rows 3p .. 3p + 2 of every global batch
+    it = data.make_train_iter(config, batch_size=3, seed=2, process_index=p, process_count=2)
+    for b, batch in enumerate(_take(it, 2)):
+      np.testing.assert_array_equal(batch["tokens"], whole[b]["tokens"][3 * p:3 * p + 3])
+    assert it.get_state() == {"next_index": 2}  # global batches: the same in every process
 
 
-def test_text_process_shards_read_disjoint_files(corpus_dir):
-  config = _text_config(corpus_dir, shuffle_window=0)
-  seen = []
+def test_text_processes_read_blocks_of_the_global_batch(corpus_dir):
+  config = _text_config(corpus_dir)
+  whole = _take(data.make_train_iter(config, batch_size=4, seed=0), 3)
+  states = []
   for p in range(2):
     it = data.make_train_iter(config, batch_size=2, seed=0, process_index=p, process_count=2)
-    rows = np.concatenate([b["tokens"] for b in _take(it, 6)])
-    # A document's first token is DOC; the bytes after it identify the document.
-    seen.append({tuple(r[i:i + 3]) for r in rows for i in np.flatnonzero(r[:-3] == code_corpus.DOC)})
-  assert seen[0] and seen[1] and not seen[0] & seen[1]
+    for b, batch in enumerate(_take(it, 3)):
+      for k in batch:
+        np.testing.assert_array_equal(batch[k], whole[b][k][2 * p:2 * p + 2])
+    states.append(it.get_state())
+  assert states[0] == states[1]
+
+
+def test_eval_sets_split_into_process_blocks(corpus_dir):
+  for config in (_config("flipflop"), _text_config(corpus_dir)):
+    whole = data.make_eval_sets(config, seq_len=33, batch_size=4, num_batches=2, seed=4)
+    for p in range(2):
+      part = data.make_eval_sets(config, seq_len=33, batch_size=2, num_batches=2, seed=4,
+                                 process_index=p, process_count=2)
+      for name, batches in whole.items():
+        for b, batch in enumerate(batches):
+          np.testing.assert_array_equal(part[name][b]["tokens"], batch["tokens"][2 * p:2 * p + 2])
 
 
 # --- eval sets ---------------------------------------------------------------------

@@ -38,6 +38,10 @@ Experiment files start from `base.get_config()` and override what they study. Fi
   eval.batch_size         0 = train.batch_size
   mesh.data, mesh.fsdp    device mesh; -1 fills with the remaining devices
   mesh.rules              logical axis name -> mesh axes (see experiments/sharding.py)
+  distributed.coordinator, num_processes, process_id
+                          a run over several processes (None: one process, or the
+                          environment's JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+                          JAX_PROCESS_ID; see experiments/distributed.py)
   sweep.encodings         non-empty: train one run per encoding into WORKDIR/<encoding>/ and
                           write a comparison table to WORKDIR/report.md
   data.*                  see experiments/data.py (task, seq_len and the task's fields)
@@ -72,6 +76,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = data.default_data_config()
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, rules=sharding.DEFAULT_RULES))
   c.sweep = ml_collections.ConfigDict(dict(encodings=()))
+  c.distributed = ml_collections.ConfigDict(dict(
+      coordinator=config_dict.placeholder(str), num_processes=config_dict.placeholder(int),
+      process_id=config_dict.placeholder(int)))
   return c
 
 
