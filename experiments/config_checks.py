@@ -132,16 +132,26 @@ def check_lengths(config, data_module) -> None:
                        f"for data.task={task!r}")
 
 
-def check_mesh(config, num_devices: int) -> tuple[int, int]:
-  data_n, fsdp_n = sharding.mesh_shape(data=config.mesh.data, fsdp=config.mesh.fsdp,
-                                       num_devices=num_devices)
+def check_mesh(config, num_devices: int) -> tuple[int, int, int]:
+  """-> (data, fsdp, context) sizes, after checking the batch and lengths split over them."""
+  data_n, fsdp_n, context_n = sharding.mesh_shape(
+      data=config.mesh.data, fsdp=config.mesh.fsdp, context=config.mesh.get("context", 1),
+      num_devices=num_devices)
   split = data_n * fsdp_n  # the default rules split the batch over both axes
   for field, b in (("train.batch_size", config.train.batch_size),
                    ("eval.batch_size", config.eval.batch_size or config.train.batch_size)):
     if b % split:
       raise ValueError(f"config.{field}={b} must be a multiple of the {split} devices the "
                        f"batch is split over (mesh data={data_n} x fsdp={fsdp_n})")
-  return data_n, fsdp_n
+  if context_n > 1:   # each device holds T / context tokens of every sequence
+    if config.data.seq_len % context_n:
+      raise ValueError(f"config.data.seq_len={config.data.seq_len} must be a multiple of "
+                       f"config.mesh.context={context_n} (each device holds T / context tokens)")
+    bad = [n for n in eval_lengths(config) if n % context_n]
+    if bad:
+      raise ValueError(f"config.eval.lengths {bad} must be multiples of "
+                       f"config.mesh.context={context_n}")
+  return data_n, fsdp_n, context_n
 
 
 def check_workdir(workdir: str, mcfg: model_lib.ModelConfig) -> None:

@@ -159,6 +159,8 @@ FIELDS: dict[str, dict[str, Rule]] = {
     "mesh": {
         "data": Rule(lambda v: _is_int(v) and (v >= 1 or v == -1), "a positive size or -1 (fill)"),
         "fsdp": Rule(lambda v: _is_int(v) and (v >= 1 or v == -1), "a positive size or -1 (fill)"),
+        "context": Rule(lambda v: _is_int(v) and (v >= 1 or v == -1),
+                        "a positive size or -1 (fill)"),
         "rules": Rule(_rules_table, "(logical axis, mesh axes) pairs (experiments/sharding.py)"),
     },
     # Their combination: experiments/distributed.py, before JAX starts.

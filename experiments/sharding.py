@@ -2,12 +2,14 @@
 
 Parameters and activations are annotated with *logical* axis names ("batch", "embed",
 "mlp", ...). One table of rules (config.mesh.rules) maps each logical name to mesh axes;
-nothing else in the code knows the mesh layout. The mesh has two axes:
+nothing else in the code knows the mesh layout. The mesh has three axes:
 
-  data  pure data parallelism: the batch is split, parameters are replicated
-  fsdp  the batch is split AND parameters are sharded along "embed" (ZeRO-3 style)
+  data     pure data parallelism: the batch is split, parameters are replicated
+  fsdp     the batch is split AND parameters are sharded along "embed" (ZeRO-3 style)
+  context  one sequence is split: activations are sharded along T ("length"); attention
+           runs as a ring over this axis (posenc_jax/context_parallel)
 
-On one device both axes have size 1 and every annotation is a no-op, so the same jitted
+On one device every axis has size 1 and every annotation is a no-op, so the same jitted
 step runs on 1 CPU, 8 fake CPU devices, one GPU or a pod slice.
 """
 from __future__ import annotations
@@ -20,13 +22,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "context")
 
 # logical name -> mesh axis (or tuple of mesh axes, or None = replicated)
 DEFAULT_RULES = (
     ("batch", ("data", "fsdp")),
     ("embed", "fsdp"),
-    ("length", None),
+    ("length", "context"),
     ("vocab", None),
     ("mlp", None),
     ("heads", None),
@@ -37,9 +39,10 @@ DEFAULT_RULES = (
 Rules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 
 
-def mesh_shape(*, data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
+def mesh_shape(*, data: int, fsdp: int, context: int = 1, num_devices: int
+               ) -> tuple[int, int, int]:
   """Resolves -1 (fill with the remaining devices) and checks the product."""
-  sizes = {"data": data, "fsdp": fsdp}
+  sizes = {"data": data, "fsdp": fsdp, "context": context}
   for name, n in sizes.items():
     if n == 0 or n < -1:
       raise ValueError(f"config.mesh.{name}={n} must be a positive size or -1 (fill)")
@@ -51,22 +54,23 @@ def mesh_shape(*, data: int, fsdp: int, num_devices: int) -> tuple[int, int]:
     if num_devices % known:
       raise ValueError(f"config.mesh: {num_devices} devices do not divide into {sizes}")
     sizes[fills[0]] = num_devices // known
-  if sizes["data"] * sizes["fsdp"] != num_devices:
-    raise ValueError(f"config.mesh: data={sizes['data']} x fsdp={sizes['fsdp']} must equal "
-                     f"the {num_devices} available devices")
-  return sizes["data"], sizes["fsdp"]
+  if math.prod(sizes.values()) != num_devices:
+    raise ValueError(f"config.mesh: data={sizes['data']} x fsdp={sizes['fsdp']} x "
+                     f"context={sizes['context']} must equal the {num_devices} available devices")
+  return sizes["data"], sizes["fsdp"], sizes["context"]
 
 
-def make_mesh(*, data: int = -1, fsdp: int = 1, devices=None) -> jax.sharding.Mesh:
-  """A ("data", "fsdp") mesh over `devices` (default: all), axes in Auto mode.
+def make_mesh(*, data: int = -1, fsdp: int = 1, context: int = 1,
+              devices=None) -> jax.sharding.Mesh:
+  """A ("data", "fsdp", "context") mesh over `devices` (default: all), axes in Auto mode.
 
   Auto axes let XLA propagate shardings from the annotated parameters and the few
   `shard` constraints; the model code stays free of per-op sharding arguments.
   """
   devices = jax.devices() if devices is None else list(devices)
-  shape = mesh_shape(data=data, fsdp=fsdp, num_devices=len(devices))
+  shape = mesh_shape(data=data, fsdp=fsdp, context=context, num_devices=len(devices))
   auto = jax.sharding.AxisType.Auto
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(auto, auto), devices=devices)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(auto,) * len(MESH_AXES), devices=devices)
 
 
 def logical_to_spec(names: Sequence[str | None] | None, *, rules: Rules, shape=None,
@@ -118,7 +122,7 @@ def named_shardings(logical_tree, shapes_tree, mesh, *, rules: Rules):
 
 
 def batch_sharding(mesh, *, rules: Rules = DEFAULT_RULES) -> NamedSharding:
-  """Sharding of a [B, T] batch array: B over the batch axes, T replicated."""
+  """Sharding of a [B, T] batch array: B over the batch axes, T over "context"."""
   return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules=rules, mesh=mesh))
 
 

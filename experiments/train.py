@@ -174,8 +174,8 @@ def _eval_sets(config, data_module, batch_sharding) -> dict:
 def setup(config, mcfg, data_module):
   """-> (mesh, Trainer, this process's training stream) for a checked config (`mcfg`)."""
   t = config.train
-  data_n, fsdp_n = config_checks.check_mesh(config, jax.device_count())
-  mesh = sharding.make_mesh(data=data_n, fsdp=fsdp_n)
+  data_n, fsdp_n, context_n = config_checks.check_mesh(config, jax.device_count())
+  mesh = sharding.make_mesh(data=data_n, fsdp=fsdp_n, context=context_n)
   trainer = Trainer(mcfg, t, mesh, rules=config.mesh.rules)
   # This process reads the rows its devices hold (all of them in a run of one process).
   first, end = distributed.process_rows(trainer.batch_sharding,

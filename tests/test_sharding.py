@@ -31,8 +31,8 @@ def test_logical_to_spec_maps_and_falls_back():
   assert sharding.logical_to_spec(None, rules=rules) == P()
 
 
-@pytest.mark.parametrize("data,fsdp,n,expected", [(-1, 1, 8, (8, 1)), (2, -1, 8, (2, 4)),
-                                                  (1, 1, 1, (1, 1))])
+@pytest.mark.parametrize("data,fsdp,n,expected", [(-1, 1, 8, (8, 1, 1)), (2, -1, 8, (2, 4, 1)),
+                                                  (1, 1, 1, (1, 1, 1))])
 def test_mesh_shape_fills(data, fsdp, n, expected):
   assert sharding.mesh_shape(data=data, fsdp=fsdp, num_devices=n) == expected
 

@@ -37,6 +37,8 @@ Experiment files start from `base.get_config()` and override what they study. Fi
   eval.num_batches        batches per eval set and length (0 = no evaluation)
   eval.batch_size         0 = train.batch_size
   mesh.data, mesh.fsdp    device mesh; -1 fills with the remaining devices
+  mesh.context            devices one sequence is split over (context parallelism: T /
+                          context tokens a device; data.seq_len and eval.lengths multiples of it)
   mesh.rules              logical axis name -> mesh axes (see experiments/sharding.py)
   distributed.coordinator, num_processes, process_id
                           a run over several processes (None: one process, or the
@@ -74,7 +76,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(
       lengths=(), every=0, num_batches=4, batch_size=0, seed=1234))
   c.data = data.default_data_config()
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, rules=sharding.DEFAULT_RULES))
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1,
+                                         rules=sharding.DEFAULT_RULES))
   c.sweep = ml_collections.ConfigDict(dict(encodings=()))
   c.distributed = ml_collections.ConfigDict(dict(
       coordinator=config_dict.placeholder(str), num_processes=config_dict.placeholder(int),

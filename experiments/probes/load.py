@@ -28,7 +28,7 @@ def restore(config, workdir: str):
   mcfg = config_checks.model_config(config, data.vocab_size(config.data))
   if checkpoint.latest_step(workdir) is None:
     raise ValueError(f"workdir={workdir!r} holds no checkpoint; train it first")
-  mesh = sharding.make_mesh(data=1, fsdp=1)
+  mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
   trainer = train.Trainer(mcfg, config.train, mesh, rules=config.mesh.rules)
   with jax.set_mesh(mesh):
     _, params = checkpoint.restore_params(workdir, trainer.abstract_state()["params"])
