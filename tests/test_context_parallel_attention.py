@@ -20,7 +20,7 @@ from posenc_jax.context_parallel import layout
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r"""
-import json, sys
+import functools, json, sys
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,15 +52,17 @@ def loss_fn(name, segments):
   return enc, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def direct_fn(kind, zigzag):
+def direct_fn(kind, option):
   # The rings called directly with small chunks and tiles: several tiles per ring step.
+  # "local": each chunk's own attention by a separate local function (as the kernel runs).
   def loss(q, k, v, w, beta, lf, ct):
     if kind == "path":
       o = path_ring.path_attention(q, k, v, w, beta, log_forget=lf, segment_ids=seg, scale=0.3,
                                    chunk_size=4, block=4)
     else:
+      local = functools.partial(gated_ring.jnp_local, block=4) if "local" in option else None
       o = gated_ring.forgetting_attention(q, k, v, lf, segment_ids=seg, scale=0.3,
-                                          zigzag=zigzag, block=4)
+                                          zigzag="zigzag" in option, local=local, block=4)
     return jnp.sum(o * ct)
   return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6))))
 
@@ -89,7 +91,7 @@ for case in cases:
       ref = lambda *a: jnp.sum(unipotent.forgetting_attention_reference(
           a[0], a[1], a[2], a[5], segment_ids=seg, scale=0.3) * a[6])
     single = jax.jit(jax.value_and_grad(ref, argnums=tuple(range(6))))
-    sharded = direct_fn(name[7:], extra == "zigzag")
+    sharded = direct_fn(name[7:], extra)
   else:
     enc, sharded = loss_fn(name, extra != "nosegments")
     single = sharded
@@ -118,6 +120,7 @@ CASES = [
     ("grape_m_ctx", 1, 4, ""),
     ("direct_path", 1, 4, ""),
     ("direct_fox", 1, 4, "zigzag"), ("direct_fox", 1, 4, "contiguous"),
+    ("direct_fox", 1, 2, "zigzag-local"),
 ]
 
 

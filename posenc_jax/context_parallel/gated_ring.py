@@ -19,12 +19,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posenc_jax.context_parallel import layout
 from posenc_jax.context_parallel import mesh
 from posenc_jax.context_parallel import tiles
 from posenc_jax.context_parallel.merge import merge
-from posenc_jax.masking import NEG_INF
 
 
 def jnp_local(q, k, v, log_forget, *, segment_ids, scale, block: int = tiles.DEFAULT_BLOCK):
@@ -45,12 +45,6 @@ def kernel_local(q, k, v, log_forget, *, segment_ids, scale, block_sizes=None):
                                              return_lse=True)
 
 
-def _empty(q, v):
-  B, T, H = q.shape[:3]
-  return (jnp.zeros((B, T, H, v.shape[-1]), jnp.float32),
-          jnp.full((B, T, H), NEG_INF, jnp.float32))
-
-
 def _chunk_totals(totals, n: int, zigzag: bool):
   """Each device's chunk totals [B, slots, H] -> every chunk's, in T order [B, chunks, H]."""
   everyone = jax.lax.all_gather(totals, mesh.AXIS)                    # [n, B, slots, H]
@@ -60,54 +54,73 @@ def _chunk_totals(totals, n: int, zigzag: bool):
   return flat[:, order]
 
 
-def _between(tot_g, a, b):
-  """sum of chunk totals strictly between chunks b < a -> [B, H]."""
-  c = jnp.arange(tot_g.shape[1])
-  return jnp.einsum("bch,c->bh", tot_g, ((c > b) & (c < a)).astype(tot_g.dtype))
+def _pair_bias(tot_g):
+  """[B, H, a, b]: the gate sum a pair of chunks adds beyond (query prefix + key tail): the
+  totals of the chunks strictly between b < a; on the diagonal -total[a] (prefix_i + tail_j
+  - total = prefix_i - prefix_j); above it anything (masked)."""
+  c = np.arange(tot_g.shape[1])
+  between = (c[None, None, :] > c[None, :, None]) & (c[None, None, :] < c[:, None, None])
+  mid = jnp.einsum("zch,xyc->zhxy", tot_g, between.astype(np.float32))
+  return mid - jnp.einsum("zxh,xy->zhxy", tot_g, np.eye(len(c), dtype=np.float32))
+
+
+def _positions(ids, C: int):
+  """Global positions and chunk numbers [slots * C] of the chunks `ids` (traced ints)."""
+  pos = jnp.concatenate([i * C + jnp.arange(C) for i in ids])
+  return pos, jnp.concatenate([jnp.full((C,), i) for i in ids])
 
 
 def _shard(q, k, v, log_forget, segment_ids, *, n: int, scale: float, zigzag: bool,
-           local: Callable, block: int):
+           local: Callable | None, block: int):
   d = mesh.shard_index()
   args = (q, k, v, log_forget, segment_ids)
   slots = layout.to_zigzag(args, n, d) if zigzag else (args,)
-  ids = layout.chunk_ids(d, n, zigzag=zigzag)
-  gate = log_forget is not None
-  queries, keys, pres = [], [], []
-  for q_s, k_s, v_s, lf_s, seg_s in slots:
-    pre = tail = None
-    if gate:
-      pre = jnp.cumsum(lf_s.astype(jnp.float32), axis=1)          # gate over (chunk start, i]
-      tail = pre[:, -1:] - pre                                     # gate over (j, chunk end]
-    queries.append((scale * q_s.astype(jnp.float32), pre, seg_s))
-    keys.append((k_s, v_s, tail, seg_s))
-    pres.append(pre)
-  tot_g = (_chunk_totals(jnp.stack([p[:, -1] for p in pres], axis=1), n, zigzag)
-           if gate else None)
+  C = slots[0][0].shape[1]
+  cat = lambda xs: None if xs[0] is None else jnp.concatenate(xs, axis=1)  # noqa: E731
+  q_c, k_c, v_c, lf_c, seg_c = (cat([sl[i] for sl in slots]) for i in range(5))
+  q_s = scale * q_c.astype(jnp.float32)
+  q_pos, q_chunk = _positions(layout.chunk_ids(d, n, zigzag=zigzag), C)
+  pre = tail = pairs = None
+  if lf_c is not None:
+    pre = jnp.concatenate([jnp.cumsum(sl[3].astype(jnp.float32), axis=1) for sl in slots],
+                          axis=1)                                   # gate over (chunk start, i]
+    totals = pre.reshape(pre.shape[0], len(slots), C, -1)[:, :, -1]  # [B, slots, H]
+    tail = jnp.repeat(totals, C, axis=1) - pre                      # gate over (j, chunk end]
+    pairs = _pair_bias(_chunk_totals(totals, n, zigzag))
 
-  def cross(qry, key, a, b):
-    q_s, pre, seg_q = qry
-    k_s, v_s, tail, seg_k = key
-    k_bias = None if tail is None else tail + _between(tot_g, a, b)[:, None]
-    return tiles.attend(q_s, k_s, v_s, q_bias=pre, k_bias=k_bias, q_seg=seg_q, k_seg=seg_k,
-                        block=block)
+  def attend(key, src):
+    k_pos, k_chunk = _positions(layout.chunk_ids(src, n, zigzag=zigzag), C)
+    k_s, v_s, tail_s, seg_s = key
+    return tiles.attend(q_s, k_s, v_s, q_bias=pre, k_bias=tail_s, q_pos=q_pos, k_pos=k_pos,
+                        q_seg=seg_c, k_seg=seg_s, q_chunk=q_chunk, k_chunk=k_chunk,
+                        pair_bias=pairs, block=block)
 
-  # Step 0: the device's own chunks. Slot 0 precedes slot 1 under zig-zag (d < 2N-1-d).
-  out = [local(*slots[i][:4], segment_ids=slots[i][4], scale=scale) for i in range(len(slots))]
-  if zigzag:
-    out[1] = merge(*out[1], *cross(queries[1], keys[0], ids[1], ids[0]))
-  payload = tuple(keys)
-  for s in range(1, n):
-    payload = mesh.ring_shift(payload, n)                          # the chunks of device d - s
-    src_ids = layout.chunk_ids((d - s) % n, n, zigzag=zigzag)
-    for i, qry in enumerate(queries):
-      for j, key in enumerate(payload):
-        part = jax.lax.cond(src_ids[j] < ids[i],
-                            lambda qk: cross(*qk, ids[i], src_ids[j]),
-                            lambda qk: _empty(qk[0][0], qk[1][1]), (qry, key))
-        out[i] = merge(*out[i], *part)
-  o = [o_i.astype(v.dtype) for o_i, _ in out]
-  return layout.from_zigzag(*o, n, d) if zigzag else o[0]
+  own = (k_c, v_c, tail, seg_c)
+  if local is None:
+    o, lse = attend(own, d)
+  else:   # the local attention of each chunk, and under zig-zag chunk d for chunk 2N-1-d
+    parts = [local(*sl[:4], segment_ids=sl[4], scale=scale) for sl in slots]
+    if zigzag:
+      first = (k_c[:, :C], v_c[:, :C], None if tail is None else tail[:, :C], 
+               None if seg_c is None else seg_c[:, :C])
+      k_pos, k_chunk = _positions((d,), C)
+      cross = tiles.attend(q_s[:, C:], *first[:2], q_bias=None if pre is None else pre[:, C:],
+                           k_bias=first[2], q_seg=None if seg_c is None else seg_c[:, C:],
+                           k_seg=first[3], q_pos=q_pos[C:], k_pos=k_pos,
+                           q_chunk=q_chunk[C:], k_chunk=k_chunk, pair_bias=pairs, block=block)
+      parts[1] = merge(*parts[1], *cross)
+    o = jnp.concatenate([p[0].astype(jnp.float32) for p in parts], axis=1)
+    lse = jnp.concatenate([p[1] for p in parts], axis=1)
+
+  def step(carry, s):
+    o, lse, key = carry
+    key = mesh.ring_shift(key, n)                                  # the chunks of device d - s
+    o, lse = merge(o, lse, *attend(key, (d - s) % n))              # later chunks: all masked
+    return (o, lse, key), None
+
+  (o, lse, _), _ = jax.lax.scan(step, (o, lse, own), jnp.arange(1, n))
+  o = o.astype(v.dtype)
+  return layout.from_zigzag(o[:, :C], o[:, C:], n, d) if zigzag else o
 
 
 def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale: float,
@@ -116,8 +129,8 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale: float,
   """FoX (ALiBi: a constant gate; log_forget None: plain causal softmax) with T sharded over
   "context"; the arguments and result of unipotent.forgetting_attention_reference.
   zigzag: the load-balanced layout (None: on when each device's block splits in two).
-  local: a chunk's causal attention with its lse (default jnp_local; kernel_local on an
-  accelerator)."""
+  local: a chunk's causal attention with its lse (kernel_local on an accelerator; None: the
+  device's chunks attend to themselves in one blockwise jnp pass)."""
   n = mesh.context_size()
   T = q.shape[1]
   if zigzag is None:
@@ -125,7 +138,6 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale: float,
   if zigzag and (T // n) % 2:
     raise ValueError(f"zigzag=True needs an even number of tokens per device; T={T} over "
                      f"context={n} gives {T // n}: use zigzag=False or pad T")
-  local = local or functools.partial(jnp_local, block=block)
   fn = functools.partial(_shard, n=n, scale=scale, zigzag=zigzag, local=local, block=block)
   return mesh.run_sharded(fn, (q, k, v, log_forget, segment_ids))
 

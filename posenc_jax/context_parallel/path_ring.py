@@ -25,7 +25,6 @@ from posenc_jax import householder
 from posenc_jax.context_parallel import mesh
 from posenc_jax.context_parallel import tiles
 from posenc_jax.context_parallel.merge import merge
-from posenc_jax.masking import NEG_INF
 
 
 def jnp_local(q, k, v, w, beta, *, log_forget, segment_ids, scale):
@@ -43,15 +42,10 @@ def kernel_local(q, k, v, w, beta, *, log_forget, segment_ids, scale, block_size
                                        return_lse=True)
 
 
-def _empty(q, v):
-  B, T, H = q.shape[:3]
-  return (jnp.zeros((B, T, H, v.shape[-1]), jnp.float32),
-          jnp.full((B, T, H), NEG_INF, jnp.float32))
-
-
 def _shard(q, k, v, w, beta, log_forget, segment_ids, *, n: int, scale: float,
            local: Callable, chunk_size: int, block: int):
   d = mesh.shard_index()
+  Tl = q.shape[1]
   o, lse = local(q, k, v, w, beta, log_forget=log_forget, segment_ids=segment_ids, scale=scale)
   q_start, k_end, P = householder.boundary_transport(scale * q.astype(jnp.float32), k, w, beta,
                                                      chunk_size=chunk_size)
@@ -60,21 +54,24 @@ def _shard(q, k, v, w, beta, log_forget, segment_ids, *, n: int, scale: float,
     pre = jnp.cumsum(log_forget.astype(jnp.float32), axis=1)   # gate sum over (start, i]
     total = pre[:, -1]
     tail = total[:, None] - pre                                 # gate sum over (j, end]
-  payload = (k_end, v, tail, segment_ids)
-  for s in range(1, n):
-    payload = mesh.ring_shift(payload, n)                       # now from block d - s
+  q_pos = d * Tl + jnp.arange(Tl)
 
-    def cross(p):
-      k_c, v_c, tail_c, seg_c = p
-      return tiles.attend(q_start, k_c, v_c, q_bias=pre, k_bias=tail_c, q_seg=segment_ids,
-                          k_seg=seg_c, block=block)
-
-    part = jax.lax.cond(d >= s, cross, lambda p: _empty(q, v), payload)
+  def step(carry, s):
+    o, lse, key = carry
+    key = mesh.ring_shift(key, n)                               # keys of block d - s (mod n)
+    k_c, v_c, tail_c, seg_c = key
+    # Blocks after d (wrapped round the ring) are masked by position and their tiles skipped.
+    part = tiles.attend(q_start, k_c, v_c, q_bias=pre, k_bias=tail_c, q_pos=q_pos,
+                        k_pos=((d - s) % n) * Tl + jnp.arange(Tl), q_seg=segment_ids,
+                        k_seg=seg_c, block=block)
     o, lse = merge(o, lse, *part)
-    if s < n - 1:   # carry the keys across this block before passing them on
-      k_c, v_c, tail_c, seg_c = payload
-      k_c = jnp.einsum("bkde,btke->btkd", P, k_c)
-      payload = (k_c, v_c, None if tail_c is None else tail_c + total[:, None], seg_c)
+    # Carry the keys across this block before passing them on.
+    k_c = jnp.einsum("bkde,btke->btkd", P, k_c)
+    key = (k_c, v_c, None if tail_c is None else tail_c + total[:, None], seg_c)
+    return (o, lse, key), None
+
+  init = (o.astype(jnp.float32), lse, (k_end, v, tail, segment_ids))
+  (o, lse, _), _ = jax.lax.scan(step, init, jnp.arange(1, n))
   return o.astype(v.dtype)
 
 

@@ -30,12 +30,15 @@ def _pos_blocks(pos, n: int, C: int, value):
 
 
 def attend(q, k, v, *, q_bias=None, k_bias=None, q_pos=None, k_pos=None, q_seg=None,
-           k_seg=None, block: int = DEFAULT_BLOCK):
-  """softmax_j(q_i . k_j + q_bias_i + k_bias_j) over visible keys -> (o, lse).
+           k_seg=None, q_chunk=None, k_chunk=None, pair_bias=None,
+           block: int = DEFAULT_BLOCK):
+  """softmax_j(q_i . k_j + q_bias_i + k_bias_j [+ pair_bias[chunk_i, chunk_j]]) over visible
+  keys -> (o, lse).
 
   q [B, Tq, H, D] (already scaled); k [B, Tk, K, D]; v [B, Tk, K, Dv]; q_bias [B, Tq, H] and
   k_bias [B, Tk, H] or None; q_pos [Tq] / k_pos [Tk] global int positions (both or neither:
-  causal k_pos <= q_pos); q_seg [B, Tq] / k_seg [B, Tk] or None.
+  causal k_pos <= q_pos); q_seg [B, Tq] / k_seg [B, Tk] or None; q_chunk [Tq] / k_chunk [Tk]
+  int chunk numbers indexing pair_bias [B, H, chunks, chunks] (all three or none).
   Returns o [B, Tq, H, Dv] float32 and lse [B, Tq, H] float32 (NEG_INF where no key is seen).
   """
   B, Tq, H, D = q.shape
@@ -57,6 +60,9 @@ def attend(q, k, v, *, q_bias=None, k_bias=None, q_pos=None, k_pos=None, q_seg=N
   seg = q_seg is not None
   qs = _blocks(q_seg, nq, Cq, -1) if seg else jnp.zeros((nq, 1, 1), jnp.int32)
   ks = _blocks(k_seg, nk, Ck, -2) if seg else jnp.zeros((nk, 1, 1), jnp.int32)
+  pairs = pair_bias is not None
+  if pairs:
+    qc, kc = _pos_blocks(q_chunk, nq, Cq, 0), _pos_blocks(k_chunk, nk, Ck, 0)
 
   def query_block(a):
     q_a, qb_a, qp_a, qs_a = qb[a], qbias[a], qp[a], qs[a]
@@ -64,6 +70,8 @@ def attend(q, k, v, *, q_bias=None, k_bias=None, q_pos=None, k_pos=None, q_seg=N
     def visit(state, c):
       s = jnp.einsum("bikgd,bjkd->bkgij", q_a, kb[c]).reshape(B, H, Cq, Ck)
       s = s + jnp.moveaxis(qb_a, 1, 2)[..., :, None] + jnp.moveaxis(kbias[c], 1, 2)[..., None, :]
+      if pairs:
+        s = s + pair_bias.astype(jnp.float32)[:, :, qc[a]][..., kc[c]]
       mask = kvalid[c][None, None, None, :]
       if causal:
         mask = mask & (kp[c][None, None, None, :] <= qp_a[None, None, :, None])
