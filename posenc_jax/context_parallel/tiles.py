@@ -84,12 +84,19 @@ def attend(q, k, v, *, q_bias=None, k_bias=None, q_pos=None, k_pos=None, q_seg=N
       live = (kp[c].min() <= qp_a.max()) if causal else jnp.bool_(True)
       return jax.lax.cond(live, visit, lambda s, _: s, state, c), None
 
-    state, _ = jax.lax.scan(step, blockwise.init_state(B, H, Cq, Dv), jnp.arange(nk))
+    state = blockwise.init_state(B, H, Cq, Dv)
+    if nk == 1:   # one key tile: no loop to build (cheaper to compile; same arithmetic)
+      state = visit(state, 0)
+    else:
+      state, _ = jax.lax.scan(step, state, jnp.arange(nk))
     lse = jnp.where(state.l_BHQ > 0, state.m_BHQ + jnp.log(jnp.maximum(state.l_BHQ, 1e-30)),
                     NEG_INF)
     return blockwise.finalize(state), jnp.moveaxis(lse, 1, 2)     # [B,Cq,H,Dv], [B,Cq,H]
 
-  o, lse = jax.lax.map(jax.checkpoint(query_block), jnp.arange(nq))
+  if nq == 1:
+    o, lse = jax.tree.map(lambda x: x[None], query_block(0))
+  else:
+    o, lse = jax.lax.map(jax.checkpoint(query_block), jnp.arange(nq))
   o = jnp.moveaxis(o, 0, 1).reshape(B, nq * Cq, H, Dv)[:, :Tq]
   lse = jnp.moveaxis(lse, 0, 1).reshape(B, nq * Cq, H)[:, :Tq]
   return o, lse
