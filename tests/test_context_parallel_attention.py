@@ -7,12 +7,14 @@ vector) and each input, on fresh random inputs, under a mesh and without one.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from posenc_jax.context_parallel import layout
@@ -174,3 +176,85 @@ def test_zigzag_balances_causal_work(n):
   assert len(set(zig)) == 1, zig
   # Every chunk is held by exactly one device.
   assert sorted(layout.chunk_table(n, zigzag=True).reshape(-1)) == list(range(2 * n))
+
+
+def _path_inputs(key, B=2, T=24, H=4, K=2, D=8):
+  import jax.numpy as jnp
+  ks = jax.random.split(key, 6)
+  w = jax.random.normal(ks[3], (B, T, K, D))
+  return (jax.random.normal(ks[0], (B, T, H, D)), jax.random.normal(ks[1], (B, T, K, D)),
+          jax.random.normal(ks[2], (B, T, K, D)), w / jnp.linalg.norm(w, axis=-1, keepdims=True),
+          2 * jax.random.uniform(ks[4], (B, T, K)),
+          jax.nn.log_sigmoid(1 + jax.random.normal(ks[5], (B, T, H))))
+
+
+# The two unit checks below localise a ring failure; the default ring case covers both end to
+# end, so they run under -m slow (~7 and ~11 s of compiling).
+@pytest.mark.slow
+def test_boundary_transport_matches_dense_products(key):
+  import jax.numpy as jnp
+  from posenc_jax import householder
+  q, k, _, w, beta, _ = _path_inputs(key)
+  # beta = 2 on every other kv head: there P_j^{-1} = P_j^T, which gives the keys' oracle.
+  beta = beta.at[:, :, 1].set(2.0)
+
+  @jax.jit
+  def both(q, k, w, beta):
+    prod = householder.householder_product(w, beta)            # H_t ... H_0
+    G = q.shape[2] // k.shape[2]
+    want_q = jnp.einsum("bthe,bthed->bthd", q, jnp.repeat(prod, G, axis=2))
+    # H_{T-1} ... H_{j+1} k_j = P_{T-1} P_j^T k_j (orthogonal head only)
+    want_k = jnp.einsum("bde,btfe,btf->btd", prod[:, -1, 1], prod[:, :, 1], k[:, :, 1])
+    return householder.boundary_transport(q, k, w, beta, chunk_size=8), (want_q, prod[:, -1],
+                                                                          want_k)
+
+  (q_start, k_end, P), (want_q, want_P, want_k) = both(q, k, w, beta)
+  np.testing.assert_allclose(q_start, want_q, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(P, want_P, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(k_end[:, :, 1], want_k, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_chunked_lse_merges_to_the_whole(key):
+  # Attention over the first 16 tokens (chunked PaTH-FoX, its lse) merged with the last 8
+  # queries' attention to those 16 keys == the dense oracle over all 24 for those queries:
+  # the lse is the true log-normaliser and merge combines disjoint key sets.
+  import jax.numpy as jnp
+  from posenc_jax import householder
+  from posenc_jax.context_parallel import merge, tiles
+  q, k, v, w, beta, lf = _path_inputs(key)
+  seg = jnp.array([[0] * 10 + [1] * 14, [0] * 24])
+  full = jax.jit(functools.partial(householder.path_attention_reference, scale=0.3))(
+      q, k, v, w, beta, log_forget=lf, segment_ids=seg)
+  a, b = slice(0, 16), slice(16, 24)
+
+  @jax.jit
+  def halves(q, k, v, w, beta, lf, seg):
+    part = lambda x: x[:, b]  # noqa: E731
+    o2, lse2 = householder.path_attention_chunked_lse(*map(part, (q, k, v, w, beta)),
+                                                      log_forget=part(lf), segment_ids=part(seg),
+                                                      scale=0.3, chunk_size=4)
+    q_start, _, _ = householder.boundary_transport(0.3 * q[:, b], k[:, b], w[:, b], beta[:, b])
+    _, k_end, _ = householder.boundary_transport(q[:, a], k[:, a], w[:, a], beta[:, a])
+    pre = jnp.cumsum(lf[:, b], axis=1)
+    tail = jnp.cumsum(lf[:, a][:, ::-1], axis=1)[:, ::-1] - lf[:, a]   # sum over (j, 15]
+    o1, lse1 = tiles.attend(q_start, k_end, v[:, a], q_bias=pre, k_bias=tail, q_seg=seg[:, b],
+                            k_seg=seg[:, a], block=4)
+    return merge(o1, lse1, o2, lse2)[0]
+
+  np.testing.assert_allclose(halves(q, k, v, w, beta, lf, seg), full[:, b], rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_context_size_and_unsplittable_length():
+  import jax.numpy as jnp
+  from jax.sharding import AbstractMesh, AxisType
+  import posenc_jax
+  from posenc_jax import context_parallel
+  assert context_parallel.context_size() == 1          # no mesh: attention runs as before
+  mesh = AbstractMesh((2,), ("context",), axis_types=(AxisType.Auto,))
+  with jax.sharding.use_abstract_mesh(mesh):
+    assert context_parallel.context_size() == 2
+    q = jnp.ones((1, 5, 2, 8))
+    with pytest.raises(ValueError, match="T=5 does not split over mesh axis 'context'=2"):
+      jax.eval_shape(lambda q: posenc_jax.forgetting_attention(q, q, q, jnp.zeros((1, 5, 2))), q)

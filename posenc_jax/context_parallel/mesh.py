@@ -43,6 +43,7 @@ def run_sharded(fn: Callable, sequence_args, other_args=(), *, out_time_axes=Non
   "context"; other_args: arrays every device holds whole (e.g. per-head constants).
   fn returns a pytree of [B, T_local, ...] arrays, put back together along T.
   """
+  _check_divisible(sequence_args)
   bt = P(batch_axes() or None, AXIS)
   present = [i for i, a in enumerate(sequence_args) if a is not None]
   n_seq = len(sequence_args)
@@ -58,6 +59,21 @@ def run_sharded(fn: Callable, sequence_args, other_args=(), *, out_time_axes=Non
   mapped = jax.shard_map(body, in_specs=in_specs, out_specs=bt, axis_names=axes,
                          check_vma=False)
   return mapped(*(sequence_args[i] for i in present), *other_args)
+
+
+def _check_divisible(sequence_args) -> None:
+  mesh_ = _abstract_mesh()
+  sizes = dict(zip(mesh_.axis_names, mesh_.axis_sizes))
+  n, nb = sizes[AXIS], 1
+  for a in batch_axes():
+    nb *= sizes[a]
+  B, T = next(a for a in sequence_args if a is not None).shape[:2]
+  if T % n:
+    raise ValueError(f"context-parallel attention: T={T} does not split over mesh axis "
+                     f"'context'={n}; make the sequence length a multiple of mesh.context")
+  if B % nb:
+    raise ValueError(f"context-parallel attention: batch {B} does not split over mesh axes "
+                     f"{batch_axes()} ({nb} devices); make the batch a multiple of it")
 
 
 def shard_index():
