@@ -258,3 +258,20 @@ def test_context_size_and_unsplittable_length():
     q = jnp.ones((1, 5, 2, 8))
     with pytest.raises(ValueError, match="T=5 does not split over mesh axis 'context'=2"):
       jax.eval_shape(lambda q: posenc_jax.forgetting_attention(q, q, q, jnp.zeros((1, 5, 2))), q)
+
+
+@pytest.mark.slow
+def test_kernel_local_matches_jnp_local(key):
+  # The accelerator's local attention (the Pallas kernels with return_lse, interpreted here)
+  # gives the (o, lse) the rings merge, as the jnp local forms do (~60 s of interpreting).
+  import jax.numpy as jnp
+  from posenc_jax.context_parallel import gated_ring, path_ring
+  q, k, v, w, beta, lf = _path_inputs(key, B=1, T=32, H=2, K=1, D=16)
+  seg = jnp.array([[0] * 10 + [1] * 22])
+  for got, want in [
+      (gated_ring.kernel_local(q, k, v, lf, segment_ids=seg, scale=0.25),
+       gated_ring.jnp_local(q, k, v, lf, segment_ids=seg, scale=0.25)),
+      (path_ring.kernel_local(q, k, v, w, beta, log_forget=lf, segment_ids=seg, scale=0.25),
+       path_ring.jnp_local(q, k, v, w, beta, log_forget=lf, segment_ids=seg, scale=0.25))]:
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
