@@ -43,7 +43,8 @@ pos = jnp.where(seg[:1] == 0, jnp.arange(T), 0)  # unused by the relative encodi
 
 def rel(a, b):
   # One number per output or per argument's gradient (a parameter tree counts as one vector).
-  a, b = (jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(t)]) for t in (a, b))
+  a, b = (jnp.concatenate([jnp.zeros(0)] + [x.reshape(-1) for x in jax.tree.leaves(t)])
+          for t in (a, b))
   return float(jnp.sqrt(jnp.sum((a - b) ** 2) / jnp.maximum(jnp.sum(b ** 2), 1e-30)))
 
 
