@@ -13,6 +13,12 @@ hands plain arrays to an implementation in the family's module:
   pallas     kernels_pallas (GPU/TPU; interpret mode elsewhere); the softmax family runs the
              FoX kernel with no gate
 
+Under a mesh with a "context" axis of size > 1 (jax.set_mesh), path_attention,
+forgetting_attention and softmax_attention run their context-parallel form
+(posenc_jax.context_parallel, docs/context_parallel.md): T stays sharded and the keys travel
+round a ring. `implementation` then picks the per-device local attention: the Pallas kernel
+for "pallas" (and None on a GPU or TPU), blockwise jnp otherwise.
+
 `implementation=None` asks `auto_implementation`, one table for every family:
   CPU        the dense reference up to the family's CPU_DENSE_MAX_T (measured: the faster
              exact form there), chunked beyond; PaTH chunked at every T
@@ -32,6 +38,7 @@ import jax.numpy as jnp
 
 from posenc_jax import _checks
 from posenc_jax import blockwise
+from posenc_jax import context_parallel
 from posenc_jax import householder
 from posenc_jax import masking
 from posenc_jax import tapa
@@ -292,6 +299,15 @@ def softmax_attention(q, k, v, *, segment_ids=None, scale=None, implementation=N
   impl = _pick(implementation, "softmax", ("reference", "xla", "cudnn", "chunked", "pallas"),
                q, v, segment_ids)
   scale = _scale(scale, D)
+  if context_parallel.context_size() > 1:
+    # The Pallas kernel gives the lse the ring merges by (cuDNN's public API does not); it
+    # runs at the head dims it takes unpadded, jnp elsewhere.
+    Dv = v.shape[-1]
+    kernel = (impl in ("pallas", "cudnn") and pallas_unsupported(q.dtype, D, Dv) is None
+              and D == Dv == pallas_head_dim(D, Dv))
+    return context_parallel.softmax_attention(
+        q, k, v, segment_ids=segment_ids, scale=scale, kernel=kernel,
+        kernel_options=_checks.kernel_block_sizes("pallas", kernel_options) if kernel else None)
   if impl == "reference":
     return masking.dense_attention(masking.dot_logits(q, k, scale), v,
                                    masking.causal_dense_mask(T, segment_ids))
@@ -347,6 +363,11 @@ def path_attention(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale
   impl = _pick(implementation, "path", ("reference", "scan", "chunked", "pallas"), q, v,
                segment_ids, kernel_options=True)
   kwargs = dict(log_forget=log_forget, segment_ids=segment_ids, scale=_scale(scale, D))
+  if context_parallel.context_size() > 1:
+    return context_parallel.path_attention(q, k, v, w, beta, **kwargs,
+                                           kernel=impl.startswith("pallas"),
+                                           kernel_options=_checks.kernel_block_sizes(
+                                               impl, kernel_options))
   if impl.startswith("pallas"):
     import kernels_pallas  # imported lazily: the kernels are optional on CPU
     return kernels_pallas.path_attention(q, k, v, w, beta, log_forget,
@@ -374,6 +395,11 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale=None,
   impl = _pick(implementation, "forgetting", ("reference", "chunked", "pallas"), q, v,
                segment_ids, kernel_options=True)
   scale = _scale(scale, D)
+  if context_parallel.context_size() > 1:
+    return context_parallel.forgetting_attention(
+        q, k, v, log_forget, segment_ids=segment_ids, scale=scale,
+        kernel=impl.startswith("pallas"),
+        kernel_options=_checks.kernel_block_sizes(impl, kernel_options))
   if impl.startswith("pallas"):
     import kernels_pallas
     return kernels_pallas.forgetting_attention(q, k, v, log_forget, scale=scale,

@@ -105,12 +105,14 @@ def _blocked(x, n: int, C: int):
   return x.reshape(x.shape[:1] + (n, C) + x.shape[2:])
 
 
-def _right_to_left(ch: _Chunks, apply: Callable, v_nBCKD, gate_nBHC, *, T: int, seg_BTp):
+def _right_to_left(ch: _Chunks, apply: Callable, v_nBCKD, gate_nBHC, *, T: int, seg_BTp,
+                   return_lse: bool = False):
   """Flash-style attention over chunks: for query chunk a, visit key chunks a, a-1, .., 0.
 
   Across chunks l_ij = q~_i . k^_j where q~ starts at q^ and is moved by q~ <- q~ P_b after
   key chunk b. gate_nBHC holds the in-chunk inclusive cumsum of log_forget (or None): the
   gate sum from key j to query i is carried as (query-side running sum) + (chunk tail).
+  return_lse: also the log-sum-exp [B, T, H] of each query's logits (NEG_INF if it sees none).
   """
   n, B, C, K, G, D = ch.q_hat.shape
   H, Dv = K * G, v_nBCKD.shape[-1]
@@ -144,15 +146,20 @@ def _right_to_left(ch: _Chunks, apply: Callable, v_nBCKD, gate_nBHC, *, T: int, 
 
     g0 = jnp.zeros((B, H, C), jnp.float32) if gate_nBHC is None else gate_nBHC[a]
     (state, _, _), _ = jax.lax.scan(step, (state, ch.q_hat[a], g0), jnp.arange(n - 1))
-    return blockwise.finalize(state)
+    if not return_lse:
+      return blockwise.finalize(state)
+    lse = jnp.where(state.l_BHQ > 0,
+                    state.m_BHQ + jnp.log(jnp.maximum(state.l_BHQ, 1e-30)), masking.NEG_INF)
+    return blockwise.finalize(state), jnp.moveaxis(lse, 1, 2)
 
   # Checkpointing the whole query chunk keeps gradient memory at one chunk's carries.
   out = jax.lax.map(jax.checkpoint(query_chunk), jnp.arange(n))   # [n, B, C, H, Dv]
-  return jnp.moveaxis(out, 0, 1).reshape(B, n * C, H, Dv)[:, :T]
+  unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape((B, n * C) + x.shape[3:])[:, :T]  # noqa: E731
+  return jax.tree.map(unblock, out)
 
 
 def _blocked_attention(prepare: Callable, apply: Callable, q, k, v, w, beta, *, log_forget,
-                       segment_ids, scale, chunk_size: int):
+                       segment_ids, scale, chunk_size: int, return_lse: bool = False):
   """Pads to whole chunks (beta = 0: identity), builds the chunk operands, runs the scan."""
   B, T, H, D = q.shape
   K = k.shape[2]
@@ -168,7 +175,9 @@ def _blocked_attention(prepare: Callable, apply: Callable, q, k, v, w, beta, *, 
     # In-chunk cumsums keep the gate sums local: no long absolute prefix sums in float32.
     gate = jnp.moveaxis(jnp.cumsum(pad(log_forget), axis=2), (1, 3), (0, 2))  # [n,B,H,C]
   seg = None if segment_ids is None else blockwise.pad_time(segment_ids, Tp, value=-1)
-  out = _right_to_left(ch, apply, v_n, gate, T=T, seg_BTp=seg)
+  out = _right_to_left(ch, apply, v_n, gate, T=T, seg_BTp=seg, return_lse=return_lse)
+  if return_lse:
+    return out[0].astype(v.dtype), out[1]
   return out.astype(v.dtype)
 
 
@@ -260,6 +269,56 @@ def path_attention_chunked(q, k, v, w, beta, *, log_forget=None, segment_ids=Non
                             segment_ids=segment_ids, scale=scale, chunk_size=chunk_size)
 
 
+def path_attention_chunked_lse(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale,
+                               chunk_size: int = 64):
+  """`path_attention_chunked` that also returns each query's log-sum-exp: (o, lse [B, T, H]
+  float32, the natural log of the softmax denominator of the scaled, gated logits), the
+  partial result that merges with attention over other keys (context parallelism)."""
+  return _blocked_attention(_ut_prepare, _ut_apply, q, k, v, w, beta, log_forget=log_forget,
+                            segment_ids=segment_ids, scale=scale, chunk_size=chunk_size,
+                            return_lse=True)
+
+
+def _chunk_products(transport):
+  """Dense chunk products P_c = H_last ... H_first = I - W^T X W from the UT operands
+  (w [n, B, C, K, D], X [n, B, K, C, C]) -> [n, B, K, D, D]."""
+  w_n, X_n = transport
+  eye = jnp.eye(w_n.shape[-1], dtype=jnp.float32)
+  return eye - jnp.einsum("nbckd,nbkcl,nblke->nbkde", w_n, X_n, w_n)
+
+
+def boundary_transport(q, k, w, beta, *, chunk_size: int = 64):
+  """What one contiguous block of tokens hands to its neighbours (context parallelism):
+
+    q_start_i = (H_i ... H_0)^T q_i      queries moved to the block's start
+    k_end_j   = H_{T-1} ... H_{j+1} k_j   keys moved to the block's end
+    P         = H_{T-1} ... H_0           the block's product
+
+  so that for a query i of a later block and a key j of this one, q_i^T (H_i ... H_{j+1}) k_j
+  = q_start_i^T (products of the blocks in between) k_end_j.
+  q [B, T, H, D]; k, w [B, T, K, D]; beta [B, T, K] -> q_start [B, T, H, D], k_end [B, T, K, D],
+  P [B, K, D, D], float32. Linear in T: the UT form inside chunks, D x D products across them.
+  """
+  B, T, H, D = q.shape
+  K = k.shape[2]
+  C = chunk_size
+  Tp = blockwise.padded_length(T, C)
+  n = Tp // C
+  pad = lambda x: _blocked(blockwise.pad_time(_f32(x), Tp), n, C)  # noqa: E731
+  ch = _ut_prepare(pad(q).reshape(B, n, C, K, H // K, D), pad(k), pad(w), pad(beta))
+  P_n = _chunk_products(ch.transport)                                    # [n,B,K,D,D]
+  eye = jnp.broadcast_to(jnp.eye(D, dtype=jnp.float32), P_n[:1].shape)
+  incl = jax.lax.associative_scan(lambda a, b: b @ a, P_n, axis=0)       # P_c ... P_0
+  before = jnp.concatenate([eye, incl[:-1]], axis=0)                     # P_{c-1} ... P_0
+  suffix = jax.lax.associative_scan(lambda a, b: a @ b, P_n, axis=0, reverse=True)
+  after = jnp.concatenate([suffix[1:], eye], axis=0)                     # P_{n-1} ... P_{c+1}
+  q_start = jnp.einsum("nbckge,nbked->nbckgd", ch.q_hat, before)
+  k_end = jnp.einsum("nbkde,nbcke->nbckd", after, ch.k_hat)
+  q_start = jnp.moveaxis(q_start, 0, 1).reshape(B, Tp, H, D)[:, :T]
+  k_end = jnp.moveaxis(k_end, 0, 1).reshape(B, Tp, K, D)[:, :T]
+  return q_start, k_end, incl[-1]
+
+
 def transport_keys(k_cache, w_t, beta_t):
   """One decoding step (paper §3.4): k_j <- H_t k_j for every cached key, in place.
 
@@ -287,11 +346,10 @@ def prefill_keys(k, w, beta, *, chunk_size: int = 64):
   eye = jnp.eye(D, dtype=jnp.float32)
 
   def step(M_BKDD, xs):
-    k_hat, (w_BCKD, X_BKCC) = xs
+    k_hat, P = xs
     out = jnp.einsum("bkde,bcke->bckd", M_BKDD, k_hat)
-    P = eye - jnp.einsum("bckd,bkcl,blke->bkde", w_BCKD, X_BKCC, w_BCKD)
     return M_BKDD @ P, out
 
   M0 = jnp.broadcast_to(eye, (B, K, D, D))
-  _, out = jax.lax.scan(step, M0, (ch.k_hat, ch.transport), reverse=True)
+  _, out = jax.lax.scan(step, M0, (ch.k_hat, _chunk_products(ch.transport)), reverse=True)
   return jnp.moveaxis(out, 0, 1).reshape(B, Tp, K, D)[:, :T]
