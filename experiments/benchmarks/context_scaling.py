@@ -198,7 +198,7 @@ def render_markdown(rows: list[dict]) -> str:
   lines = ["# Context-parallel training", "",
            f"- machine: {', '.join(devices) or '-'}; date: "
            f"{dates[0] if dates else '-'} .. {dates[-1] if dates else '-'}",
-           "- model: 12 layers, d_model 768, 12 heads of 64, bf16, batch 1 (the text task); "
+           "- model: llama-style, 12 heads of 64 unless a row says otherwise, bf16, batch 1 (the text task); "
            "command in experiments/benchmarks/context_scaling.py",
            "- scaling: tokens/s per GPU over the same encoding's one-GPU row at T / context; "
            "memory: peak GiB over that row's", "",
