@@ -21,7 +21,7 @@ RTOL = 1e-6
 STEPS, EVERY = 6, 3
 # One row per mesh the pair trains on (4 devices in all).
 MESHES = [
-    {"data": 2, "fsdp": 2},
+    {"data": 2, "context": 2},   # the layout: each process holds one row block, T split
 ]
 
 
