@@ -64,7 +64,7 @@ def parse_args(argv=None):
 
 
 def _comm_share(trace_dir: str) -> float | None:
-  from experiments.benchmarks import common
+  from experiments.benchmarks import common   # imports jax: child only (see run_row)
   ops = common.top_ops(trace_dir, steps=1, k=100000)
   total = sum(ms for _, ms, _ in ops)
   if not total:
@@ -74,6 +74,8 @@ def _comm_share(trace_dir: str) -> float | None:
 
 
 def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
+  # Imported here, in the child: the parent never starts a JAX backend, which would hold GPU
+  # memory while the rows run.
   import jax
   from experiments import sharding
   from experiments import train
