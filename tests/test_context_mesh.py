@@ -117,11 +117,14 @@ def _check(out, names, meshes, trained):
     assert losses[-1] < losses[0], (name, losses)   # the steps trained
 
 
-def test_training_under_context_parallelism():
-  """PaTH, PaTH-FoX, FoX and RoPE: one step's loss and gradients, then ten steps' losses, with
-  the sequence over 2 devices beside data 2 (the other meshes and encodings: -m slow)."""
+@pytest.mark.parametrize("names", [
+    ("path_fox", "rope"),   # the transport ring with the gate, and the softmax ring
+    pytest.param(("path", "fox"), marks=pytest.mark.slow)])
+def test_training_under_context_parallelism(names):
+  """PaTH-FoX and RoPE (PaTH and FoX: -m slow): one step's loss and gradients, then ten steps'
+  losses, with the sequence over 2 devices beside data 2 (the other meshes: -m slow)."""
   meshes = [(1, 1), (2, 2)]
-  _check(_run(TRAINED, meshes, TRAINED, steps=10), TRAINED, meshes, TRAINED)
+  _check(_run(names, meshes, names, steps=10), names, meshes, names)
 
 
 def test_path_gradients_over_four_devices():
