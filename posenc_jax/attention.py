@@ -49,23 +49,10 @@ from posenc_jax import unipotent
 AUTO_DENSE_MAX_T = 2048
 
 # The CPU rule per family: the dense reference up to this T, chunked beyond; 0 = chunked at
-# every T. Each is the faster exact form by measurement (docs/benchmarks/cpu_auto.md,
-# 2026-11-23: jit(grad(sum(attention))) in float32, B=8, H=2, D=32, two packed documents per
-# row, pinned to one core of a shared 2-core AMD EPYC VM; gradients of the two forms agree to
-# <= 4e-6 relative). Reference time / chunked time (medians; > 1 where chunked wins) at
-# T = 64, 128, 256, 512, 1024, 2048:
-#   softmax        0.21 0.93 0.96 1.67 1.60 1.06 (a re-run: 0.14 at 64, 0.89 at 256, 1.48 at
-#                  512, 0.93 at 2048: a tie there, and chunked holds no T x T array)
-#   path           8.3 12.4 12.1 10.9, then chunked alone (the dense form, a lax.scan over T
-#                  steps, would take ~30 s per call at 1024). The quickstart's PaTH run on one
-#                  core: 459 s -> 120 s. Unpinned on the busy 2-core VM the chunked step often
-#                  ran ~10x slower than pinned (XLA CPU threads contending; the same page)
-#   forgetting     0.37 0.21 0.45 0.68 0.59 0.34
-#   path_integral  1.42 0.73 0.96 1.30 0.95 0.65 (64: noise, 0.57 on the fastest rounds; a
-#                  re-run: 0.44 at 64, 1.05 at 256, 1.29 at 512, 0.63 at 2048. Chunked wins
-#                  by 1.3x at 512 alone, dense by 1.5x at 2048: one threshold keeps dense)
-#   tapa           0.34 0.44 0.65 0.93 1.01 1.01 (a tie from 1024)
-# Beyond AUTO_DENSE_MAX_T (not measured) memory decides: chunked.
+# every T. Each is the faster exact form by measurement of jit(grad(sum(attention))) in
+# float32 with packed documents (the table is docs/benchmarks/cpu_auto.md): PaTH's dense form
+# (a lax.scan over T steps) loses at every T; the others' dense forms win or tie up to
+# AUTO_DENSE_MAX_T. Beyond it (not measured) memory decides: chunked.
 CPU_DENSE_MAX_T = {"softmax": 256, "path": 0, "forgetting": AUTO_DENSE_MAX_T,
                    "path_integral": AUTO_DENSE_MAX_T, "tapa": AUTO_DENSE_MAX_T}
 
@@ -73,11 +60,10 @@ CPU_DENSE_MAX_T = {"softmax": 256, "path": 0, "forgetting": AUTO_DENSE_MAX_T,
 # documents). jax's public API has no segment ids for cuDNN, so cuDNN reads a dense
 # [B, 1, T, T] mask, which jax turns into a bias in q's dtype: 2 B T^2 bytes per layer call
 # (512 MiB at B=4, T=8192; 8 GiB per row at T=65536). The project's Pallas flash kernel masks
-# segments tile by tile in O(T) memory but is slower. Measured on an H100 (the 12-layer
-# 134M-parameter bf16 train step, 2026-11-23; docs/benchmarks/train_throughput.md): cuDNN with
-# the mask trains 1.06x faster than the Pallas kernel at T=2048 and 1.64x at T=8192, at the
-# same peak memory. So packed documents go to cuDNN up to this length and to the Pallas kernel beyond it,
-# where the mask would grow to gigabytes (0 sends them all to Pallas).
+# segments tile by tile in O(T) memory but is slower: in the 12-layer bf16 train step cuDNN
+# with the mask was the faster at the same peak memory (docs/benchmarks/train_throughput.md).
+# So packed documents go to cuDNN up to this length and to the Pallas kernel beyond it, where
+# the mask would grow to gigabytes (0 sends them all to Pallas).
 CUDNN_SEGMENT_MASK_MAX_T = 16384
 
 CUDNN_DTYPES = ("bfloat16", "float16")

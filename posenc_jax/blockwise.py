@@ -73,12 +73,9 @@ def block_size_for(T: int, block_size: int | None, *, default: int, max_blocks: 
 
   Why grow it: every query block scans all n key blocks (the tiles above the diagonal are
   skipped by `lax.cond`, but the step still runs), so a pass takes n^2 scan steps, and at a
-  fixed edge the per-step overhead grows with T faster than the tile work does. Measured on
-  the CPU (TAPA fwd+bwd, 4096 tokens per batch, 4 heads x 32; ns per B T^2): 236 at n = 8,
-  432 at n = 32, 732 at n = 128 with 32-tiles; 162 / 166 at n = 32 / 8 with 128- / 512-tiles
-  at T = 4096. On an H100 the 12-layer model's TAPA, TAPA-linear and GRAPE-AP steps cost 12x,
-  12x and 14x more per token at T = 8192 than at 2048 with fixed tiles (4x for the tile work).
-  The callers' `max_blocks` keep their T = 2048 tiling.
+  fixed edge the per-step overhead grows with T faster than the tile work does (measured on
+  the CPU and in the 12-layer train step: the cost per token of fixed tiles grew about three
+  times faster than the tile work). The callers' `max_blocks` keep their T = 2048 tiling.
   """
   if block_size is not None:
     return block_size
@@ -109,11 +106,10 @@ def map_query_blocks(query_block: Callable, n: int, *, parallel: bool | None = N
   steps over [n, B, H, Q, C] tiles instead of n^2 steps over [B, H, Q, C] ones. The tiles
   above the diagonal are then computed and masked instead of skipped (twice the tile work),
   and the backward holds one carry per key step for all blocks (O(n T) transient memory).
-  Measured in the 12-layer 134M-parameter bf16 train step on an H100 (2026-11-23,
-  docs/benchmarks/train_throughput.md) it does not pay: TAPA at T = 2048 ran 12,492
-  tokens/s in parallel against 13,809 one block at a time (the tile arithmetic, not the
-  launches, bounds it), at T = 8192 TAPA asked for 103.8 GiB and ran out of memory, and
-  GRAPE-AP's step took over 420 s to compile. So None means sequential on every backend.
+  In the 12-layer bf16 train step (docs/benchmarks/train_throughput.md) it does not pay: TAPA
+  ran slower in parallel than one block at a time (the tile arithmetic, not the launches,
+  bounds it), ran out of memory at T = 8192, and GRAPE-AP's step took minutes to compile. So
+  None means sequential on every backend.
   """
   block = jax.checkpoint(query_block)   # only the block's inputs are kept for the backward
   return jax.vmap(block)(jnp.arange(n)) if parallel else jax.lax.map(block, jnp.arange(n))
