@@ -317,18 +317,15 @@ def embed_tokens(table_VC, tokens, *, dtype, one_hot: bool | None = None):
   The forward is always a gather. one_hot (None: V <= ONE_HOT_EMBED_MAX_VOCAB on an
   accelerator, False on the CPU) picks the table's gradient:
   - False: the gather's own, a scatter-add, which on a GPU runs as atomics serialised on the
-    rows that repeat. With a small vocabulary every row repeats thousands of times per batch:
-    flip-flop's (V 5, 32,768 tokens a step) took 147 ms of a ~150 ms step on an H200;
+    rows that repeat. With a small vocabulary every row repeats thousands of times per batch,
+    and this scatter took nearly all of flip-flop's step;
   - True: one_hot(tokens)^T @ cotangent, as matmuls over chunks of ONE_HOT_GRAD_CHUNK tokens
-    (the one-hot block is transient: a whole [B*T, V] one would cost B*T*V*2 bytes, +3.9 GiB
-    measured at V 32,000), accumulated in float32 and deterministic, where the scatter added
-    in `dtype`.
-  Measured on an H200 (docs/benchmarks/embed_grad.md, 32,768 bf16 tokens): the
-  scatter 44-380 ms, the chunked matmuls 0.21 ms at V 5 and 4.9 ms at V 32,000; the 125M
-  model's step at V 32,000 gained 32% (rope) and 22% (path) at the same peak memory
-  (the same page). The matmuls' cost, 2 B T V C multiply-adds, is
-  why larger vocabularies keep the scatter. So does the CPU at every size:
-  there the scatter is cheap and the matmul is not (V 256, C 768: 7 against 173 ms).
+    (the one-hot block is transient: a whole [B*T, V] one would cost B*T*V*2 bytes),
+    accumulated in float32 and deterministic, where the scatter added in `dtype`.
+  On a GPU the chunked matmuls beat the scatter by one to three orders of magnitude and sped
+  up the 125M model's step at the same peak memory (docs/benchmarks/embed_grad.md has the
+  figures). The matmuls' cost, 2 B T V C multiply-adds, is why larger vocabularies keep the
+  scatter. So does the CPU at every size: there the scatter is cheap and the matmul is not.
   """
   V = table_VC.shape[0]
   if one_hot is None:
