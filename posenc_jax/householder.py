@@ -158,15 +158,20 @@ def _right_to_left(ch: _Chunks, apply: Callable, v_nBCKD, gate_nBHC, *, T: int, 
   return jax.tree.map(unblock, out)
 
 
+def _chunk_layout(T: int, C: int):
+  """(padded length Tp, chunks n, pad: [B, T, ...] -> float32 [B, n, C, ...] padded with 0)."""
+  Tp = blockwise.padded_length(T, C)
+  n = Tp // C
+  return Tp, n, lambda x: _blocked(blockwise.pad_time(_f32(x), Tp), n, C)
+
+
 def _blocked_attention(prepare: Callable, apply: Callable, q, k, v, w, beta, *, log_forget,
                        segment_ids, scale, chunk_size: int, return_lse: bool = False):
   """Pads to whole chunks (beta = 0: identity), builds the chunk operands, runs the scan."""
   B, T, H, D = q.shape
   K = k.shape[2]
   C = chunk_size
-  Tp = blockwise.padded_length(T, C)
-  n = Tp // C
-  pad = lambda x: _blocked(blockwise.pad_time(_f32(x), Tp), n, C)  # noqa: E731
+  Tp, n, pad = _chunk_layout(T, C)
   qg = pad(scale * _f32(q)).reshape(B, n, C, K, H // K, D)
   ch = prepare(qg, pad(k), pad(w), pad(beta))
   v_n = jnp.moveaxis(_blocked(blockwise.pad_time(v, Tp), n, C), 1, 0)
@@ -302,9 +307,7 @@ def boundary_transport(q, k, w, beta, *, chunk_size: int = 64):
   B, T, H, D = q.shape
   K = k.shape[2]
   C = chunk_size
-  Tp = blockwise.padded_length(T, C)
-  n = Tp // C
-  pad = lambda x: _blocked(blockwise.pad_time(_f32(x), Tp), n, C)  # noqa: E731
+  Tp, n, pad = _chunk_layout(T, C)
   ch = _ut_prepare(pad(q).reshape(B, n, C, K, H // K, D), pad(k), pad(w), pad(beta))
   P_n = _chunk_products(ch.transport)                                    # [n,B,K,D,D]
   eye = jnp.broadcast_to(jnp.eye(D, dtype=jnp.float32), P_n[:1].shape)
@@ -338,9 +341,7 @@ def prefill_keys(k, w, beta, *, chunk_size: int = 64):
   """
   B, T, K, D = k.shape
   C = chunk_size
-  Tp = blockwise.padded_length(T, C)
-  n = Tp // C
-  pad = lambda x: _blocked(blockwise.pad_time(_f32(x), Tp), n, C)  # noqa: E731
+  Tp, n, pad = _chunk_layout(T, C)
   kb, wb = pad(k), pad(w)
   ch = _ut_prepare(kb[:, :, :, :, None], kb, wb, pad(beta))   # q unused: only k_hat, transport
   eye = jnp.eye(D, dtype=jnp.float32)
