@@ -6,21 +6,10 @@ held-out text rows of T bytes. The per-token transport G_t is the encoding's own
                          (read back from the encoding: phi_t = angle of the rotated unit
                          pair, delta_t = phi_t - phi_{t-1}); T(j -> i) = R(phi_i - phi_j)
   PaTH                   G_t = H_t = I - beta_t w_t w_t^T; T(j -> i) = H_i ... H_{j+1}
-Three statistics, each averaged over layers and kv heads (per layer in results.json; the
-README shows them from pages.MIXING_WINDOW_STATISTICS, the same text):
-
-  first moment    m(r) = || E_routes[T(j -> j + r)] ||_2, the spectral norm of the mean
-                  transport over all routes of length r in the rows (every start j), and
-                  the bulk version f(r) = ||E[T]||_F / sqrt(D) (rms over directions). A
-                  geometric decay m(r) ~ rho^r is the "spectral gap"; m stays 1 for a
-                  route-independent transport such as RoPE (it is a fixed rotation).
-  attention mass  mass(bin) = mean over query positions i >= T/2 of sum_{j: i - j in bin} a_ij,
-                  distance bins {0}, [1,2), [2,4), ..., per query head (a_ij the model's own
-                  attention weights, read by attending to one-hot values).
-  cancellation    c_transported = E_i || sum_j a_ij T(j -> i) v_j || / sum_j a_ij ||v_j||,
-                  c_plain = the same without T: how much of the attended value mass survives
-                  averaging (1 = aligned values, ~1/sqrt(#attended) = random directions).
-                  The _v encodings apply T to values; the plain ones attend c_plain.
+Three statistics, each averaged over layers and kv heads (per layer in results.json): the
+first moment of the transport over routes of each length, the attention mass per distance bin
+and the cancellation of attended values; experiments/probes/pages.py's
+MIXING_WINDOW_STATISTICS defines them (the README shows that text).
 
   python -m experiments.probes.mixing_window --config=experiments/configs/mixing_window.py \
       --results=experiments/results/mixing_window
