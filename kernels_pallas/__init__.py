@@ -1,5 +1,7 @@
 """Pallas kernels for posenc_jax. Imports nothing from posenc_jax."""
+from kernels_pallas.block_attention import block_attention
 from kernels_pallas.path_attention import (BlockSizes, Plan, explain, forgetting_attention,
                                            path_attention, phases)
 
-__all__ = ["BlockSizes", "Plan", "explain", "forgetting_attention", "path_attention", "phases"]
+__all__ = ["BlockSizes", "Plan", "block_attention", "explain", "forgetting_attention",
+           "path_attention", "phases"]
