@@ -1,9 +1,10 @@
 """block_attention: the public function, its custom VJP and the three launches.
 
-The wrapper casts q to k's dtype, pads time to whole tiles (padded keys are masked by their
+The wrapper pads time to whole tiles (padded keys are masked by their
 index, padded queries sliced off) and head dims to a power of two (zeros: the products do not
 change), then calls the custom_vjp core on the padded arrays, so autodiff of the pads and
-slices carries the cotangents back to the caller's shapes and dtypes.
+slices carries the cotangents back to the caller's shapes and dtypes. q enters the core in
+its own dtype and is cast to k's at each launch, so a float32 q gets its float32 dq unrounded.
 """
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def block_attention(q, k, v, *, scale: float, q_bias=None, k_bias=None, q_segmen
   bk = _tile(block_k, DEFAULT_BLOCK_K, Tk, "block_k")
   Tqp, Tkp = -(-Tq // bq) * bq, -(-Tk // bk) * bk
   Dp, Dvp = max(16, _pow2(D)), max(16, _pow2(Dv))
-  q = _pad(_pad(q.astype(k.dtype), 1, Tqp), 3, Dp)
+  q = _pad(_pad(q, 1, Tqp), 3, Dp)
   k = _pad(_pad(k, 1, Tkp), 3, Dp)
   v = _pad(_pad(v, 1, Tkp), 3, Dvp)
   f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
@@ -136,7 +137,7 @@ def _forward(cfg, q, k, v, qb, kb, sq, sk):
   tile = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0))  # noqa: E731
   keys = lambda d: pl.BlockSpec((None, Tk, None, d), lambda i, h, b: (b, 0, h // G, 0))  # noqa
   rows = pl.BlockSpec((None, bq, None), lambda i, h, b: (b, i, h))
-  operands = [(q, tile(D)), (k, keys(D)), (v, keys(Dv)), (qb, rows),
+  operands = [(q.astype(k.dtype), tile(D)), (k, keys(D)), (v, keys(Dv)), (qb, rows),
               (kb, pl.BlockSpec((None, Tk, None), lambda i, h, b: (b, 0, h))),
               (sq, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
               (sk, pl.BlockSpec((None, Tk), lambda i, h, b: (b, 0)))]
@@ -146,6 +147,7 @@ def _forward(cfg, q, k, v, qb, kb, sq, sk):
 
 def _backward(cfg, q, k, v, do, lse, delta, kb, sq, sk):
   """-> dq [B, Tq, H, D], dk, dv [B, Tk, K, D/Dv], dkb [B, Tk, H] or None, all float32."""
+  q = q.astype(k.dtype)
   B, Tq, H, D = q.shape
   Tk, K, Dv = k.shape[1], k.shape[2], v.shape[3]
   G = H // K
