@@ -311,15 +311,35 @@ def boundary_transport(q, k, w, beta, *, chunk_size: int = 64):
   ch = _ut_prepare(pad(q).reshape(B, n, C, K, H // K, D), pad(k), pad(w), pad(beta))
   P_n = _chunk_products(ch.transport)                                    # [n,B,K,D,D]
   eye = jnp.broadcast_to(jnp.eye(D, dtype=jnp.float32), P_n[:1].shape)
-  incl = jax.lax.associative_scan(lambda a, b: b @ a, P_n, axis=0)       # P_c ... P_0
+  incl = _running_products(P_n)                                          # P_c ... P_0
   before = jnp.concatenate([eye, incl[:-1]], axis=0)                     # P_{c-1} ... P_0
-  suffix = jax.lax.associative_scan(lambda a, b: a @ b, P_n, axis=0, reverse=True)
+  suffix = _running_products(P_n, reverse=True)                          # P_{n-1} ... P_c
   after = jnp.concatenate([suffix[1:], eye], axis=0)                     # P_{n-1} ... P_{c+1}
   q_start = jnp.einsum("nbckge,nbked->nbckgd", ch.q_hat, before)
   k_end = jnp.einsum("nbkde,nbcke->nbckd", after, ch.k_hat)
   q_start = jnp.moveaxis(q_start, 0, 1).reshape(B, Tp, H, D)[:, :T]
   k_end = jnp.moveaxis(k_end, 0, 1).reshape(B, Tp, K, D)[:, :T]
   return q_start, k_end, incl[-1]
+
+
+def _running_products(P_nXDD, *, reverse: bool = False):
+  """out[c] = P_c ... P_0 (reverse: P_{n-1} ... P_c) of matrices stacked on axis 0.
+
+  Recursive doubling: log2(n) matmuls of the whole stack, the missing factors padded with
+  the identity. Not lax.associative_scan: its recursion makes zero-size arrays, and in a
+  gradient under shard_map XLA:GPU's compiler crashes on them (the context-parallel ring).
+  """
+  n = P_nXDD.shape[0]
+  eye = jnp.broadcast_to(jnp.eye(P_nXDD.shape[-1], dtype=P_nXDD.dtype), P_nXDD.shape[1:])
+  out, span = P_nXDD, 1
+  while span < n:   # out[c] holds the `span` factors ending (reverse: starting) at c
+    pad = jnp.broadcast_to(eye, (span,) + eye.shape)
+    if reverse:
+      out = jnp.concatenate([out[span:], pad], axis=0) @ out
+    else:
+      out = out @ jnp.concatenate([pad, out[:-span]], axis=0)
+    span *= 2
+  return out
 
 
 def transport_keys(k_cache, w_t, beta_t):
