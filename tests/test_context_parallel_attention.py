@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from posenc_jax.context_parallel import layout
+from tests import util
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,7 +65,8 @@ def direct_fn(kind, option):
   def loss(q, k, v, w, beta, lf, ct):
     if kind == "path":
       o = path_ring.path_attention(q, k, v, w, beta, log_forget=lf, segment_ids=seg, scale=0.3,
-                                   chunk_size=4, block=4)
+                                   chunk_size=4, block=4,
+                                   zigzag=False if "contiguous" in option else None)
     else:
       local = functools.partial(gated_ring.jnp_local, block=4) if "local" in option else None
       o = gated_ring.forgetting_attention(q, k, v, lf, segment_ids=seg, scale=0.3,
@@ -135,6 +137,7 @@ SLOW_CASES = [
     ("fox", 1, 2, ""), ("fox", 1, 4, ""), ("fox", 2, 2, ""), ("alibi", 1, 2, ""),
     ("alibi", 1, 4, ""), ("rope", 1, 2, ""), ("rope", 1, 4, ""), ("rope", 2, 2, ""),
     ("grape_m_ctx", 1, 4, ""), ("direct_path", 1, 4, ""), ("direct_path", 2, 2, ""),
+    ("direct_path", 1, 4, "contiguous"),
     ("direct_fox", 1, 4, "contiguous"), ("direct_fox", 1, 2, "zigzag-local"),
     # No context-parallel form (GRAPE-AP, TAPA: XLA gathers T) and two more softmax encodings.
     ("tapa", 1, 2, ""), ("grape_ap", 1, 2, ""), ("grape_a_qk", 1, 2, ""),
@@ -143,9 +146,7 @@ SLOW_CASES = [
 
 
 def _run(cases, seed):
-  flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(),
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = util.fake_devices_env(8, pythonpath=ROOT)
   proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(seed), json.dumps(cases)], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -24,6 +24,7 @@ import numpy as np
 from posenc_jax.context_parallel import layout
 from posenc_jax.context_parallel import mesh
 from posenc_jax.context_parallel import tiles
+from posenc_jax.context_parallel import pairs
 from posenc_jax.context_parallel.merge import merge
 
 
@@ -70,67 +71,82 @@ def _positions(ids, C: int):
   return pos, jnp.concatenate([jnp.full((C,), i) for i in ids])
 
 
-def _shard(q, k, v, log_forget, segment_ids, *, n: int, scale: float, zigzag: bool,
-           local: Callable | None, block: int):
+def _contiguous_shard(q, k, v, log_forget, segment_ids, *, n: int, scale: float,
+                      local: Callable | None, block: int):
+  """Device d holds block d of N: its own block with local (or one causal blockwise pass),
+  then N - 1 ring steps of masked tiles (blocks after d are skipped tile by tile)."""
   d = mesh.shard_index()
-  args = (q, k, v, log_forget, segment_ids)
-  slots = layout.to_zigzag(args, n, d) if zigzag else (args,)
-  C = slots[0][0].shape[1]
-  cat = lambda xs: None if xs[0] is None else jnp.concatenate(xs, axis=1)  # noqa: E731
-  q_c, k_c, v_c, lf_c, seg_c = (cat([sl[i] for sl in slots]) for i in range(5))
-  q_s = scale * q_c.astype(jnp.float32)
-  q_pos, q_chunk = _positions(layout.chunk_ids(d, n, zigzag=zigzag), C)
-  pre = tail = pairs = None
-  if lf_c is not None:
-    pre = jnp.concatenate([jnp.cumsum(sl[3].astype(jnp.float32), axis=1) for sl in slots],
-                          axis=1)                                   # gate over (chunk start, i]
-    totals = pre.reshape(pre.shape[0], len(slots), C, -1)[:, :, -1]  # [B, slots, H]
-    tail = jnp.repeat(totals, C, axis=1) - pre                      # gate over (j, chunk end]
-    pairs = _pair_bias(_chunk_totals(totals, n, zigzag))
+  C = q.shape[1]
+  q_s = scale * q.astype(jnp.float32)
+  q_pos, q_chunk = _positions((d,), C)
+  pre = tail = between = None
+  if log_forget is not None:
+    pre = jnp.cumsum(log_forget.astype(jnp.float32), axis=1)       # gate over (start, i]
+    totals = pre[:, -1:]                                            # [B, 1, H]
+    tail = totals - pre                                             # gate over (j, end]
+    between = _pair_bias(_chunk_totals(totals, n, False))
 
   def attend(key, src):
-    k_pos, k_chunk = _positions(layout.chunk_ids(src, n, zigzag=zigzag), C)
+    k_pos, k_chunk = _positions((src,), C)
     k_s, v_s, tail_s, seg_s = key
     return tiles.attend(q_s, k_s, v_s, q_bias=pre, k_bias=tail_s, q_pos=q_pos, k_pos=k_pos,
-                        q_seg=seg_c, k_seg=seg_s, q_chunk=q_chunk, k_chunk=k_chunk,
-                        pair_bias=pairs, block=block)
+                        q_seg=segment_ids, k_seg=seg_s, q_chunk=q_chunk, k_chunk=k_chunk,
+                        pair_bias=between, block=block)
 
-  own = (k_c, v_c, tail, seg_c)
+  own = (k, v, tail, segment_ids)
   if local is None:
     o, lse = attend(own, d)
-  else:   # the local attention of each chunk, and under zig-zag chunk d for chunk 2N-1-d
-    parts = [local(*sl[:4], segment_ids=sl[4], scale=scale) for sl in slots]
-    if zigzag:
-      first = (k_c[:, :C], v_c[:, :C], None if tail is None else tail[:, :C], 
-               None if seg_c is None else seg_c[:, :C])
-      k_pos, k_chunk = _positions((d,), C)
-      cross = tiles.attend(q_s[:, C:], *first[:2], q_bias=None if pre is None else pre[:, C:],
-                           k_bias=first[2], q_seg=None if seg_c is None else seg_c[:, C:],
-                           k_seg=first[3], q_pos=q_pos[C:], k_pos=k_pos,
-                           q_chunk=q_chunk[C:], k_chunk=k_chunk, pair_bias=pairs, block=block)
-      parts[1] = merge(*parts[1], *cross)
-    o = jnp.concatenate([p[0].astype(jnp.float32) for p in parts], axis=1)
-    lse = jnp.concatenate([p[1] for p in parts], axis=1)
+  else:
+    o, lse = local(q, k, v, log_forget, segment_ids=segment_ids, scale=scale)
 
   def step(carry, s):
     o, lse, key = carry
-    key = mesh.ring_shift(key, n)                                  # the chunks of device d - s
-    o, lse = merge(o, lse, *attend(key, (d - s) % n))              # later chunks: all masked
+    key = mesh.ring_shift(key, n)                                  # the block of device d - s
+    o, lse = merge(o, lse, *attend(key, (d - s) % n))              # later blocks: all masked
     return (o, lse, key), None
 
-  (o, lse, _), _ = jax.lax.scan(step, (o, lse, own), jnp.arange(1, n))
-  o = o.astype(v.dtype)
-  return layout.from_zigzag(o[:, :C], o[:, C:], n, d) if zigzag else o
+  (o, lse, _), _ = jax.lax.scan(step, (o.astype(jnp.float32), lse, own), jnp.arange(1, n))
+  return o.astype(v.dtype)
+
+
+def _zigzag_shard(q, k, v, log_forget, segment_ids, *, n: int, scale: float,
+                  local: Callable, cross: Callable):
+  """Device d holds chunks d and 2N-1-d (pairs.run): each chunk's local attention, then one
+  full block of `cross` per visible chunk pair; the gate totals in between join the keys'
+  tails."""
+  d = mesh.shard_index()
+  slots = layout.to_zigzag((q, k, v, log_forget, segment_ids), n, d)
+  parts, queries, keys, totals = [], [], [], []
+  for q_c, k_c, v_c, lf_c, seg_c in slots:
+    parts.append(local(q_c, k_c, v_c, lf_c, segment_ids=seg_c, scale=scale))
+    pre = tail = None
+    if lf_c is not None:
+      pre = jnp.cumsum(lf_c.astype(jnp.float32), axis=1)           # gate over (start, i]
+      totals.append(pre[:, -1])
+      tail = pre[:, -1:] - pre                                      # gate over (j, end]
+    queries.append((scale * q_c.astype(jnp.float32), pre, seg_c))
+    keys.append((k_c, v_c, tail, seg_c))
+  if log_forget is None:
+    between = lambda a, b, k_b, bias: (k_b, bias)  # noqa: E731
+  else:
+    tot = pairs.chunk_sums(jnp.stack(totals, axis=1), n)          # [B, 2N, H]
+
+    def between(a, b, k_b, bias):
+      return k_b, bias + pairs.gate_between(tot, a, b)[:, None]
+  (o0, _), (o1, _) = pairs.run(parts, queries, keys, n=n, cross=cross, between=between)
+  return layout.from_zigzag(o0.astype(v.dtype), o1.astype(v.dtype), n, d)
 
 
 def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale: float,
                          zigzag: bool | None = None, local: Callable | None = None,
-                         block: int = tiles.DEFAULT_BLOCK):
+                         cross: Callable | None = None, block: int = tiles.DEFAULT_BLOCK):
   """FoX (ALiBi: a constant gate; log_forget None: plain causal softmax) with T sharded over
   "context"; the arguments and result of unipotent.forgetting_attention_reference.
   zigzag: the load-balanced layout (None: on when each device's block splits in two).
-  local: a chunk's causal attention with its lse (kernel_local on an accelerator; None: the
-  device's chunks attend to themselves in one blockwise jnp pass)."""
+  local: a chunk's causal attention with its lse (kernel_local on an accelerator; None:
+  jnp_local); cross: a query chunk's non-causal attention to a whole key chunk with its lse
+  (the Pallas block kernel on an accelerator; None: tiles.attend). Zig-zag only: the
+  contiguous layout keeps masked tiles.attend steps."""
   n = mesh.context_size()
   T = q.shape[1]
   if zigzag is None:
@@ -138,7 +154,12 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale: float,
   if zigzag and (T // n) % 2:
     raise ValueError(f"zigzag=True needs an even number of tokens per device; T={T} over "
                      f"context={n} gives {T // n}: use zigzag=False or pad T")
-  fn = functools.partial(_shard, n=n, scale=scale, zigzag=zigzag, local=local, block=block)
+  if zigzag:
+    fn = functools.partial(_zigzag_shard, n=n, scale=scale,
+                           local=local or functools.partial(jnp_local, block=block),
+                           cross=cross or functools.partial(tiles.attend, block=block))
+  else:
+    fn = functools.partial(_contiguous_shard, n=n, scale=scale, local=local, block=block)
   return mesh.run_sharded(fn, (q, k, v, log_forget, segment_ids))
 
 
