@@ -14,6 +14,7 @@ import pytest
 from experiments import config_checks
 from experiments import sharding
 from experiments.configs import base
+from tests import util
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (data, context): one device, the sequence over 2 and 4 devices, and both axes at once
@@ -83,9 +84,7 @@ print("RESULT" + json.dumps(out))
 
 
 def _run(names, meshes, trained, steps):
-  flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(),
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = util.fake_devices_env(8, pythonpath=ROOT)
   arg = json.dumps([list(names), [list(m) for m in meshes], list(trained), steps])
   proc = subprocess.run([sys.executable, "-c", _SCRIPT, arg], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=1200)

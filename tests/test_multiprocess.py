@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from experiments import distributed
+from tests import util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = 1e-6
@@ -32,10 +33,7 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict:
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  return dict(os.environ, JAX_PLATFORMS="cpu",
-              XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices}"]))
+  return util.fake_devices_env(devices)
 
 
 def _command(workdir, mesh) -> list[str]:

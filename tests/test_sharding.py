@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from experiments import sharding
+from tests import util
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH_2x4 = types.SimpleNamespace(shape={"data": 2, "fsdp": 4})
@@ -89,9 +90,7 @@ print("RESULT" + json.dumps(out))
 def test_sharded_step_matches_single_device():
   # The session's XLA flags (tests/conftest.py: the CPU's compile settings) plus the device
   # count: the subprocess compiles as the rest of the suite does (CI time: ~29 -> ~13 s).
-  flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"])
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(),
-             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = util.fake_devices_env(8, pythonpath=ROOT)
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,7 @@
 """Comparison helpers for tests: relative RMS error, the measure every tolerance here is stated in
-(float32 near 1e-5, bfloat16 near 1e-2)."""
+(float32 near 1e-5, bfloat16 near 1e-2), and the environment of fake-device subprocesses."""
+import os
+
 import jax
 import numpy as np
 
@@ -52,3 +54,23 @@ def in_float64(fn, *args):
     args64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a), jnp.float64)
                           if np.issubdtype(np.asarray(a).dtype, np.floating) else a, args)
     return jax.tree.map(np.asarray, jax.jit(fn)(*args64))
+
+
+def fake_devices_env(devices: int, *, pythonpath: str | None = None) -> dict:
+  """The environment of a subprocess that runs `devices` fake CPU devices (the device count is
+  fixed when JAX starts): the session's XLA flags (tests/conftest.py's compile settings) with
+  that count, and Eigen's single-threaded matmuls. The last because XLA:CPU's collectives
+  block their threads while waiting for the other devices: on a 2-core machine the devices of a
+  ring (ppermute, all_gather in a scan) can all wait on threads that Eigen's intra-op pool
+  needs, and the program hangs. Seen on jax 0.10.2 with the three default context-parallel
+  cases in one process: 2 of 4 runs hung without this flag, 3 of 3 finished with it.
+  """
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith(("--xla_force_host_platform_device_count",
+                                "--xla_cpu_multi_thread_eigen"))]
+  flags += [f"--xla_force_host_platform_device_count={devices}",
+            "--xla_cpu_multi_thread_eigen=false"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+  if pythonpath is not None:
+    env["PYTHONPATH"] = pythonpath + os.pathsep + os.environ.get("PYTHONPATH", "")
+  return env
