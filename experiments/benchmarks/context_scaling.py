@@ -63,14 +63,17 @@ def parse_args(argv=None):
 # --- the child: one row --------------------------------------------------------------------
 
 
-def _comm_share(trace_dir: str) -> float | None:
+def _profile(trace_dir: str, context: int) -> tuple[float | None, list]:
+  """(communication share of the device time, the 12 ops with the most device time: name,
+  ms per GPU, calls per GPU) from one profiled step."""
   from experiments.benchmarks import common   # imports jax: child only (see run_row)
   ops = common.top_ops(trace_dir, steps=1, k=100000)
   total = sum(ms for _, ms, _ in ops)
   if not total:
-    return None
+    return None, []
   comm = sum(ms for name, ms, _ in ops if any(c in name.lower() for c in COLLECTIVES))
-  return comm / total
+  top = [(name[:90], round(ms / context, 3), calls // context) for name, ms, calls in ops[:12]]
+  return comm / total, top
 
 
 def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
@@ -112,10 +115,10 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
         losses.append(float(metrics["loss"]))
     if args.profile:
       with tempfile.TemporaryDirectory() as trace:
-        with jax.profiler.trace(trace):
+        with jax.profiler.trace(trace, create_perfetto_trace=True):
           state, metrics = step(state, batches[-1])
           jax.block_until_ready((state, metrics))
-        row["comm_share"] = _comm_share(trace)
+        row["comm_share"], row["top_ops"] = _profile(trace, context)
   med = statistics.median(step_s)
   stats = [d.memory_stats() or {} for d in devices]
   peaks = [s.get("peak_bytes_in_use") for s in stats]
@@ -160,19 +163,26 @@ def run_all(args) -> None:
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "error": None}
     t0 = time.time()
     try:
-      out = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout)
+      # faulthandler: a crash in native code (XLA, NCCL, a kernel) still prints Python's stack.
+      env = dict(os.environ, PYTHONFAULTHANDLER="1")
+      out = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, env=env)
       lines = [l for l in out.stdout.splitlines() if l.startswith(ROW_PREFIX)]
       if lines:
         row.update(json.loads(lines[-1][len(ROW_PREFIX):]))
       else:
         tail = (out.stderr or out.stdout).strip().splitlines()
         row["error"] = f"exit {out.returncode}: {tail[-1][:300] if tail else ''}"
+        row["log_tail"] = tail[-40:]
     except subprocess.TimeoutExpired:
       row["error"] = f"timeout after {args.timeout:.0f} s"
     row["wall_s"] = time.time() - t0
     with open(args.out, "a") as f:
       f.write(json.dumps(row) + "\n")
     print(_line(row), flush=True)
+    for name, ms, calls in row.get("top_ops") or []:
+      print(f"    {ms:9.2f} ms {calls:5d}x  {name}", flush=True)
+    if row.get("log_tail"):
+      print("\n".join("    " + line for line in row["log_tail"]), flush=True)
 
 
 def _line(r: dict) -> str:
