@@ -42,6 +42,7 @@ from flax import nnx
 
 from posenc_jax import encodings
 from posenc_jax import model as model_lib
+from posenc_jax.encodings import rotary
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -273,3 +274,150 @@ def write_workdir(checkpoint_dir: str, workdir: str, config=None) -> dict:
       ckpt.close()
   run_config.record(workdir, config, step=0)
   return config_checks.stored_form(mcfg)
+
+
+# --- export --------------------------------------------------------------------------
+
+_DTYPE_NAMES = {np.dtype(np.float32): "F32"}
+
+
+def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
+  """A .safetensors file of float32 tensors (the format transformers reads), written whole."""
+  header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
+  for name in sorted(tensors):
+    a = np.ascontiguousarray(tensors[name], np.float32)
+    header[name] = {"dtype": "F32", "shape": list(a.shape),
+                    "data_offsets": [offset, offset + a.nbytes]}
+    offset += a.nbytes
+    blobs.append(a.tobytes())
+  text = json.dumps(header, separators=(",", ":")).encode()
+  text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(struct.pack("<Q", len(text)) + text)
+    for blob in blobs:
+      f.write(blob)
+  os.replace(tmp, path)
+
+
+_EXPORTED = ("rope", "rope_llama3", "rope_pi", "rope_ntk", "rope_yarn")
+
+
+def _rope_kwargs(cfg: model_lib.ModelConfig) -> dict:
+  """The encoding's hyperparameters, defaults included."""
+  return {**rotary.HPARAMS.get(cfg.encoding, {}), **dict(cfg.encoding_kwargs)}
+
+
+def _rope_config(cfg: model_lib.ModelConfig) -> tuple[dict, int]:
+  """(rope_parameters, max_position_embeddings) of our RoPE-family encoding."""
+  kw = _rope_kwargs(cfg)
+  if cfg.encoding not in _EXPORTED:
+    raise ValueError(f"model.encoding={cfg.encoding!r} has no transformers RoPE type "
+                     f"(exported: {', '.join(_EXPORTED)})")
+  params = {"rope_theta": float(kw["base"])}
+  if cfg.encoding == "rope":
+    return dict(params, rope_type="default"), DEFAULT_MAX_POSITIONS
+  if cfg.encoding == "rope_llama3":
+    return dict(params, rope_type="llama3", factor=kw["factor"],
+                low_freq_factor=kw["low_freq_factor"], high_freq_factor=kw["high_freq_factor"],
+                original_max_position_embeddings=kw["train_len"]), _scaled_len(kw["train_len"],
+                                                                               kw["factor"])
+  factor = kw["eval_len"] / kw["train_len"]
+  if cfg.encoding == "rope_pi":
+    return dict(params, rope_type="linear", factor=factor), kw["train_len"]
+  if cfg.encoding == "rope_ntk" and kw.get("variant") == "dynamic":
+    return dict(params, rope_type="dynamic", factor=factor), kw["train_len"]
+  if cfg.encoding == "rope_yarn" and kw.get("ramp") == "hf":
+    out = dict(params, rope_type="yarn", factor=factor, original_max_position_embeddings=kw[
+        "train_len"], beta_fast=kw.get("beta_fast", 32.0), beta_slow=kw.get("beta_slow", 1.0),
+               truncate=kw.get("truncate", True))
+    if kw.get("attention_factor") is not None:
+      out["attention_factor"] = kw["attention_factor"]
+    return out, _scaled_len(kw["train_len"], factor)
+  raise ValueError(f"model.encoding={cfg.encoding!r} with {kw} has no transformers RoPE type "
+                   "(exported: rope, rope_llama3, rope_pi, rope_ntk variant='dynamic', "
+                   "rope_yarn ramp='hf')")
+
+
+# transformers needs a max_position_embeddings; plain RoPE does not read it.
+DEFAULT_MAX_POSITIONS = 4096
+
+
+def _scaled_len(length: int, factor: float) -> int:
+  return int(round(length * factor))
+
+
+def hf_config(cfg: model_lib.ModelConfig) -> dict:
+  """config.json for `cfg` (Qwen2ForCausalLM with q/k/v biases, else LlamaForCausalLM);
+  ValueError naming the field transformers' model cannot compute."""
+  for field, ok in (("block", cfg.block == "llama"), ("kv_shift", not cfg.kv_shift),
+                    ("qk_norm", not cfg.qk_norm)):
+    if not ok:
+      raise ValueError(f"model.{field}={getattr(cfg, field)!r} has no counterpart in "
+                       "LlamaForCausalLM / Qwen2ForCausalLM")
+  rope, max_len = _rope_config(cfg)
+  family = "qwen2" if cfg.qkv_bias else "llama"
+  out = dict(model_type=family, architectures=[FAMILIES[family][0]],
+             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+             intermediate_size=cfg.mlp_width, num_hidden_layers=cfg.num_layers,
+             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+             head_dim=cfg.head_dim, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
+             max_position_embeddings=max_len, rope_parameters=rope,
+             # A tied head scaled by 1/sqrt(d_model) is exported untied (lm_head holds E/sqrt C).
+             tie_word_embeddings=cfg.tie_embeddings and not cfg.scale_tied_logits,
+             dtype="float32")
+  if family == "llama":
+    out.update(attention_bias=False, mlp_bias=False)
+  else:
+    out.update(use_sliding_window=False)
+  return out
+
+
+def params_to_hf(cfg: model_lib.ModelConfig, params: Mapping) -> dict[str, np.ndarray]:
+  """transformers' tensors (half-split q/k layout) from our parameter tree."""
+  np_params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+  interleaved = _rope_kwargs(cfg)["layout"] == "interleaved"
+
+  def qk(w, axis):  # our adjacent-pair channels -> transformers' half-split ones
+    return encodings.interleaved_to_half(w, head_dim=cfg.head_dim, axis=axis) if interleaved else w
+
+  out = {}
+  for i in range(cfg.num_layers):
+    p, blk = f"model.layers.{i}.", np_params["blocks"][i]
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      w = blk["attn"][proj]["kernel"].T
+      out[f"{p}self_attn.{proj}.weight"] = qk(w, 0) if proj in ("q_proj", "k_proj") else w
+      if cfg.qkv_bias and proj != "o_proj":
+        b = blk["attn"][proj]["bias"]
+        out[f"{p}self_attn.{proj}.bias"] = qk(b, 0) if proj in ("q_proj", "k_proj") else b
+    for name in ("gate", "up", "down"):
+      out[f"{p}mlp.{name}_proj.weight"] = blk["mlp"][name]["kernel"].T
+    out[f"{p}input_layernorm.weight"] = blk["attn_norm"]["scale"]
+    out[f"{p}post_attention_layernorm.weight"] = blk["mlp_norm"]["scale"]
+  embed = np_params["embed"]["embedding"]
+  out["model.embed_tokens.weight"] = embed
+  out["model.norm.weight"] = np_params["final_norm"]["scale"]
+  if not cfg.tie_embeddings:
+    out["lm_head.weight"] = np_params["head"]["kernel"].T
+  elif cfg.scale_tied_logits:
+    out["lm_head.weight"] = embed / np.sqrt(np.float32(cfg.d_model))
+  return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def export(cfg: model_lib.ModelConfig, params: Mapping, out_dir: str) -> dict:
+  """Writes out_dir/config.json and out_dir/model.safetensors; returns the config dict.
+  The config is read back through `model_config` and must give the same model."""
+  config = hf_config(cfg)
+  back = model_config(config, dtype=cfg.dtype)
+  ours = {k: v for k, v in _rope_kwargs(cfg).items() if k != "layout"}
+  theirs = {k: v for k, v in _rope_kwargs(back).items() if k != "layout"}
+  if back.encoding != cfg.encoding or any(
+      not np.isclose(float(v), float(theirs.get(k, np.nan))) if isinstance(v, (int, float))
+      and not isinstance(v, bool) else theirs.get(k) != v for k, v in ours.items()):
+    raise ValueError(f"model.encoding={cfg.encoding!r} {ours} does not survive the round trip "
+                     f"through transformers' config ({back.encoding!r} {theirs})")
+  os.makedirs(out_dir, exist_ok=True)
+  write_safetensors(os.path.join(out_dir, WEIGHTS), params_to_hf(cfg, params))
+  with open(os.path.join(out_dir, CONFIG), "w") as f:
+    json.dump(config, f, indent=1)
+  return config

@@ -6,6 +6,9 @@ tokens. Skipped unless torch and transformers >= 5 are installed (`pip install -
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -99,7 +102,7 @@ def _text_config(tmp_path):
   return c
 
 
-@pytest.mark.slow  # compiles generation and a training step: 50-90 s on the 2-core CPU
+@pytest.mark.slow  # compiles generation, a training step and an export: 35 s on 2 cores
 def test_import_workdir_generates_and_trains_on(tmp_path):
   from experiments import generate
   from experiments import train
@@ -122,5 +125,58 @@ def test_import_workdir_generates_and_trains_on(tmp_path):
   # experiments.main's run continues from the imported step 0 under the recorded config.
   summary = train.run(from_workdir.get_config(wd), wd)
   assert summary["step"] == 2
+  # The trained step exports through the command line and reloads in transformers.
+  subprocess.run([sys.executable, "-m", "experiments.export_hf", f"--workdir={wd}",
+                  f"--out={tmp_path / 'out'}"], check=True, capture_output=True)
+  model, _, step = generate.load_model(wd)
+  assert step == 2
+  assert_rel_rms(hf_logits(_reload(tmp_path / "out"), tokens), model(jnp.asarray(tokens)), 1e-5,
+                 "exported after training")
   with pytest.raises(ValueError, match="already holds a checkpoint"):
     hf_interop.write_workdir(str(tmp_path / "hf"), wd, _text_config(tmp_path))
+
+
+def _reload(path):
+  return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def test_export_of_an_import_reloads_in_transformers(tmp_path):
+  from flax import nnx
+  hf = save_hf(tmp_path / "hf", "llama_yarn")
+  model, cfg = hf_interop.load(str(tmp_path / "hf"))
+  hf_interop.export(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), str(tmp_path / "out"))
+  tokens = tokens_for(4)
+  assert_rel_rms(hf_logits(_reload(tmp_path / "out"), tokens), hf_logits(hf, tokens), 1e-5,
+                 "round trip")
+
+
+def test_export_of_our_model_matches_its_logits(tmp_path):
+  """Our adjacent-pair RoPE layout, a 1/sqrt(C)-scaled tied head and q/k/v biases, as
+  transformers' Qwen2 with permuted q/k channels and an untied lm_head."""
+  import jax
+  from flax import nnx
+  from posenc_jax import model as model_lib
+  cfg = model_lib.ModelConfig(
+      vocab_size=VOCAB, encoding="rope_llama3", encoding_kwargs=tuple(sorted(dict(
+          base=5e5, layout="interleaved", train_len=16, factor=8.0, low_freq_factor=1.0,
+          high_freq_factor=4.0).items())), num_layers=2, d_model=64, num_heads=4,
+      num_kv_heads=2, head_dim=16, mlp_dim=96, tie_embeddings=True, qkv_bias=True)
+  model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=0))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  params = jax.tree.map(lambda x, k: x + 0.1 * jax.random.normal(k, x.shape), params,
+                        jax.tree.unflatten(jax.tree.structure(params), list(jax.random.split(
+                            jax.random.key(1), len(jax.tree.leaves(params))))))
+  nnx.update(model, nnx.state(hf_interop.build(cfg, params), nnx.Param))
+  config = hf_interop.export(cfg, params, str(tmp_path / "out"))
+  assert config["architectures"] == ["Qwen2ForCausalLM"] and not config["tie_word_embeddings"]
+  tokens = tokens_for(5)
+  assert_rel_rms(hf_logits(_reload(tmp_path / "out"), tokens), model(jnp.asarray(tokens)), 1e-5,
+                 "export")
+
+
+def test_export_refuses_what_transformers_cannot_compute():
+  from posenc_jax import model as model_lib
+  with pytest.raises(ValueError, match="model.encoding='path'"):
+    hf_interop.hf_config(model_lib.ModelConfig(vocab_size=VOCAB, encoding="path"))
+  with pytest.raises(ValueError, match="model.qk_norm=True has no counterpart"):
+    hf_interop.hf_config(model_lib.ModelConfig(vocab_size=VOCAB, qk_norm=True))

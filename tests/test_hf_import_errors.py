@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -52,3 +54,14 @@ def test_missing_and_extra_tensors_are_named(tmp_path):
   (tmp_path / "model.safetensors").unlink()
   with pytest.raises(ValueError, match="holds neither model.safetensors nor"):
     hf_interop.load(str(tmp_path))
+
+
+@pytest.mark.slow  # a fresh interpreter importing jax and flax: 9 s of CPU
+def test_import_cli_prints_one_error_line(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps(dict(LLAMA, hidden_act="gelu")))
+  out = subprocess.run([sys.executable, "-m", "experiments.import_hf",
+                        f"--checkpoint={tmp_path}", f"--workdir={tmp_path / 'wd'}"],
+                       capture_output=True, text=True, check=False)
+  assert out.returncode == 2
+  assert out.stderr.strip() == "error: hidden_act='gelu' is not supported (only 'silu')"
+  assert not (tmp_path / "wd").exists()
