@@ -278,8 +278,6 @@ def write_workdir(checkpoint_dir: str, workdir: str, config=None) -> dict:
 
 # --- export --------------------------------------------------------------------------
 
-_DTYPE_NAMES = {np.dtype(np.float32): "F32"}
-
 
 def write_safetensors(path: str, tensors: Mapping[str, np.ndarray]) -> None:
   """A .safetensors file of float32 tensors (the format transformers reads), written whole."""

@@ -20,7 +20,6 @@ prints one `error: ...` line and exits with status 2.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 from absl import app
