@@ -44,7 +44,14 @@ def model_config(config, vocab_size: int) -> model_lib.ModelConfig:
       mlp_dim=m.mlp_dim, block=m.block, qk_norm=bool(m.qk_norm), dropout=float(m.dropout),
       tie_embeddings=bool(m.tie_embeddings), dtype=m.dtype, implementation=m.implementation,
       kernel_options=tuple(sorted((k, _plain(v)) for k, v in _kernel_options(m).items())),
-      scan_layers=bool(m.scan_layers))
+      scan_layers=bool(m.scan_layers),
+      # Optional fields (imported checkpoints set them): absent means the model's default.
+      **{k: m[k] for k in _OPTIONAL_MODEL_FIELDS if m.get(k) is not None})
+
+
+# ModelConfig fields a config may leave out, and a checkpoint omits at their default, so that
+# configs and checkpoints written before they existed read the same.
+_OPTIONAL_MODEL_FIELDS = ("qkv_bias", "norm_eps", "scale_tied_logits")
 
 
 def _kernel_options(m) -> dict:
@@ -60,6 +67,10 @@ def stored_form(mcfg: model_lib.ModelConfig) -> dict:
   d = dataclasses.asdict(mcfg)
   for speed_only in ("implementation", "kernel_options", "scan_layers", "embed_one_hot"):
     d.pop(speed_only)
+  defaults = model_lib.ModelConfig(vocab_size=mcfg.vocab_size)
+  for field in _OPTIONAL_MODEL_FIELDS:
+    if d[field] == getattr(defaults, field):
+      d.pop(field)
   d["encoding_kwargs"] = [list(kv) for kv in d["encoding_kwargs"]]
   return d
 

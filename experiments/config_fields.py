@@ -45,7 +45,8 @@ def integer(lo: int, hi: int | None = None, *, note: str = "", **kw) -> Rule:
               f"an integer {where}{note}", **kw)
 
 
-def real(lo: float, hi: float | None = None, *, lo_open=False, hi_open=True, note="") -> Rule:
+def real(lo: float, hi: float | None = None, *, lo_open=False, hi_open=True, note="",
+         **kw) -> Rule:
   if hi is None:
     where = f"> {lo:g}" if lo_open else f">= {lo:g}"
   else:
@@ -54,11 +55,11 @@ def real(lo: float, hi: float | None = None, *, lo_open=False, hi_open=True, not
   def ok(v):
     return (_is_real(v) and (v > lo if lo_open else v >= lo)
             and (hi is None or (v < hi if hi_open else v <= hi)))
-  return Rule(ok, f"a finite number {where}{note}")
+  return Rule(ok, f"a finite number {where}{note}", **kw)
 
 
-def flag() -> Rule:
-  return Rule(lambda v: isinstance(v, bool), "True or False")
+def flag(**kw) -> Rule:
+  return Rule(lambda v: isinstance(v, bool), "True or False", **kw)
 
 
 def choice(values, **kw) -> Rule:
@@ -113,6 +114,10 @@ FIELDS: dict[str, dict[str, Rule]] = {
                                "(kernels_pallas.BlockSizes fields: block, span, prepass, mosaic, "
                                "keep_inverse), e.g. --config.model.kernel_options.span=8"),
         "scan_layers": flag(),
+        # Set by experiments.import_hf for transformers checkpoints; absent = the default.
+        "qkv_bias": flag(optional=True),
+        "norm_eps": real(0.0, lo_open=True, optional=True),
+        "scale_tied_logits": flag(optional=True),
     },
     "train": {
         "steps": integer(1),

@@ -94,6 +94,11 @@ class ModelConfig:
   kernel_options: tuple[tuple[str, Any], ...] = ()   # kernels_pallas.BlockSizes fields
   scan_layers: bool = False
   embed_one_hot: bool | None = None   # the embedding's gradient; None: embed_tokens' rule
+  # Checkpoints of other code bases (experiments/hf_interop.py) need these; the defaults are
+  # what this model always did.
+  qkv_bias: bool = False          # biases on the q, k, v projections (Qwen2)
+  norm_eps: float = 1e-6          # the norms' epsilon (RMSNorm's and LayerNorm's)
+  scale_tied_logits: bool = True  # tied head: logits = x E^T / sqrt(d_model) (False: x E^T)
 
   @property
   def kv_heads(self) -> int:
@@ -154,17 +159,20 @@ def _part(init, *names):
   return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
-def _linear(din, dout, names, cfg, rngs, *, init=None):
+def _linear(din, dout, names, cfg, rngs, *, init=None, bias=False):
   init = init or nnx.initializers.lecun_normal()
-  return nnx.Linear(din, dout, use_bias=False, dtype=DTYPES[cfg.dtype],
-                    param_dtype=jnp.float32, kernel_init=_part(init, *names), rngs=rngs)
+  return nnx.Linear(din, dout, use_bias=bias, dtype=DTYPES[cfg.dtype],
+                    param_dtype=jnp.float32, kernel_init=_part(init, *names),
+                    bias_init=_part(nnx.initializers.zeros_init(), names[-1]), rngs=rngs)
 
 
 def _norm(cfg, dim, names, rngs):
   if cfg.block == "llama":
-    return nnx.RMSNorm(dim, dtype=DTYPES[cfg.dtype], param_dtype=jnp.float32,
+    return nnx.RMSNorm(dim, epsilon=cfg.norm_eps, dtype=DTYPES[cfg.dtype],
+                       param_dtype=jnp.float32,
                        scale_init=_part(nnx.initializers.ones_init(), *names), rngs=rngs)
-  return nnx.LayerNorm(dim, dtype=DTYPES[cfg.dtype], param_dtype=jnp.float32,
+  return nnx.LayerNorm(dim, epsilon=cfg.norm_eps, dtype=DTYPES[cfg.dtype],
+                       param_dtype=jnp.float32,
                        scale_init=_part(nnx.initializers.ones_init(), *names),
                        bias_init=_part(nnx.initializers.zeros_init(), *names), rngs=rngs)
 
@@ -183,9 +191,9 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, shard: ShardFn, rngs: nnx.Rngs):
     C, H, K, D = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_dim
     self.cfg, self.shard = cfg, shard
-    self.q_proj = _linear(C, H * D, ("embed", "heads"), cfg, rngs)
-    self.k_proj = _linear(C, K * D, ("embed", "kv_heads"), cfg, rngs)
-    self.v_proj = _linear(C, K * D, ("embed", "kv_heads"), cfg, rngs)
+    self.q_proj = _linear(C, H * D, ("embed", "heads"), cfg, rngs, bias=cfg.qkv_bias)
+    self.k_proj = _linear(C, K * D, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
+    self.v_proj = _linear(C, K * D, ("embed", "kv_heads"), cfg, rngs, bias=cfg.qkv_bias)
     self.o_proj = _linear(H * D, C, ("heads", "embed"), cfg, rngs)
     if cfg.qk_norm:
       self.q_norm = _norm(cfg, D, ("head_dim",), rngs)
@@ -431,7 +439,9 @@ class Transformer(nnx.Module):
   def _logits(self, x_BTC):
     x = self.final_norm(x_BTC)
     if self.cfg.tie_embeddings:  # 1/sqrt(C): unit-variance embeddings would give huge logits
-      logits = self.embed.attend(x) / jnp.sqrt(jnp.asarray(self.cfg.d_model, x.dtype))
+      logits = self.embed.attend(x)
+      if self.cfg.scale_tied_logits:
+        logits = logits / jnp.sqrt(jnp.asarray(self.cfg.d_model, x.dtype))
     else:
       logits = self.head(x)
     return self.shard(logits.astype(jnp.float32), ("batch", "length", "vocab"))
