@@ -148,13 +148,7 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale: float,
   (the Pallas block kernel on an accelerator; None: tiles.attend). Zig-zag only: the
   contiguous layout keeps masked tiles.attend steps."""
   n = mesh.context_size()
-  T = q.shape[1]
-  if zigzag is None:
-    zigzag = (T // n) % 2 == 0
-  if zigzag and (T // n) % 2:
-    raise ValueError(f"zigzag=True needs an even number of tokens per device; T={T} over "
-                     f"context={n} gives {T // n}: use zigzag=False or pad T")
-  if zigzag:
+  if layout.use_zigzag(zigzag, T=q.shape[1], n=n):
     fn = functools.partial(_zigzag_shard, n=n, scale=scale,
                            local=local or functools.partial(jnp_local, block=block),
                            cross=cross or functools.partial(tiles.attend, block=block))

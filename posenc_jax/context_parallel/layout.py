@@ -22,6 +22,17 @@ def _owner(c: int, n: int) -> int:
   return c if c < n else 2 * n - 1 - c
 
 
+def use_zigzag(zigzag: bool | None, *, T: int, n: int) -> bool:
+  """The layout a ring runs: zigzag None picks zig-zag where each device's T / n splits in
+  two; True where it does not is an error."""
+  if zigzag is None:
+    return (T // n) % 2 == 0
+  if zigzag and (T // n) % 2:
+    raise ValueError(f"zigzag=True needs an even number of tokens per device; T={T} over "
+                     f"context={n} gives {T // n}: use zigzag=False or pad T")
+  return zigzag
+
+
 def chunk_ids(d, n: int, *, zigzag: bool):
   """Global chunk numbers of device d's slots (d may be traced)."""
   return (d, 2 * n - 1 - d) if zigzag else (d,)

@@ -132,13 +132,7 @@ def path_attention(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale
   block splits in two); off, each device holds one contiguous block and the keys are carried
   round the ring by each device's product (masked tiles.attend steps)."""
   n = mesh.context_size()
-  T = q.shape[1]
-  if zigzag is None:
-    zigzag = (T // n) % 2 == 0
-  if zigzag and (T // n) % 2:
-    raise ValueError(f"zigzag=True needs an even number of tokens per device; T={T} over "
-                     f"context={n} gives {T // n}: use zigzag=False or pad T")
-  if zigzag:
+  if layout.use_zigzag(zigzag, T=q.shape[1], n=n):
     fn = functools.partial(_zigzag_shard, n=n, scale=scale, local=local or jnp_local,
                            cross=cross or functools.partial(tiles.attend, block=block),
                            chunk_size=chunk_size)
