@@ -334,7 +334,7 @@ def _check_path_inputs(q, k, v, w, beta, log_forget, segment_ids):
 
 def path_attention(q, k, v, w, beta, *, log_forget=None, segment_ids=None, scale=None,
                    implementation=None, kernel_options=None):
-  """PaTH: causal attention with accumulated Householder transport (docs/encodings.md#path).
+  """PaTH: causal attention with accumulated Householder transport (docs/encodings/path.md#path).
 
   l_ij = scale * q_i^T (H_i ... H_{j+1}) k_j [+ sum_{s=j+1}^{i} log_forget_s],
   H_t = I - beta_t w_t w_t^T.

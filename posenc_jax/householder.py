@@ -1,4 +1,4 @@
-"""PaTH: causal attention with accumulated Householder transport (docs/encodings.md#path).
+"""PaTH: causal attention with accumulated Householder transport (docs/encodings/path.md#path).
 
     H_t = I - beta_t w_t w_t^T          (|w_t| = 1, beta_t in [0, 2]; symmetric, singular at 1)
     l_ij = scale q_i^T (H_i H_{i-1} ... H_{j+1}) k_j  [+ sum_{s=j+1}^{i} log_forget_s, unscaled]

@@ -132,7 +132,7 @@ def yarn_frequencies(head_dim: int, *, base: float = 10000.0, scale: float, trai
     ramp="paper" (default)  gamma_m = clip((r_m - beta_slow) / (beta_fast - beta_slow), 0, 1),
         r_m = train_len omega_m / (2 pi) the turns plane m makes over the training context:
         the formula of the YaRN paper (§3.2). The default because the encodings' defaults follow
-        the papers (docs/encodings.md#rope_yarn), and it is continuous in train_len and the
+        the papers (docs/encodings/rotary.md#rope_yarn), and it is continuous in train_len and the
         betas (no rounding).
     ramp="hf"  linear in the plane index m instead: gamma_m = 1 - clip((m - lo) / (hi - lo), 0, 1)
         with lo = floor(m(beta_fast)), hi = ceil(m(beta_slow)) clipped to [0, D - 1] and

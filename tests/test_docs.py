@@ -1,10 +1,11 @@
-"""docs/encodings.md against the code: the registry table, its links, and no outside citations.
+"""docs/encodings.md and its family pages (docs/encodings/*.md) against the code: the registry
+table, the links, and no outside citations.
 
-The page is the project's own statement of what each encoding computes; these checks keep it
-from drifting: its table lists exactly the registry's names, families, hyperparameters and
-defaults, every link into it from anywhere in the tree names one of its headings,
-every `tests/...::test_name` it cites exists, and no tracked text file points readers at
-reference files that live outside the repository.
+The pages are the project's own statement of what each encoding computes; these checks keep
+them from drifting: the table lists exactly the registry's names, families, hyperparameters
+and defaults, every link between the pages and every reference to them from anywhere in the
+tree names a heading of the page it points at, every `tests/...::test_name` they cite exists,
+and no tracked text file points readers at reference files that live outside the repository.
 """
 import ast
 import pathlib
@@ -19,6 +20,7 @@ from posenc_jax.encodings import transport
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "encodings.md"
+PAGES = [DOC, *sorted((ROOT / "docs" / "encodings").glob("*.md"))]
 # Being rewritten by their owners; the check covers them once they are.
 EXCLUDED = ()   # every tracked file
 # Split so that this file does not match itself.
@@ -41,8 +43,8 @@ def _tracked_files():
 
 
 def _text_files():
-  """(path, text) of every tracked UTF-8 file outside EXCLUDED, the page itself included."""
-  paths = set(_tracked_files()) | {"docs/encodings.md"}
+  """(path, text) of every tracked UTF-8 file outside EXCLUDED, the pages themselves included."""
+  paths = set(_tracked_files()) | {str(p.relative_to(ROOT)) for p in PAGES}
   for rel in sorted(paths):
     if rel.startswith(EXCLUDED) or not (ROOT / rel).is_file():
       continue
@@ -104,16 +106,31 @@ def test_registry_table_matches_the_registry():
         f"{name}: the page lists {listed}, the registry's defaults are {dict(DEFAULTS[name])}")
 
 
-def test_links_into_the_page_and_cited_tests_resolve():
-  doc = DOC.read_text(encoding="utf-8")
-  anchors = _slugs(doc)
-  broken = [f"docs/encodings.md#{a}" for a in re.findall(r"\]\(#([\w-]+)\)", doc)
-            if a not in anchors]
-  broken += [f"{rel}: docs/encodings.md#{a}" for rel, text in _text_files()
-             for a in re.findall(r"docs/encodings\.md#([\w-]+)", text) if a not in anchors]
-  assert not broken, f"links to headings docs/encodings.md does not have: {broken}"
-  cited = re.findall(r"(tests/[\w/]+\.py)::(\w+)", doc)
-  assert cited, "the page cites no tests"
+def test_links_between_the_pages_and_into_them_resolve():
+  """A markdown link [..](page.md#anchor) inside the pages, and a docs/encodings[/page].md#anchor
+  written anywhere in the tree, points at a page that exists and at one of its headings."""
+  anchors = {p.resolve(): _slugs(p.read_text(encoding="utf-8")) for p in PAGES}
+
+  def check(target: pathlib.Path, anchor: str) -> bool:
+    return target.resolve() in anchors and (not anchor or anchor in anchors[target.resolve()])
+
+  broken = []
+  for page in PAGES:
+    for target, anchor in re.findall(r"\]\(([\w./-]*\.md|)(?:#([\w-]+))?\)",
+                                     page.read_text(encoding="utf-8")):
+      if not check(page.parent / target if target else page, anchor):
+        broken.append(f"{page.relative_to(ROOT)}: ({target}#{anchor})")
+  for rel, text in _text_files():
+    for target, anchor in re.findall(r"(docs/encodings(?:/\w+)?\.md)#([\w-]+)", text):
+      if not check(ROOT / target, anchor):
+        broken.append(f"{rel}: {target}#{anchor}")
+  assert not broken, f"links to pages or headings that do not exist: {broken}"
+
+
+def test_cited_tests_exist():
+  cited = [c for p in PAGES for c in re.findall(r"(tests/[\w/]+\.py)::(\w+)",
+                                               p.read_text(encoding="utf-8"))]
+  assert cited, "the pages cite no tests"
   missing = [f"{path}::{fn}" for path, fn in cited
              if not (ROOT / path).is_file() or f"def {fn}(" not in (ROOT / path).read_text()]
-  assert not missing, f"docs/encodings.md cites tests that do not exist: {missing}"
+  assert not missing, f"the encoding pages cite tests that do not exist: {missing}"

@@ -24,7 +24,7 @@ def _inputs(key, B=2, T=37, H=4, K=2, D=8, scale=1.0):
 
 
 def _loop_oracle(q, k, v, *, alpha, theta, linear_phase, segment_ids):
-  """The formula of docs/encodings.md#tapa written out per (b, h, i, j) in float64 numpy."""
+  """The formula of docs/encodings/tapa.md#tapa written out per (b, h, i, j) in float64 numpy."""
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   B, T, H, D = q.shape
   G = H // k.shape[2]

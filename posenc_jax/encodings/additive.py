@@ -1,4 +1,4 @@
-"""Additive encodings, docs/encodings.md#additive-encodings: ALiBi, FoX, GRAPE-A/AP, KV-shift.
+"""Additive encodings, docs/encodings/additive.md#additive-encodings: ALiBi, FoX, GRAPE-A/AP, KV-shift.
 
   alibi        family "forgetting": constant gate log_forget[..., h] = -slope_h, no parameters.
   fox          family "forgetting": log_forget = log_sigmoid(x W_f + b_f) per query head.

@@ -1,6 +1,6 @@
 """Decoding with a cache for TAPA: keys, values and positions.
 
-The state each encoding carries: docs/encodings.md#decoding-with-a-cache.
+The state each encoding carries: docs/encodings/decoding.md#decoding-with-a-cache.
 
 TAPA's logit depends on the distance i - j only through |i - j|^alpha inside the cosine, and
 on the raw q, k otherwise: the cache holds the untransformed keys and values, and the

@@ -1,4 +1,4 @@
-"""PaTH encodings (docs/encodings.md#path): `path` and `path_fox`, family "path".
+"""PaTH encodings (docs/encodings/path.md#path): `path` and `path_fox`, family "path".
 
 Per kv head, from the layer input x (PaTH paper §2):
 

@@ -1,6 +1,6 @@
 """Decoding with a cache for PaTH and PaTH-FoX (PaTH paper §3.4).
 
-The state each encoding carries: docs/encodings.md#decoding-with-a-cache.
+The state each encoding carries: docs/encodings/decoding.md#decoding-with-a-cache.
 
 The cache holds every key already transported to the newest position,
 k~_j = H_t H_{t-1} ... H_{j+1} k_j, so the new query's logits are plain dot products
