@@ -221,9 +221,42 @@ def _ut_transform(w_BNCKD, beta_BNCK):
   b = jnp.moveaxis(beta_BNCK, 2, 3)                                     # [B,n,K,C]
   eye = jnp.eye(C, dtype=gram.dtype)
   lower = eye + jnp.tril(b[..., :, None] * gram, -1)
-  inv = jax.lax.linalg.triangular_solve(lower, jnp.broadcast_to(eye, lower.shape),
-                                        left_side=True, lower=True, unit_diagonal=True)
-  return inv * b[..., None, :]
+  return _unit_lower_inverse(lower) * b[..., None, :]
+
+
+def _unit_lower_inverse(lower_XCC):
+  """(I + L)^{-1} for a batch of unit lower-triangular [C, C] matrices.
+
+  A triangular solve everywhere but the CPU. There jaxlib 0.10's LAPACK trsm splits its batch
+  over XLA:CPU's intra-op thread pool and blocks a pool thread until the pieces finish: when
+  as many solves run at once as the pool has threads (the devices of a context ring on a CPU
+  mesh each run the layer's solves concurrently), every thread waits on work that no thread
+  is left to run, and the program hangs. The CPU branch inverts by halving instead, a few
+  batched matmuls that never leave the thread they run on.
+  """
+  def solve(m):
+    eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
+    return jax.lax.linalg.triangular_solve(m, eye, left_side=True, lower=True,
+                                           unit_diagonal=True)
+
+  return jax.lax.platform_dependent(lower_XCC, cpu=_unit_lower_inverse_by_halving,
+                                    default=solve)
+
+
+def _unit_lower_inverse_by_halving(lower_XCC):
+  """[[A, 0], [M, B]]^{-1} = [[A^-1, 0], [-B^-1 M A^-1, B^-1]], the halves inverted the same
+  way: log2(C) levels of batched matmuls (the diagonal of the input is taken as ones)."""
+  C = lower_XCC.shape[-1]
+  if C == 1:
+    return jnp.ones_like(lower_XCC)
+  h = C // 2
+  a_inv = _unit_lower_inverse_by_halving(lower_XCC[..., :h, :h])
+  b_inv = _unit_lower_inverse_by_halving(lower_XCC[..., h:, h:])
+  hi = jax.lax.Precision.HIGHEST
+  off = -jnp.matmul(b_inv, jnp.matmul(lower_XCC[..., h:, :h], a_inv, precision=hi),
+                    precision=hi)
+  top = jnp.concatenate([a_inv, jnp.zeros_like(lower_XCC[..., :h, h:])], axis=-1)
+  return jnp.concatenate([top, jnp.concatenate([off, b_inv], axis=-1)], axis=-2)
 
 
 def _ut_prepare(qg, k, w, beta) -> _Chunks:

@@ -292,3 +292,22 @@ def test_decoding_matches_full_attention(key):
   assert_rel_rms(jnp.moveaxis(o, 0, 1), full, 1e-5, "decoding")
   prefill = jax.jit(functools.partial(householder.prefill_keys, chunk_size=8))
   assert_rel_rms(prefill(k, w, beta), cache, 1e-5, "prefill")
+
+
+@pytest.mark.parametrize("C", [1, 5, 64])
+def test_unit_lower_inverse_without_lapack_on_cpu(key, C):
+  """The UT transform's (I + L)^{-1} on the CPU: the inverse by halving equals the float64
+  inverse at float32 accuracy (L as the transform builds it, beta in [0, 2] times a Gram
+  matrix of unit vectors), and the compiled CPU program calls no LAPACK solve (jaxlib 0.10's
+  batched trsm can deadlock XLA:CPU's thread pool when solves run on several devices at once)."""
+  kw, kb = jax.random.split(key)
+  w = jax.random.normal(kw, (3, C, 2, 8))
+  w = w / jnp.linalg.norm(w, axis=-1, keepdims=True)
+  beta = jax.random.uniform(kb, (3, 2, C), maxval=2.0)
+  gram = jnp.einsum("nckd,nlkd->nkcl", w, w)
+  lower = jnp.eye(C) + jnp.tril(beta[..., :, None] * gram, -1)
+  want = np.linalg.inv(np.asarray(lower, np.float64))
+  inverse = jax.jit(householder._unit_lower_inverse)
+  assert_rel_rms(inverse(lower), want, 1e-6, f"C={C}")
+  hlo = inverse.lower(lower).compile().as_text()
+  assert "trsm" not in hlo.lower() and "triangular" not in hlo.lower(), "a LAPACK solve on CPU"
