@@ -225,38 +225,48 @@ def _ut_transform(w_BNCKD, beta_BNCK):
 
 
 def _unit_lower_inverse(lower_XCC):
-  """(I + L)^{-1} for a batch of unit lower-triangular [C, C] matrices.
+  """(I + L)^{-1} for a batch of unit lower-triangular [C, C] matrices (the diagonal is taken
+  as ones).
 
   A triangular solve everywhere but the CPU. There jaxlib 0.10's LAPACK trsm splits its batch
   over XLA:CPU's intra-op thread pool and blocks a pool thread until the pieces finish: when
   as many solves run at once as the pool has threads (the devices of a context ring on a CPU
   mesh each run the layer's solves concurrently), every thread waits on work that no thread
-  is left to run, and the program hangs. The CPU branch inverts by halving instead, a few
-  batched matmuls that never leave the thread they run on.
+  is left to run, and the program hangs. The CPU branch substitutes row by row in a loop that
+  never leaves the thread it runs on.
   """
   def solve(m):
     eye = jnp.broadcast_to(jnp.eye(m.shape[-1], dtype=m.dtype), m.shape)
     return jax.lax.linalg.triangular_solve(m, eye, left_side=True, lower=True,
                                            unit_diagonal=True)
 
-  return jax.lax.platform_dependent(lower_XCC, cpu=_unit_lower_inverse_by_halving,
-                                    default=solve)
+  return jax.lax.platform_dependent(lower_XCC, cpu=_unit_lower_inverse_by_rows, default=solve)
 
 
-def _unit_lower_inverse_by_halving(lower_XCC):
-  """[[A, 0], [M, B]]^{-1} = [[A^-1, 0], [-B^-1 M A^-1, B^-1]], the halves inverted the same
-  way: log2(C) levels of batched matmuls (the diagonal of the input is taken as ones)."""
+@jax.custom_jvp
+def _unit_lower_inverse_by_rows(lower_XCC):
+  """Forward substitution: row i of X = (I + L)^{-1} is e_i - L[i, :i] X[:i], the rows above
+  it being final. One loop body (a small program to compile); its derivative is the closed
+  form below, not the loop's."""
   C = lower_XCC.shape[-1]
-  if C == 1:
-    return jnp.ones_like(lower_XCC)
-  h = C // 2
-  a_inv = _unit_lower_inverse_by_halving(lower_XCC[..., :h, :h])
-  b_inv = _unit_lower_inverse_by_halving(lower_XCC[..., h:, h:])
-  hi = jax.lax.Precision.HIGHEST
-  off = -jnp.matmul(b_inv, jnp.matmul(lower_XCC[..., h:, :h], a_inv, precision=hi),
-                    precision=hi)
-  top = jnp.concatenate([a_inv, jnp.zeros_like(lower_XCC[..., :h, h:])], axis=-1)
-  return jnp.concatenate([top, jnp.concatenate([off, b_inv], axis=-1)], axis=-2)
+  eye = jnp.eye(C, dtype=lower_XCC.dtype)
+
+  def row(i, x):
+    l_i = jax.lax.dynamic_index_in_dim(lower_XCC, i, axis=-2, keepdims=False)
+    l_i = jnp.where(jnp.arange(C) < i, l_i, 0.0)                        # strictly left of i
+    x_i = eye[i] - jnp.einsum("...j,...jc->...c", l_i, x, precision="highest")
+    return jax.lax.dynamic_update_index_in_dim(x, x_i, i, axis=-2)
+
+  return jax.lax.fori_loop(1, C, row, jnp.broadcast_to(eye, lower_XCC.shape))
+
+
+@_unit_lower_inverse_by_rows.defjvp
+def _unit_lower_inverse_by_rows_jvp(primals, tangents):
+  """d(A^{-1}) = -A^{-1} dA A^{-1}, with dA strictly lower (the diagonal is fixed at one)."""
+  (lower,), (dlower,) = primals, tangents
+  x = _unit_lower_inverse_by_rows(lower)
+  dlower = jnp.tril(dlower, -1)
+  return x, -jnp.matmul(x, jnp.matmul(dlower, x, precision="highest"), precision="highest")
 
 
 def _ut_prepare(qg, k, w, beta) -> _Chunks:
