@@ -296,7 +296,7 @@ def test_decoding_matches_full_attention(key):
 
 @pytest.mark.parametrize("C", [1, 5, 64])
 def test_unit_lower_inverse_without_lapack_on_cpu(key, C):
-  """The UT transform's (I + L)^{-1} on the CPU: the inverse by halving equals the float64
+  """The UT transform's (I + L)^{-1} on the CPU: forward substitution equals the float64
   inverse at float32 accuracy (L as the transform builds it, beta in [0, 2] times a Gram
   matrix of unit vectors), and the compiled CPU program calls no LAPACK solve (jaxlib 0.10's
   batched trsm can deadlock XLA:CPU's thread pool when solves run on several devices at once)."""
