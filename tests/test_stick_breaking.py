@@ -130,9 +130,9 @@ def test_the_stick_is_conserved(key, impl):
 
 
 def test_bfloat16_inputs_with_large_logits(key):
-  """bf16 q, k, v with logits up to ~|60| (sigmoid saturates in bf16 and float32): the chunked
-  output and gradients are finite and match the float64 oracle on the same rounded inputs
-  to bf16 precision."""
+  """bf16 q, k, v with logits of standard deviation ~8 (|z| up to ~40, where sigmoid saturates
+  in float32): the chunked output and gradients are finite and match the float64 oracle on
+  the same rounded inputs to bf16 precision (measured: 1.4e-3 forward, <= 2.6e-3 gradients)."""
   q, k, v = _inputs(key, B=1, T=150, H=2, K=1, D=16, Dv=8, q_scale=8.0)
   q, k, v = (a.astype(jnp.bfloat16) for a in (q, k, v))
   seg = _packed(key, 1, 150)
@@ -140,8 +140,11 @@ def test_bfloat16_inputs_with_large_logits(key):
   f = functools.partial(sb.stick_breaking_attention_chunked, segment_ids=seg, block_size=64)
   out, g = value_and_grads(f, loss, (0, 1, 2))(q, k, v)
   assert out.dtype == jnp.bfloat16 and all(x.dtype == jnp.bfloat16 for x in g)
+  # The oracle on the same rounded values, upcast here: in_float64 leaves bfloat16 arrays as
+  # they are (numpy does not count bfloat16 as a floating type).
   want, want_g = in_float64(value_and_grads(functools.partial(
-      sb.stick_breaking_attention_reference, segment_ids=seg), loss, (0, 1, 2)), q, k, v)
+      sb.stick_breaking_attention_reference, segment_ids=seg), loss, (0, 1, 2)),
+      *(a.astype(jnp.float32) for a in (q, k, v)))
   assert_rel_rms(out, want, 1e-2, "forward")
   assert_trees_rel_rms(g, want_g, 2e-2, "grads")
 
