@@ -127,9 +127,10 @@ def stick_breaking_attention_chunked(q_BTHD, k_BTKD, v_BTKD, *, segment_ids=None
       stick, acc = carry
       k_start = ki * Q
       k_pos = k_start + local
+      seg_at = lambda start: (None if seg is None  # noqa: E731
+                              else jax.lax.dynamic_slice_in_dim(seg, start, Q, axis=1))
       mask = visible(q_start + local, k_pos, attend_current=attend_current,
-                     seg_q=None if seg is None else jax.lax.dynamic_slice_in_dim(seg, q_start, Q, 1),
-                     seg_k=None if seg is None else jax.lax.dynamic_slice_in_dim(seg, k_start, Q, 1))
+                     seg_q=seg_at(q_start), seg_k=seg_at(k_start))
       mask = mask & (k_pos < T)[None, None, None, :]
       a, used = tile_weights(logits(q_start, k_start), mask, stick)
       vk = jax.lax.dynamic_slice_in_dim(v, k_start, Q, axis=1)            # [B, C, K, Dv]
