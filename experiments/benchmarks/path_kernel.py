@@ -19,7 +19,8 @@ device: the blockwise jnp form, there is no kernel; packed documents with --docs
 on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward only where causal);
 cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask. Each --options string
 (kp.BlockSizes fields, "key=value,..."; repeat the flag to compare several, "" the defaults)
-runs every one of our variants (path, path_fox, fox) once, as "path[span=8]" etc.; each such row holds the plan it ran (str(kp.explain(...))), which is also printed.
+runs every one of our variants (path, path_fox, fox) once, as "path[span=8]" etc.; each such row
+holds the plan it ran (str(kp.explain(...))), which is also printed.
 
 Times: median ms of repeated runs after warm-up (JAX: wall clock around block_until_ready, the
 anchors' convention; torch: triton.testing.do_bench, device time by CUDA events). Each side
