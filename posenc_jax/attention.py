@@ -41,6 +41,7 @@ from posenc_jax import blockwise
 from posenc_jax import context_parallel
 from posenc_jax import householder
 from posenc_jax import masking
+from posenc_jax import stick_breaking
 from posenc_jax import tapa
 from posenc_jax import unipotent
 
@@ -54,7 +55,8 @@ AUTO_DENSE_MAX_T = 2048
 # (a lax.scan over T steps) loses at every T; the others' dense forms win or tie up to
 # AUTO_DENSE_MAX_T. Beyond it (not measured) memory decides: chunked.
 CPU_DENSE_MAX_T = {"softmax": 256, "path": 0, "forgetting": AUTO_DENSE_MAX_T,
-                   "path_integral": AUTO_DENSE_MAX_T, "tapa": AUTO_DENSE_MAX_T}
+                   "path_integral": AUTO_DENSE_MAX_T, "tapa": AUTO_DENSE_MAX_T,
+                   "stick_breaking": 256}
 
 # The GPU softmax path when segment_ids are given, which is every training step (packed
 # documents). jax's public API has no segment ids for cuDNN, so cuDNN reads a dense
@@ -74,7 +76,7 @@ PALLAS_DTYPES = ("float32", "bfloat16", "float16")
 # The Pallas kernel takes power-of-two head dims >= 16; its tiles are tuned up to 128.
 PALLAS_MAX_HEAD_DIM = 128
 
-FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa")
+FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa", "stick_breaking")
 _KERNEL_FAMILIES = ("path", "forgetting")
 # kernels_pallas.path_attention.plan.GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM (the kernels are imported
 # lazily; tests/kernels/test_plan.py checks the two agree)
@@ -441,3 +443,24 @@ def tapa_attention(q, k, v, *, alpha=0.1, theta=0.5, linear_phase=False, segment
   impl = _pick(implementation, "tapa", ("reference", "chunked"), q, v, segment_ids)
   fn = {"reference": tapa.tapa_attention_reference, "chunked": tapa.tapa_attention_chunked}[impl]
   return fn(q, k, v, alpha=alpha, theta=theta, linear_phase=linear_phase, segment_ids=segment_ids)
+
+
+def stick_breaking_attention(q, k, v, *, segment_ids=None, scale=None, attend_current=False,
+                             remainder="current", implementation=None):
+  """SBA (docs/encodings/stick_breaking.md#stick-breaking-attention): not normalised,
+  o_i = sum_j A_ij v_j [+ r_i v_i], log A_ij = log_sigmoid(z_ij) + sum_{j<l} log_sigmoid(-z_il)
+  over the visible keys l nearer than j, z_ij = scale q_i . k_j.
+
+  q [B, T, H, D]; k [B, T, K, D]; v [B, T, K, Dv] -> o [B, T, H, Dv]. attend_current: key j = i
+  is visible too; remainder "current" adds the leftover stick r_i times v_i, "none" drops it.
+  Under a mesh with a "context" axis it has no context-parallel form: it runs as without one
+  (docs/context_parallel.md).
+  """
+  B, T, H, K, D = _checks.check_qkv(q, k, v)
+  _checks.check_segment_ids(segment_ids, B, T)
+  stick_breaking.check_options(attend_current=attend_current, remainder=remainder)
+  impl = _pick(implementation, "stick_breaking", ("reference", "chunked"), q, v, segment_ids)
+  fn = {"reference": stick_breaking.stick_breaking_attention_reference,
+        "chunked": stick_breaking.stick_breaking_attention_chunked}[impl]
+  return fn(q, k, v, segment_ids=segment_ids, scale=_scale(scale, D),
+            attend_current=attend_current, remainder=remainder)

@@ -72,6 +72,8 @@ def test_softmax_gpu_path_long_segments_fall_back_to_cudnn(monkeypatch):
     # No kernel: blockwise at every T on an accelerator, never the dense reference.
     ("tapa", "gpu", 512, "chunked"), ("tapa", "tpu", 8192, "chunked"),
     ("path_integral", "gpu", 16, "chunked"), ("path_integral", "tpu", 2048, "chunked"),
+    ("stick_breaking", "cpu", 256, "reference"), ("stick_breaking", "cpu", 512, "chunked"),
+    ("stick_breaking", "gpu", 64, "chunked"),
 ])
 def test_auto_implementation_table(family, backend, T, expected):
   choice = attention.auto_implementation(family, T=T, dtype=BF16, head_dim=64, has_segments=True,
@@ -83,7 +85,7 @@ def test_auto_implementation_table(family, backend, T, expected):
 # The measured CPU thresholds (docs/benchmarks/cpu_auto.md): dense up to T, chunked
 # beyond; 0 = chunked at every T. Re-measure before changing one.
 CPU_THRESHOLDS = {"softmax": 256, "path": 0, "forgetting": 2048, "path_integral": 2048,
-                  "tapa": 2048}
+                  "tapa": 2048, "stick_breaking": 256}
 
 
 @pytest.mark.parametrize("family", attention.FAMILIES)

@@ -139,8 +139,9 @@ SLOW_CASES = [
     ("grape_m_ctx", 1, 4, ""), ("direct_path", 1, 4, ""), ("direct_path", 2, 2, ""),
     ("direct_path", 1, 4, "contiguous"),
     ("direct_fox", 1, 4, "contiguous"), ("direct_fox", 1, 2, "zigzag-local"),
-    # No context-parallel form (GRAPE-AP, TAPA: XLA gathers T) and two more softmax encodings.
-    ("tapa", 1, 2, ""), ("grape_ap", 1, 2, ""), ("grape_a_qk", 1, 2, ""),
+    # No context-parallel form (GRAPE-AP, TAPA, SBA: XLA gathers T) and two more softmax
+    # encodings.
+    ("tapa", 1, 2, ""), ("grape_ap", 1, 2, ""), ("sba", 1, 4, ""), ("grape_a_qk", 1, 2, ""),
     ("acc_rot_random_v", 1, 2, ""),
 ]
 

@@ -16,6 +16,7 @@ from posenc_jax import encodings
 from posenc_jax.encodings import additive
 from posenc_jax.encodings import phase
 from posenc_jax.encodings import rotary
+from posenc_jax.encodings import stick_breaking
 from posenc_jax.encodings import transport
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -27,7 +28,7 @@ EXCLUDED = ()   # every tracked file
 OUTSIDE_REFERENCES = re.compile("SPEC" + r"\.md|/work/" + "shared|papers/\\w+\\.txt")
 
 DEFAULTS = {"nope": {}, "kv_shift": {}, "tapa": phase.HPARAMS, "tapa_linear": phase.HPARAMS,
-            **rotary.HPARAMS, **additive.HPARAMS, **transport.HPARAMS}
+            **rotary.HPARAMS, **additive.HPARAMS, **transport.HPARAMS, **stick_breaking.HPARAMS}
 
 
 def _tracked_files():

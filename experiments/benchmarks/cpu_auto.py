@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 
-FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa")
+FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa", "stick_breaking")
 IMPLS = ("reference", "chunked")
 
 
@@ -66,6 +66,7 @@ def _inputs(family: str, B: int, T: int, H: int, D: int, seed: int = 0):
       "forgetting": (jax.nn.log_sigmoid(normal(B, T, H) + 3),),
       "path_integral": (normal(B, T, H, 16), jnp.full((H,), 0.5, jnp.float32)),
       "tapa": (),
+      "stick_breaking": (),
   }[family]
   return (q, k, v) + extra, segment_ids
 
@@ -90,6 +91,9 @@ def _grad_fn(family: str, impl: str):
     if family == "path_integral":
       return attention.path_integral_attention(*args, segment_ids=segment_ids,
                                                implementation=impl)
+    if family == "stick_breaking":
+      return attention.stick_breaking_attention(*args, segment_ids=segment_ids,
+                                                implementation=impl)
     return attention.tapa_attention(*args, segment_ids=segment_ids, implementation=impl)
 
   return jax.jit(jax.grad(lambda args, seg: jnp.sum(forward(args, seg))))

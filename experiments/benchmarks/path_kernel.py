@@ -13,12 +13,14 @@ shapes (common.CASES). docs/benchmarks/path_kernel.md has the current table.
   python experiments/benchmarks/path_kernel.py --part jax --cases 3 --variants cudnn,fox,jax_mha
 
 Variants of --part jax: cudnn (jax.nn.dot_product_attention), path, path_fox, fox (ours without
-transport), jax_mha (jax.experimental.pallas.ops.gpu.attention.mha: jax's own Pallas flash
-attention, what Pallas on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward
-only where causal); cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask. Each --options
-string (kp.BlockSizes fields, "key=value,..."; repeat the flag to compare several, "" the
-defaults) runs every one of our variants (path, path_fox, fox) once, as "path[span=8]" etc.;
-each such row holds the plan it ran (str(kp.explain(...))), which is also printed.
+transport), sba (stick-breaking attention as attention.stick_breaking_attention runs it on the
+device: the blockwise jnp form, there is no kernel; packed documents with --docs), jax_mha
+(jax.experimental.pallas.ops.gpu.attention.mha: jax's own Pallas flash attention, what Pallas
+on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward only where causal);
+cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask. Each --options string
+(kp.BlockSizes fields, "key=value,..."; repeat the flag to compare several, "" the defaults)
+runs every one of our variants (path, path_fox, fox) once, as "path[span=8]" etc.; each such row
+holds the plan it ran (str(kp.explain(...))), which is also printed.
 
 Times: median ms of repeated runs after warm-up (JAX: wall clock around block_until_ready, the
 anchors' convention; torch: triton.testing.do_bench, device time by CUDA events). Each side
@@ -47,10 +49,11 @@ from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: E402
 import kernels_pallas as kp  # noqa: E402
 from experiments.benchmarks import common  # noqa: E402
 from experiments.benchmarks import fla_parity  # noqa: E402
+from posenc_jax import attention  # noqa: E402
 from posenc_jax import householder  # noqa: E402
 
 OURS = ("path", "path_fox", "fox")
-VARIANTS = OURS + ("cudnn", "jax_mha", "jax_mgpu", "cudnn_nc", "jax_mha_nc", "jax_mgpu_nc")
+VARIANTS = OURS + ("sba", "cudnn", "jax_mha", "jax_mgpu", "cudnn_nc", "jax_mha_nc", "jax_mgpu_nc")
 # jax's Mosaic GPU flash attention's tiles, tried in this order until one fits shared memory
 # (its backward needs all four backward blocks; jax 0.10-0.11 have no causal backward)
 MGPU_TILES = ((64, 128, 64, 128, 64, 128), (64, 64, 64, 64, 64, 64))
@@ -214,6 +217,16 @@ def _ours(name, bs, segs, q, k, v, w, beta, g):
   return fn, args, kp.explain(*args, block_sizes=bs, segment_ids=segs)
 
 
+def _sba(segs, q, v):
+  """Stick-breaking attention as the model calls it (implementation None): (function, the
+  implementation chosen and why)."""
+  choice = attention.auto_implementation("stick_breaking", T=q.shape[1], dtype=q.dtype,
+                                         head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                                         has_segments=segs is not None)
+  fn = lambda q, k, v: attention.stick_breaking_attention(q, k, v, segment_ids=segs)
+  return fn, f"{choice.implementation}: {choice.reason}"
+
+
 def _time(fn, args, do) -> dict:
   """Forward and forward+backward: wall and device ms, compiled GiB."""
   fwd = jax.jit(fn)
@@ -261,6 +274,10 @@ def part_jax(cases, variants, options=("",), dtype="bfloat16", docs=0):
             fn, args, plan = _ours(name, common.block_sizes(opts), segs, q, k, v, w, beta, g)
             _print_plan(f"{key} at case {label}", plan)
             res[key] = {"plan": str(plan), **_time(fn, args, do)}
+          elif name == "sba":
+            fn, plan = _sba(segs, q, v)
+            _print_plan(f"{key} at case {label}", plan)
+            res[key] = {"plan": plan, **_time(fn, (q, k, v), do)}
           else:
             fn, args = others[name]
             res[key] = _time(fn, args, do)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from experiments.configs import base
 
 ENCODINGS = ("nope", "rope", "alibi", "fox", "path", "path_fox", "grape_m_ctx", "grape_ap",
-             "acc_rot_learned", "tapa")
+             "acc_rot_learned", "tapa", "sba")
 
 
 def get_config(arg: str | None = None):

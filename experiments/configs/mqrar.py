@@ -7,8 +7,10 @@ model per N, as in the paper); accuracy is over the answer tokens of held-out st
   python -m experiments.sweeps --config=experiments/configs/mqrar.py \
       --workdir=workdirs/mqrar --results=experiments/results/mqrar
 
-`arg`: runlocal, gpu, encodings=A+B, seeds=N (default 1), steps=N, num_pairs=P, seq_len=T,
-n_backs=1+2+..., lr=X (peak learning rate, default 1e-3).
+`arg`: runlocal, gpu, encodings=A+B (default ENCODINGS; GPU_ENCODINGS with gpu), seeds=N
+(default 1), steps=N, num_pairs=P, seq_len=T, n_backs=1+2+..., lr=X (peak learning rate,
+default 1e-3). The GPU list adds SBA, the paper's fourth baseline; on the CPU it costs about
+what RoPE does (`encodings=sba` runs it).
 
 `gpu`: the paper's sizes (hidden 256, 2 heads of 128, 2 layers, 32 pairs, length 768), 4000
 steps of batch 64 in bfloat16, the attention implementation left to the GPU auto rule.
@@ -20,9 +22,12 @@ from __future__ import annotations
 
 from experiments.configs import base
 
+ENCODINGS = ("rope", "fox", "path")
+GPU_ENCODINGS = ("rope", "fox", "path", "sba")
+
 
 def get_config(arg: str | None = None):
-  a = base.parse_arg(arg, runlocal=False, gpu=False, encodings="rope+fox+path", seeds=1,
+  a = base.parse_arg(arg, runlocal=False, gpu=False, encodings="", seeds=1,
                      steps=0, num_pairs=0, seq_len=0, n_backs="1+2+3+4", lr=0.0)
   base.check_local_or_gpu(a)
   c = base.get_config()
@@ -36,7 +41,8 @@ def get_config(arg: str | None = None):
   # The blockwise implementations: on CPU PaTH's UT-chunked form is ~10x faster than the dense
   # walk at this length (same function; N = 1 rope/fox ran with the dense default).
   c.model.implementation = "chunked"
-  c.sweep.encodings = tuple(a.encodings.split("+"))
+  c.sweep.encodings = tuple((a.encodings or "+".join(GPU_ENCODINGS if a.gpu else ENCODINGS))
+                           .split("+"))
   c.sweep.seeds = tuple(range(a.seeds))
   c.sweep.axis = "data.n_back"
   c.sweep.axis_values = tuple(int(x) for x in a.n_backs.split("+"))

@@ -8,7 +8,9 @@ at 1, 2, 3 and 4 layers on the same data stream and seeds.
   python -m experiments.sweeps --config=experiments/configs/word_problem.py \
       --workdir=workdirs/word_problem --results=experiments/results/word_problem
 
-`arg`: runlocal, gpu, group=A5|S5, encodings=A+B, seeds=N (default 1), steps=N, seq_len=T,
+`arg`: runlocal, gpu, group=A5|S5, encodings=A+B (default ENCODINGS; GPU_ENCODINGS with gpu:
+the paper's SBA baseline too, which costs on the CPU about what RoPE does), seeds=N (default
+1), steps=N, seq_len=T,
 layers=1+2+..., lr=X (peak learning rate, default 1e-3), alphabet=group|generators (the words'
 letters: every group element, Merrill et al.'s setup and the default, or PaTH §4.1's fixed
 generators and their inverses; experiments/tasks/word_problem.py).
@@ -22,9 +24,12 @@ from __future__ import annotations
 
 from experiments.configs import base
 
+ENCODINGS = ("rope", "fox", "path")
+GPU_ENCODINGS = ("rope", "fox", "path", "sba")
+
 
 def get_config(arg: str | None = None):
-  a = base.parse_arg(arg, runlocal=False, gpu=False, group="A5", encodings="rope+fox+path",
+  a = base.parse_arg(arg, runlocal=False, gpu=False, group="A5", encodings="",
                      seeds=1, steps=0, seq_len=0, layers="1+2+3+4", lr=0.0,
                      alphabet="group")
   base.check_local_or_gpu(a)
@@ -38,7 +43,8 @@ def get_config(arg: str | None = None):
   c.train.update(steps=a.steps or 1500, batch_size=32, learning_rate=a.lr or 1e-3, warmup_steps=100,
                  weight_decay=0.1, checkpoint_every=100000, log_every=50)
   c.eval.update(num_batches=4, batch_size=64)
-  c.sweep.encodings = tuple(a.encodings.split("+"))
+  c.sweep.encodings = tuple((a.encodings or "+".join(GPU_ENCODINGS if a.gpu else ENCODINGS))
+                           .split("+"))
   c.sweep.seeds = tuple(range(a.seeds))
   c.sweep.axis = "model.num_layers"
   c.sweep.axis_values = tuple(int(x) for x in a.layers.split("+"))

@@ -20,10 +20,11 @@ Decoding with a fixed-size cache (posenc_jax.kv_cache.Slots says where each row 
     o_B1HD, cache = enc.decode(params, cache, slots=slots, x=x_B1C, q=q_B1HD, ...)  # one token
 
 The decoders live beside each family (rotary_decode, additive_decode, transport_decode,
-phase_decode) and register per name (`register_decoder`) or per family: a family's default
-decoder serves every encoding of that family whose `prepare` is pointwise in time (token t's
-outputs depend on token t and positions[t] only), so e.g. a new RoPE variant decodes with
-nothing registered. tests/test_generation.py holds every name to prefill + decode == forward.
+phase_decode, stick_breaking_decode) and register per name (`register_decoder`) or per
+family: a family's default decoder serves every encoding of that family whose `prepare` is
+pointwise in time (token t's outputs depend on token t and positions[t] only), so e.g. a new
+RoPE variant decodes with nothing registered. tests/test_generation.py holds every name to
+prefill + decode == forward.
 
 From a transformers checkpoint (hf_rope.py): `from_hf_rope(config_dict)` -> (name, kwargs) of
 the encoding that rotates as the config says; `half_to_interleaved` / `interleaved_to_half`
@@ -52,9 +53,10 @@ NAMES = (
     "kv_shift",
     "path", "path_fox",
     "tapa", "tapa_linear",
+    "sba",
 )
 MODIFIERS = ("kv_shift",)
-FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa")
+FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa", "stick_breaking")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,8 @@ class Prepared(NamedTuple):
 
   family: one of FAMILIES. q [B,T,H,D], k [B,T,K,D], v [B,T,K,Dv].
   inputs: family inputs by keyword: path {"w","beta","log_forget"}, forgetting
-    {"log_forget"}, path_integral {"p","alpha"[,"p_query"]}, tapa {"alpha","theta","linear_phase"}.
+    {"log_forget"}, path_integral {"p","alpha"[,"p_query"]}, tapa {"alpha","theta","linear_phase"},
+    stick_breaking {"attend_current","remainder"}.
   out_angles: [B, T, H or 1, Dv/2] angles by which to rotate the output (value transport
     o_i <- G_i o_i), or None.
   """
@@ -263,6 +266,10 @@ def attend(prep: Prepared, *, segment_ids=None, implementation=None, scale=None,
   elif prep.family == "tapa":
     o = attention.tapa_attention(prep.q, prep.k, prep.v, segment_ids=segment_ids,
                                  implementation=implementation, **prep.inputs)
+  elif prep.family == "stick_breaking":
+    o = attention.stick_breaking_attention(prep.q, prep.k, prep.v, segment_ids=segment_ids,
+                                           scale=scale, implementation=implementation,
+                                           **prep.inputs)
   else:
     raise ValueError(f"Prepared.family={prep.family!r} is not one of {FAMILIES}")
   if prep.out_angles is not None:
@@ -283,8 +290,9 @@ def _nope_prepare(params, *, q, k, v, **unused):
 register("nope", family="softmax", init=_nope_init, prepare=_nope_prepare)
 
 # Family modules register themselves on import; a module still being written is skipped.
-for _module in ("rotary", "additive", "transport", "phase",
-                "rotary_decode", "additive_decode", "transport_decode", "phase_decode"):
+for _module in ("rotary", "additive", "transport", "phase", "stick_breaking",
+                "rotary_decode", "additive_decode", "transport_decode", "phase_decode",
+                "stick_breaking_decode"):
   try:
     __import__(f"{__name__}.{_module}")
   except ModuleNotFoundError as _e:
