@@ -208,9 +208,9 @@ def main(argv) -> None:
                                            swept=swept_fields(config)):
       print(note, file=sys.stderr)
     experiment = config.sweep.get("experiment")
-    if _RESULTS.value and experiment not in results_writers.WRITERS:
+    if _RESULTS.value and experiment not in results_writers.AGGREGATE:
       raise ValueError(f"config.sweep.experiment={experiment!r} must be one of "
-                       f"{tuple(results_writers.WRITERS)} to write --results")
+                       f"{tuple(results_writers.AGGREGATE)} to write --results")
     summaries = run_sweep(config, workdir)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
