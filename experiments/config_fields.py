@@ -158,6 +158,12 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "max_files": integer(1, none=True),
         "valid_fraction": real(0.0, 1.0, lo_open=True),
         "shuffle_window": integer(0, note=" (0 = no shuffling)"),
+        # The text task through a tokenizer.json instead of bytes (tasks/code_corpus.py).
+        "tokenizer": text("a tokenizer.json file, or None (the byte-level corpus)", none=True),
+        "doc_token": integer(0, note=" (the id that ends a document; None = the tokenizer's "
+                             "eos_token_id)", none=True),
+        "vocab_size": integer(1, note=" (the model's vocabulary; None = the data's own)",
+                              none=True),
         "read_threads": integer(1),
         "prefetch_batches": integer(1),
     },
