@@ -21,9 +21,9 @@ Fields of the `data` ConfigDict (`default_data_config()` has them all):
   text:               text_dir None (the interpreter's stdlib .py files) or a directory,
                       file or glob of text files (tasks/code_corpus.py), max_files None (all),
                       valid_fraction 0.05, shuffle_window 256 (rows shuffled in a
-                      window after packing; 0 turns it off); tokenizer None (bytes) or a
-                      tokenizer.json, doc_token None (its eos), vocab_size None (the
-                      tokenizer's): tasks/code_corpus.py
+                      window after packing; 0 turns it off); optional (absent = None):
+                      tokenizer (a tokenizer.json instead of bytes), doc_token (None: its
+                      eos), vocab_size (None: the data's): tasks/code_corpus.py
   synthetic tasks:    read_threads 1, prefetch_batches 16: the host threads that generate
                       the training stream ahead of the step, and how many batches they keep
                       ready (grain.ReadOptions)
@@ -87,9 +87,6 @@ def default_data_config() -> ml_collections.ConfigDict:
       "max_files": config_dict.placeholder(int),
       "valid_fraction": 0.05,
       "shuffle_window": 256,
-      "tokenizer": config_dict.placeholder(str),
-      "doc_token": config_dict.placeholder(int),
-      "vocab_size": config_dict.placeholder(int),
       # synthetic tasks' training stream
       "read_threads": 1,
       "prefetch_batches": 16,

@@ -201,7 +201,7 @@ def test_imported_tokenizer_generates_as_transformers_greedy(tmp_path):
   hf_interop.write_workdir(str(tmp_path / "hf"), wd, c)
   recorded = json.loads((tmp_path / "wd" / "config.json").read_text())["data"]
   assert recorded["tokenizer"] == str(tmp_path / "wd" / "tokenizer.json")
-  assert recorded["vocab_size"] == 320 and recorded["doc_token"] is None
+  assert recorded["vocab_size"] == 320 and recorded.get("doc_token") is None
   out = generate.generate(wd, "def f1(x):", max_new_tokens=20, temperature=0.0, top_k=0,
                           top_p=1.0, seed=0, max_len=0, log=lambda _: None)
   tok = tokenizers.Tokenizer.from_file(tok_path)
