@@ -156,10 +156,3 @@ def test_errors_are_one_line_naming_the_field(tmp_path):
   with pytest.raises(ValueError, match=r"config.convert.mse_learning_rate=-1.0 must be a finite "
                                        r"number > 0"):
     _check(c, tmp_path)
-
-
-def test_experiments_main_refuses_a_conversion_config(tmp_path):
-  from experiments import main
-  c = convert_config.get_config(f"teacher={_fake_teacher(tmp_path, 'rope')}")
-  with pytest.raises(ValueError, match="config.convert is read by experiments.convert"):
-    main.plan(c, str(tmp_path / "m"), data_module=data, num_devices=1)

@@ -104,5 +104,11 @@ def test_cli_converts_and_generate_reads_the_student(teacher, tmp_path):
   out = run("experiments.convert", "--config=experiments/configs/convert.py:teacher=/nonexistent",
             f"--workdir={wd}")
   assert out.returncode == 2
-  assert out.stderr.strip() == ("error: convert.teacher='/nonexistent' does not exist; give the "
-                                "workdir of a trained run")
+  assert out.stderr.strip() == ("error: --config=experiments/configs/convert.py:teacher="
+                                "/nonexistent: convert.teacher='/nonexistent' does not exist; "
+                                "give the workdir of a trained run")
+  out = run("experiments.main", f"--config=experiments/configs/convert.py:teacher={teacher}",
+            f"--workdir={tmp_path / 'main'}")
+  assert out.returncode == 2 and out.stderr.strip() == (
+      "error: config.convert is read by experiments.convert, not experiments.main: run python "
+      "-m experiments.convert with this config")
