@@ -98,14 +98,16 @@ def test_layer_by_layer_forward_is_the_models():
                                                           train=False), 0.0)
 
 
-def _fake_teacher(root, encoding: str) -> str:
+def _fake_teacher(root, encoding: str, c=None) -> str:
   """A workdir whose config.json and checkpoint metadata say `encoding` (no weights: what the
-  checks read before anything is restored)."""
+  checks read before anything is restored); `c`: its run config (default: a tiny text one)."""
   wd = root / f"teacher_{encoding}"
-  c = base.get_config()
-  c.data.update(task="text", seq_len=16)
-  c.data.max_files = 4
-  c.model.update(encoding=encoding, d_model=32, head_dim=16)
+  if c is None:
+    c = base.get_config()
+    c.data.update(task="text", seq_len=16)
+    c.data.max_files = 4
+    c.model.update(d_model=32, head_dim=16)
+  c.model.encoding = encoding
   os.makedirs(wd / "checkpoints" / "5" / "state")
   os.makedirs(wd / "checkpoints" / "5" / "data")
   os.makedirs(wd / "checkpoints" / "5" / "config")
@@ -156,3 +158,24 @@ def test_errors_are_one_line_naming_the_field(tmp_path):
   with pytest.raises(ValueError, match=r"config.convert.mse_learning_rate=-1.0 must be a finite "
                                        r"number > 0"):
     _check(c, tmp_path)
+
+
+def test_gpu_experiment_configs_pass_the_checks(tmp_path):
+  """configs/convert.py:gpu: the teacher's run, the scratch runs at equal total tokens and the
+  conversions (of the newest and of the step-3000 checkpoint) are valid configs."""
+  from experiments import config_checks
+  from experiments import config_fields
+  teacher = convert_config.get_config("gpu,run=teacher")
+  scratch = convert_config.get_config("gpu,run=scratch,encoding=path")
+  for c in (teacher, scratch):
+    config_fields.check_fields(c)
+    config_checks.check_model(c, data.vocab_size(c.data))
+  assert (teacher.model.num_layers, teacher.model.d_model, teacher.data.seq_len) == (12, 768, 2048)
+  assert teacher.train.steps == 6000 and scratch.train.steps == 7700   # 6000 + 200 + 1500
+  assert tuple(scratch.eval.lengths) == (2048, 8192, 16384)
+  wd = _fake_teacher(tmp_path, "rope", teacher)
+  for arg in ("", ",teacher_step=5", ",encoding=path_fox"):
+    c = convert_config.get_config(f"gpu,teacher={wd}{arg}")
+    mcfg, tcfg = _check(c, tmp_path)
+    assert (mcfg.num_layers, mcfg.d_model, tcfg.encoding) == (12, 768, "rope")
+    assert c.convert.mse_steps * c.convert.mse_batch_size * c.convert.mse_seq_len == 400 * 16 * 2048

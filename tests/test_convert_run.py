@@ -1,6 +1,10 @@
 """experiments.convert end to end: a tiny RoPE teacher (2 layers, d_model 32, 30 steps on a
 small text corpus) distilled into PaTH at configs/convert.py's runlocal budgets (20 + 20
-steps of 4 x 16 tokens)."""
+steps of 4 x 16 tokens).
+
+All under -m slow: compiling the teacher's training and the two stages' PaTH steps takes
+70 s on 2 shared CPU cores (tests/test_convert.py checks the math without training).
+"""
 from __future__ import annotations
 
 import json
@@ -13,6 +17,8 @@ import pytest
 from experiments import convert
 from experiments import train
 from experiments.configs import convert as convert_config
+
+pytestmark = pytest.mark.slow
 
 LINES = "".join(f"def f{i}(x):\n  return x + {i} * 2\n" for i in range(300))
 
@@ -79,7 +85,6 @@ def test_a_finished_conversion_is_not_redone(converted):
   assert convert.run(c, wd) == summary
 
 
-@pytest.mark.slow  # two more conversions (compiles): ~80 s on 2 busy cores
 def test_resume_continues_as_uninterrupted(converted, tmp_path):
   c, wd, summary = converted
   first = convert.run(c, str(tmp_path / "r"), stop_after=25)   # inside stage 2
@@ -90,7 +95,6 @@ def test_resume_continues_as_uninterrupted(converted, tmp_path):
   assert again["eval"] == summary["eval"]
 
 
-@pytest.mark.slow  # three fresh interpreters and a conversion: ~60 s on 2 busy cores
 def test_cli_converts_and_generate_reads_the_student(teacher, tmp_path):
   wd = tmp_path / "student"
   run = lambda *args: subprocess.run([sys.executable, "-m", *args], capture_output=True,  # noqa: E731
