@@ -26,7 +26,8 @@ setuptools.setup(
         "tqdm",
     ],
     # parity: transformers as the reference in tests/test_transformers_parity.py (CPU, seconds);
-    # kept out of "test" so that CI's clean install stays small.
-    extras_require={"test": ["pytest>=8", "pytest-xdist"],
+    # kept out of "test" so that CI's clean install stays small. tokenizers (no torch) is in
+    # "test" so that CI runs the tokenizer.json tests (tests/test_tokenizer.py).
+    extras_require={"test": ["pytest>=8", "pytest-xdist", "tokenizers"],
                     "parity": ["torch", "transformers>=5"]},
 )

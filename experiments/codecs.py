@@ -9,6 +9,15 @@
 
 The task comes from the run's config.json (written by experiments.train), else its
 summary.json, else the vocabulary size (257 is the text corpus, 5 flip-flop).
+
+A tokenizer (experiments/tokenizer_json.py) takes precedence (`for_workdir`):
+  a run that trained on the text task with data.tokenizer: the prompt is the document token
+             followed by the prompt's ids, as training saw a document's start; the output
+             ends at the document token;
+  a workdir holding tokenizer.json (experiments.import_hf copies a checkpoint's): the prompt
+             is encoded as transformers' tokenizer(prompt) would (the tokenizer's own special
+             tokens, a BOS say, added); the output ends at the checkpoint's eos_token_id.
+The decoded text leaves special tokens out.
 """
 from __future__ import annotations
 
@@ -17,6 +26,9 @@ import os
 import re
 from typing import Callable, NamedTuple
 
+import ml_collections
+
+from experiments import tokenizer_json
 from experiments.tasks import code_corpus
 from experiments.tasks import flipflop
 
@@ -26,6 +38,15 @@ class Codec(NamedTuple):
   encode: Callable[[str], list]   # prompt -> token ids (raises ValueError naming --prompt)
   decode: Callable[[list], str]   # generated ids -> text
   eos_id: int | None              # stop generating a row at this token
+
+
+def _run_config(workdir: str) -> dict:
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return config if isinstance(config, dict) else {}
 
 
 def run_task(workdir: str, vocab_size: int) -> str:
@@ -89,3 +110,40 @@ def for_task(task: str, vocab_size: int) -> Codec:
   if task == "flipflop":
     return _flipflop()
   return _ids(task, vocab_size)
+
+
+def _tokenized(tok, *, name: str, vocab_size: int, eos: int | None, prefix: list,
+               special: bool) -> Codec:
+  """Text through `tok`: prefix + the prompt's ids (with the tokenizer's special tokens when
+  `special`); the output cut at eos, decoded without special tokens."""
+  n = tokenizer_json.vocab_size(tok)
+  if n > vocab_size:
+    raise ValueError(f"{name} has a vocabulary of {n} tokens, more than the model's "
+                     f"{vocab_size}; give the tokenizer the model was trained with")
+
+  def encode(prompt: str) -> list:
+    return prefix + tok.encode(prompt, add_special_tokens=special).ids
+
+  def decode(ids: list) -> str:
+    ids = ids[:ids.index(eos)] if eos in ids else ids
+    return tok.decode(ids, skip_special_tokens=True)
+
+  return Codec("text", encode, decode, eos)
+
+
+def for_workdir(workdir: str, vocab_size: int) -> Codec:
+  """The codec of the run in workdir: its tokenizer (module docstring), else for_task's."""
+  data = _run_config(workdir).get("data") or {}
+  if data.get("task") == "text" and data.get("tokenizer"):
+    config = ml_collections.ConfigDict(data)
+    name = f"data.tokenizer={data['tokenizer']!r} (in {workdir}/config.json)"
+    tok = tokenizer_json.load(data["tokenizer"], field=name)
+    doc = code_corpus.doc_token(config)
+    return _tokenized(tok, name=name, vocab_size=vocab_size, eos=doc, prefix=[doc],
+                      special=False)
+  path = os.path.join(workdir, tokenizer_json.FILE)
+  if os.path.isfile(path):
+    tok = tokenizer_json.load(path, field=path)
+    return _tokenized(tok, name=path, vocab_size=vocab_size,
+                      eos=tokenizer_json.eos_beside(path), prefix=[], special=True)
+  return for_task(run_task(workdir, vocab_size), vocab_size)

@@ -158,6 +158,14 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "max_files": integer(1, none=True),
         "valid_fraction": real(0.0, 1.0, lo_open=True),
         "shuffle_window": integer(0, note=" (0 = no shuffling)"),
+        # The text task through a tokenizer.json instead of bytes (tasks/code_corpus.py);
+        # absent = None, so that configs and results recorded before them read the same.
+        "tokenizer": text("a tokenizer.json file, or None (the byte-level corpus)", none=True,
+                          optional=True),
+        "doc_token": integer(0, note=" (the id that ends a document; None = the tokenizer's "
+                             "eos_token_id)", none=True, optional=True),
+        "vocab_size": integer(1, note=" (the model's vocabulary; None = the data's own)",
+                              none=True, optional=True),
         "read_threads": integer(1),
         "prefetch_batches": integer(1),
     },
@@ -188,6 +196,24 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "eval_tokens": integer(0, optional=True),
         "eval_batch_tokens": integer(1, optional=True),
     },
+    # experiments.convert's (configs/convert.py sets them all; other configs have no such
+    # group, and experiments.main refuses one): the teacher and stage 1 of a distillation;
+    # stage 2 is train.*.
+    "convert": {
+        "teacher": text("the teacher run's workdir", optional=True),
+        "teacher_step": integer(1, note=" (a step the teacher's checkpoints hold; None = the "
+                                "newest)", none=True, optional=True),
+        "mse_steps": integer(0, note=" (0 = no stage 1)", optional=True),
+        "mse_batch_size": integer(1, optional=True),
+        "mse_seq_len": integer(0, note=" (0 = data.seq_len)", optional=True),
+        "mse_learning_rate": real(0.0, lo_open=True, optional=True),
+        "mse_warmup_steps": integer(0, optional=True),   # below mse_steps: experiments.convert
+        "init_beta": real(0.0, 2.0, lo_open=True, note=" (PaTH's initial beta; near 0 = NoPE)",
+                          optional=True),
+        "init_forget_time": real(1.0, lo_open=True, note=" (forget gates start at "
+                                 "log f ~ -1 / this: the larger, the nearer NoPE)",
+                                 optional=True),
+    },
 }
 def unknown_field(where: str, name: str, known) -> ValueError:
   known = sorted(known)
@@ -202,6 +228,8 @@ def check_fields(config) -> None:
     if group not in FIELDS:
       raise unknown_field("config", group, FIELDS)
   for group, rules in FIELDS.items():
+    if group not in config and all(r.optional for r in rules.values()):
+      continue   # a group only some configs have (convert)
     if group not in config:
       raise ValueError(f"config has no group {group}; start the config from "
                        f"experiments.configs.base.get_config()")

@@ -21,7 +21,9 @@ Fields of the `data` ConfigDict (`default_data_config()` has them all):
   text:               text_dir None (the interpreter's stdlib .py files) or a directory,
                       file or glob of text files (tasks/code_corpus.py), max_files None (all),
                       valid_fraction 0.05, shuffle_window 256 (rows shuffled in a
-                      window after packing; 0 turns it off)
+                      window after packing; 0 turns it off); optional (absent = None):
+                      tokenizer (a tokenizer.json instead of bytes), doc_token (None: its
+                      eos), vocab_size (None: the data's): tasks/code_corpus.py
   synthetic tasks:    read_threads 1, prefetch_batches 16: the host threads that generate
                       the training stream ahead of the step, and how many batches they keep
                       ready (grain.ReadOptions)
@@ -104,6 +106,7 @@ def _check(config, seq_len: int | None = None) -> None:
     value = config[field]
     if not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"data.{field}={value!r} must be an int >= 1")
+  code_corpus.check_tokenizer(config)
   if config.task in SYNTHETIC:
     SYNTHETIC[config.task].validate(config)
   else:
@@ -115,7 +118,7 @@ def _check(config, seq_len: int | None = None) -> None:
 def vocab_size(config) -> int:
   _check(config)
   if config.task == "text":
-    return code_corpus.VOCAB_SIZE
+    return code_corpus.vocab_size(config)
   return SYNTHETIC[config.task].vocab_size(config)
 
 
@@ -188,7 +191,7 @@ def _packed_text(config, split: str, *, seq_len: int, seed: int) -> grain.IterDa
   docs = grain.MapDataset.source(files)
   if split == "train":
     docs = docs.shuffle(seed).repeat()  # reshuffled every epoch
-  docs = docs.map(functools.partial(code_corpus.read_document, root))
+  docs = docs.map(code_corpus.DocumentReader(config, root))
   rows = grain.experimental.ConcatThenSplitIterDataset(
       docs.to_iter_dataset(), length_struct={"inputs": seq_len, "targets": seq_len})
   return rows.map(_text_row)

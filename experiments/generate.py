@@ -5,8 +5,9 @@ r"""Sample from a trained run: its latest checkpoint, its model config, a prompt
 
 DIR is a run's workdir (for a sweep, one run's: WORKDIR/<encoding>). The model is rebuilt from
 the config saved with the checkpoint, and only its parameters are read. The prompt and the
-continuation are text for byte-level text models, flip-flop symbols for flip-flop runs and
-token ids otherwise (experiments/codecs.py). temperature=0 is greedy and deterministic;
+continuation are text for byte-level text models and for runs with a tokenizer.json (an
+imported checkpoint's, or the text task's data.tokenizer), flip-flop symbols for flip-flop
+runs and token ids otherwise (experiments/codecs.py). temperature=0 is greedy and deterministic;
 otherwise top-k / top-p sampling with --seed. The continuation goes to stdout; progress and
 the speed (prefill time, decode tokens/s, compile time) to stderr. Past PROGRESS_BLOCK new
 tokens, the decode loop runs in compiled blocks of that many (the same tokens as one call)
@@ -66,7 +67,7 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int, temperature: flo
   if not prompt:
     raise ValueError("--prompt is empty: give at least one token to continue")
   model, cfg, step = load_model(workdir)
-  codec = codecs.for_task(codecs.run_task(workdir, cfg.vocab_size), cfg.vocab_size)
+  codec = codecs.for_workdir(workdir, cfg.vocab_size)
   ids = codec.encode(prompt)
   if not ids:
     raise ValueError(f"--prompt={prompt!r} holds no token")

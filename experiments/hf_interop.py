@@ -26,12 +26,16 @@ activation, MLP or output biases, quantisation, a RoPE variant from_hf_rope reje
 one ValueError naming the field.
 
 `write_workdir` turns a checkpoint into a run's workdir at step 0 (experiments.import_hf is
-its command line).
+its command line). A checkpoint's tokenizer.json is copied into the workdir, with its
+eos_token_id (generation_config.json, else config.json) as WD/generation_config.json, so that
+experiments.generate reads and writes text through it; under data.task="text" it also becomes
+data.tokenizer (unless the config names one), with data.vocab_size the checkpoint's.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from typing import Any, Mapping
 
@@ -250,11 +254,17 @@ def write_workdir(checkpoint_dir: str, workdir: str, config=None) -> dict:
   if checkpoint.latest_step(workdir) is not None:
     raise ValueError(f"--workdir={workdir} already holds a checkpoint; use a new --workdir")
   imported = model_config(read_config(checkpoint_dir), dtype=config.model.dtype)
+  from experiments import tokenizer_json
+  tokenizer = os.path.join(checkpoint_dir, tokenizer_json.FILE)
+  has_tokenizer = os.path.isfile(tokenizer)
+  if has_tokenizer and config.data.task == "text" and config.data.get("tokenizer") is None:
+    _use_tokenizer(config, tokenizer, imported.vocab_size)
   vocab = data_module.vocab_size(config.data)
   if vocab != imported.vocab_size:
+    hint = " (data.task='text' reads the checkpoint's tokenizer.json)" if has_tokenizer else ""
     raise ValueError(f"the checkpoint's vocab_size={imported.vocab_size} differs from "
                      f"data.task={config.data.task!r}'s vocabulary ({vocab}); pick a --config "
-                     f"whose data has the checkpoint's vocabulary")
+                     f"whose data has the checkpoint's vocabulary{hint}")
   _set_model_fields(config, imported)
   mcfg = config_checks.check(config, workdir=workdir, data_module=data_module,
                              num_devices=jax.device_count())
@@ -262,6 +272,8 @@ def write_workdir(checkpoint_dir: str, workdir: str, config=None) -> dict:
     raise RuntimeError(f"the run config gives {mcfg}, the checkpoint {imported}")  # a bug
   params = params_from_hf(mcfg, read_weights(checkpoint_dir))
   os.makedirs(workdir, exist_ok=True)
+  if has_tokenizer:
+    _copy_tokenizer(tokenizer, workdir, config)
   mesh, trainer, train_iter = train.setup(config, mcfg, data_module)
   with jax.set_mesh(mesh):
     state = trainer.init_state(config.train.seed)
@@ -274,6 +286,34 @@ def write_workdir(checkpoint_dir: str, workdir: str, config=None) -> dict:
       ckpt.close()
   run_config.record(workdir, config, step=0)
   return config_checks.stored_form(mcfg)
+
+
+def _use_tokenizer(config, path: str, vocab_size: int) -> None:
+  """The text task tokenized by the checkpoint's tokenizer, at the checkpoint's vocabulary."""
+  from experiments import tokenizer_json
+  n = tokenizer_json.vocab_size(tokenizer_json.load(path, field="the checkpoint's tokenizer"))
+  if n > vocab_size:
+    raise ValueError(f"{path} has a vocabulary of {n} tokens, more than the checkpoint's "
+                     f"vocab_size={vocab_size}; give the tokenizer the model was trained with")
+  with config.unlocked():
+    config.data.tokenizer = path
+    if config.data.get("vocab_size") is None:
+      config.data.vocab_size = vocab_size
+
+
+def _copy_tokenizer(path: str, workdir: str, config) -> None:
+  """WD/tokenizer.json and its eos as WD/generation_config.json; data.tokenizer follows the
+  copy (the checkpoint directory may go away)."""
+  from experiments import tokenizer_json
+  copy = os.path.abspath(os.path.join(workdir, tokenizer_json.FILE))
+  shutil.copyfile(path, copy)
+  eos = tokenizer_json.eos_beside(path)
+  if eos is not None:
+    with open(os.path.join(workdir, tokenizer_json.EOS_FILES[0]), "w") as f:
+      json.dump({"eos_token_id": eos}, f)
+  if config.data.get("tokenizer") == path:
+    with config.unlocked():
+      config.data.tokenizer = copy
 
 
 # --- export --------------------------------------------------------------------------

@@ -13,7 +13,9 @@ experiments/configs/base.py) with its model fields replaced by the checkpoint's.
   python -m experiments.main --config=experiments/configs/from_workdir.py:WD --workdir=WD
 
 sample from it and continue training it. The data must have the checkpoint's vocabulary
-(the text task's byte-level 257 tokens, say): experiments.main trains only such data.
+(the text task's byte-level 257 tokens, say): experiments.main trains only such data. A
+checkpoint's tokenizer.json is copied into WD, and under data.task="text" it tokenizes the
+corpus (experiments/hf_interop.py: write_workdir).
 
 A checkpoint or config that cannot be imported, or a WD that already holds a checkpoint,
 prints one `error: ...` line and exits with status 2.

@@ -50,6 +50,9 @@ def plan(config, workdir: str, *, data_module, num_devices: int) -> list[tuple]:
   from experiments import config_fields
 
   config_fields.check_fields(config)
+  if "convert" in config:
+    raise ValueError("config.convert is read by experiments.convert, not experiments.main: run "
+                     "python -m experiments.convert with this config")
   encodings = tuple(config.sweep.encodings)
   for field in ("axis", "seeds"):  # experiments.sweeps' fields: refused, not ignored
     value = config.sweep.get(field)

@@ -6,6 +6,7 @@ tokens. Skipped unless torch and transformers >= 5 are installed (`pip install -
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -180,3 +181,35 @@ def test_export_refuses_what_transformers_cannot_compute():
     hf_interop.hf_config(model_lib.ModelConfig(vocab_size=VOCAB, encoding="path"))
   with pytest.raises(ValueError, match="model.qk_norm=True has no counterpart"):
     hf_interop.hf_config(model_lib.ModelConfig(vocab_size=VOCAB, qk_norm=True))
+
+
+def test_imported_tokenizer_generates_as_transformers_greedy(tmp_path):
+  """A Llama saved with a tokenizer.json (a padded vocabulary, eos in generation_config.json):
+  the text task reads it, experiments.generate encodes and decodes through it, and greedy
+  decoding equals transformers' generate(do_sample=False) for 20 tokens."""
+  from experiments import generate
+  tokenizers = pytest.importorskip("tokenizers")
+  from tests.test_tokenizer import EOS, write_tokenizer
+  torch.manual_seed(3)
+  config = transformers.LlamaConfig(**dict(SMALL, vocab_size=320), bos_token_id=0,
+                                    eos_token_id=EOS)
+  hf = transformers.LlamaForCausalLM(config).float().eval()
+  hf.save_pretrained(tmp_path / "hf")
+  tok_path = write_tokenizer(tmp_path / "hf", eos_in=None)   # save_pretrained wrote the eos
+  c = _text_config(tmp_path)
+  wd = str(tmp_path / "wd")
+  hf_interop.write_workdir(str(tmp_path / "hf"), wd, c)
+  recorded = json.loads((tmp_path / "wd" / "config.json").read_text())["data"]
+  assert recorded["tokenizer"] == str(tmp_path / "wd" / "tokenizer.json")
+  assert recorded["vocab_size"] == 320 and recorded.get("doc_token") is None
+  out = generate.generate(wd, "def f1(x):", max_new_tokens=20, temperature=0.0, top_k=0,
+                          top_p=1.0, seed=0, max_len=0, log=lambda _: None)
+  tok = tokenizers.Tokenizer.from_file(tok_path)
+  ids = tok.encode("def f1(x):", add_special_tokens=False).ids
+  assert out["prompt_tokens"] == [EOS] + ids   # a document's start, as the text task frames it
+  with torch.no_grad():
+    want = hf.generate(torch.tensor([out["prompt_tokens"]]), do_sample=False,
+                       max_new_tokens=20, eos_token_id=EOS, pad_token_id=EOS)
+  want = want[0, len(out["prompt_tokens"]):].tolist()
+  assert len(out["tokens"]) == 20 and out["tokens"] == want
+  assert out["text"] == tok.decode(want, skip_special_tokens=True)

@@ -46,6 +46,10 @@ Experiment files start from `base.get_config()` and override what they study. Fi
                           JAX_PROCESS_ID; see experiments/distributed.py)
   sweep.encodings         non-empty: train one run per encoding into WORKDIR/<encoding>/ and
                           write a comparison table to WORKDIR/report.md
+  convert.*               only in configs/convert.py (experiments.convert's distillation):
+                          teacher, teacher_step, stage 1's mse_steps, mse_batch_size,
+                          mse_seq_len (0 = data.seq_len), mse_learning_rate, mse_warmup_steps,
+                          the student's init_beta / init_forget_time; train.* is stage 2
   data.*                  see experiments/data.py (task, seq_len and the task's fields)
 """
 from __future__ import annotations

@@ -25,6 +25,12 @@ parts of a single file.
 Tokens: bytes 0..255, plus DOC = 256 which marks a document boundary. A document of
 bytes b_1..b_n becomes the pair (inputs = [DOC, b_1, ..., b_n], targets =
 [b_1, ..., b_n, DOC]): every byte is predicted, and so is the end of the file.
+
+With `data.tokenizer` (a tokenizer.json, experiments/tokenizer_json.py) a document is its
+text (UTF-8, invalid bytes replaced) encoded by that tokenizer without special tokens,
+t_1..t_m, framed the same way by the document token `data.doc_token` (None: the eos_token_id
+written beside the tokenizer file). The vocabulary is then the tokenizer's, or
+`data.vocab_size` when set (a checkpoint's vocabulary is often padded past its tokenizer's).
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ import os
 import sysconfig
 
 import numpy as np
+
+from experiments import tokenizer_json
 
 DOC = 256
 VOCAB_SIZE = 257
@@ -152,7 +160,10 @@ def split_files(config, split: str) -> tuple[str, list, int]:
   else:
     root, listed = list_text(config.text_dir)
   if len(listed) == 1:
-    return _split_one_file(root, *listed[0], split, config.valid_fraction)
+    root, docs, tokens = _split_one_file(root, *listed[0], split, config.valid_fraction)
+    if config.get("tokenizer"):
+      tokens = _token_count(root, tuple(docs), config.tokenizer)
+    return root, docs, tokens
   want_valid = {"train": False, "valid": True}[split]
   files = [(p, n) for p, n in listed if is_validation(p, config.valid_fraction) == want_valid]
   if config.max_files is not None:
@@ -164,16 +175,114 @@ def split_files(config, split: str) -> tuple[str, list, int]:
   if not files:
     raise ValueError(f"the {split} split of data.text_dir={root!r} is empty "
                      f"(data.valid_fraction={config.valid_fraction}); add files or change it")
+  docs = [p for p, _ in files]
+  if config.get("tokenizer"):
+    return root, docs, _token_count(root, tuple(docs), config.tokenizer)
   # Each document contributes its bytes plus one DOC token.
-  return root, [p for p, _ in files], sum(n + 1 for _, n in files)
+  return root, docs, sum(n + 1 for _, n in files)
 
 
-def read_document(root: str, doc) -> dict[str, np.ndarray]:
-  """One document as a next-token pair of int32 arrays of equal length (bytes + 1)."""
+def _read_bytes(root: str, doc) -> bytes:
   relpath, start, stop = (doc, 0, None) if isinstance(doc, str) else doc
   with open(os.path.join(root, relpath), "rb") as f:
     f.seek(start)
-    raw = f.read() if stop is None else f.read(stop - start)
+    return f.read() if stop is None else f.read(stop - start)
+
+
+def read_document(root: str, doc, *, tokenizer=None, doc_token: int = DOC
+                  ) -> dict[str, np.ndarray]:
+  """One document as a next-token pair of int32 arrays of equal length (tokens + 1): its
+  bytes, or its text's ids under `tokenizer` (a tokenizers.Tokenizer), framed by doc_token."""
+  raw = _read_bytes(root, doc)
+  if tokenizer is None:
     data = np.frombuffer(raw, np.uint8).astype(np.int32)
-  doc = np.concatenate([[DOC], data, [DOC]]).astype(np.int32)
+  else:
+    data = np.asarray(_encode(tokenizer, raw), np.int32)
+  doc = np.concatenate([[doc_token], data, [doc_token]]).astype(np.int32)
   return {"inputs": doc[:-1], "targets": doc[1:]}
+
+
+def _encode(tokenizer, raw: bytes) -> list[int]:
+  return tokenizer.encode(raw.decode("utf-8", errors="replace"), add_special_tokens=False).ids
+
+
+# --- a tokenizer instead of bytes ------------------------------------------------------
+
+
+def _tokenizer(config):
+  return tokenizer_json.load(config.tokenizer, field="data.tokenizer")
+
+
+def check_tokenizer(config) -> None:
+  """One ValueError naming the data.* field: tokenizer, doc_token and vocab_size together."""
+  path, vocab, doc = (config.get(f) for f in ("tokenizer", "vocab_size", "doc_token"))
+  if config.task != "text":
+    for field, value in (("tokenizer", path), ("vocab_size", vocab), ("doc_token", doc)):
+      if value is not None:
+        raise ValueError(f"data.{field}={value!r} is read by data.task='text' only; "
+                         f"unset it for data.task={config.task!r}")
+    return
+  if path is None and doc is not None:
+    raise ValueError(f"data.doc_token={doc!r} needs data.tokenizer (the byte corpus's "
+                     f"document token is {DOC})")
+  vocab_size(config)
+  doc_token(config)
+
+
+def vocab_size(config) -> int:
+  """The model's vocabulary for the text task: bytes + DOC, or the tokenizer's, or
+  data.vocab_size when set (not smaller than what the data holds)."""
+  own, what = VOCAB_SIZE, "the byte corpus's vocabulary"
+  if config.get("tokenizer"):
+    own, what = tokenizer_json.vocab_size(_tokenizer(config)), (
+        f"data.tokenizer={config.tokenizer!r}'s vocabulary")
+  wanted = config.get("vocab_size")
+  if wanted is None:
+    return own
+  if wanted < own:
+    raise ValueError(f"data.vocab_size={wanted} is smaller than {what} ({own}); set it to "
+                     f">= {own} or None")
+  return wanted
+
+
+def doc_token(config) -> int:
+  """The id that marks document boundaries (DOC for bytes)."""
+  if not config.get("tokenizer"):
+    return DOC
+  token = config.get("doc_token")
+  if token is None:
+    token = tokenizer_json.eos_beside(config.tokenizer)
+    if token is None:
+      raise ValueError(f"data.doc_token is None and no eos_token_id is written beside "
+                       f"data.tokenizer={config.tokenizer!r} (generation_config.json or "
+                       f"config.json); set data.doc_token to the id that ends a document")
+  vocab = vocab_size(config)
+  if not 0 <= token < vocab:
+    raise ValueError(f"data.doc_token={token} must lie in [0, {vocab}) (the vocabulary)")
+  return token
+
+
+class DocumentReader:
+  """doc -> read_document(...) for this config's tokenizer; picklable (the tokenizer is
+  loaded by path in each process that reads)."""
+
+  def __init__(self, config, root: str):
+    self.root, self.path = root, config.get("tokenizer")
+    self.doc_token = doc_token(config)
+
+  def __call__(self, doc) -> dict[str, np.ndarray]:
+    tok = None if self.path is None else tokenizer_json.load(self.path, field="data.tokenizer")
+    return read_document(self.root, doc, tokenizer=tok, doc_token=self.doc_token)
+
+
+@functools.lru_cache(maxsize=16)
+def _token_count_cached(root: str, docs: tuple, path: str, mtime: float) -> int:
+  del mtime  # part of the key: an edited tokenizer is counted again
+  tok = tokenizer_json.load(path, field="data.tokenizer")
+  return sum(len(_encode(tok, _read_bytes(root, d))) + 1 for d in docs)
+
+
+def _token_count(root: str, docs: tuple, path: str) -> int:
+  """Tokens the documents give under the tokenizer, one document token each included."""
+  tokenizer_json.load(path, field="data.tokenizer")  # its one-line errors first
+  return _token_count_cached(root, docs, path, os.path.getmtime(path))
