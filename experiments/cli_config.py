@@ -68,6 +68,17 @@ def _split_name_lists(config, fields) -> None:
       _set(config, field, tuple(p for x in value for p in x.split(",") if p))
 
 
+def start(argv: list[str]) -> None:
+  """What every command line does first: refuse positional arguments, and log at WARNING
+  unless --verbosity was given (Orbax and absl log every restore and save at INFO)."""
+  from absl import app
+  from absl import logging
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl.app.run's flags_parser: a flag error prints `error: ...` and exits with status 2."""
   try:

@@ -38,7 +38,6 @@ import time
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from experiments import cli_config
 
@@ -339,7 +338,6 @@ def _convert(config, workdir, *, mcfg, tcfg, data_module, stop_after, started) -
 
   from experiments import checkpoint
   from experiments import config_checks
-  from experiments import convert_student
   from experiments import report
   from experiments import run_config
   from experiments import train
@@ -544,10 +542,7 @@ def _plot_stages(records, path: str, title: str) -> None:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli_config.start(argv)
   from experiments import errors
   from experiments import train
   workdir = flags.FLAGS.workdir

@@ -14,7 +14,8 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
+
+from experiments import cli_config
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A run's workdir (holds checkpoints/).")
 _OUT = flags.DEFINE_string("out", None, "The directory to write.")
@@ -22,10 +23,7 @@ flags.mark_flags_as_required(["workdir", "out"])
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli_config.start(argv)
   from flax import nnx
 
   from experiments import errors

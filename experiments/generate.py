@@ -22,7 +22,8 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
+
+from experiments import cli_config
 
 from experiments.run_model import load_model  # noqa: F401  (experiments.generate.load_model)
 
@@ -102,10 +103,7 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int, temperature: flo
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:  # Orbax logs every restore at INFO
-    logging.set_verbosity(logging.WARNING)
+  cli_config.start(argv)
   try:
     result = generate(_WORKDIR.value, _PROMPT.value, max_new_tokens=_MAX_NEW.value,
                       temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,

@@ -26,7 +26,6 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from experiments import cli_config
 
@@ -37,10 +36,7 @@ flags.mark_flags_as_required(["checkpoint", "workdir"])
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli_config.start(argv)
   from experiments import errors
   from experiments import hf_interop
   try:

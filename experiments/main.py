@@ -32,7 +32,6 @@ import warnings
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from experiments import cli_config
 
@@ -75,14 +74,10 @@ def plan(config, workdir: str, *, data_module, num_devices: int) -> list[tuple]:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  # Orbax and JAX log every checkpoint step at INFO; the progress bar says enough.
+  cli_config.start(argv)
   # A compilation cache entry that cannot be written (a full disk) costs a recompile next time,
   # nothing else: the run's own error line says what failed.
   warnings.filterwarnings("ignore", message="Error writing persistent compilation cache entry")
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
   from experiments import distributed
 
   try:  # before anything asks JAX for its devices

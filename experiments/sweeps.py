@@ -45,7 +45,6 @@ import time
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from experiments import cli_config
 
@@ -189,10 +188,7 @@ def _write_results(config, summaries, results: str, prov: dict) -> None:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+  cli_config.start(argv)
   from experiments import results_writers
 
   config, workdir = _CONFIG.value, _WORKDIR.value
