@@ -49,8 +49,11 @@ def causal_dense_mask(T: int, segment_ids_BT=None):
 
 def segment_starts(segment_ids_BT):
   """True where a new packed segment begins (always at t = 0)."""
-  first = jnp.ones_like(segment_ids_BT[:, :1], dtype=bool)
-  return jnp.concatenate([first, segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+  # A shift by one (pad and slice) rather than a concatenation of slices: with T sharded
+  # over devices it is a one-token exchange with the neighbour, not a gather of T.
+  T = segment_ids_BT.shape[1]
+  previous = jnp.pad(segment_ids_BT, ((0, 0), (1, 0)))[:, :T]
+  return (jnp.arange(T) == 0) | (segment_ids_BT != previous)
 
 
 def segment_cumsum(x_BT, segment_ids_BT=None, *, exclusive: bool = False):

@@ -23,6 +23,7 @@ T / N) and memory ratio (its peak over that row's).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -50,6 +51,8 @@ def parse_args(argv=None):
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--vocab", type=int, default=32000)
   p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--scan-layers", action="store_true",
+                 help="the layers as one lax.scan (ModelConfig.scan_layers): one layer to compile")
   p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
   p.add_argument("--timeout", type=float, default=400, help="seconds per row")
   p.add_argument("--deadline", type=float, default=0, help="stop launching after this many s")
@@ -86,12 +89,18 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
   from experiments.configs import base
   from posenc_jax import model as model_lib
 
+  def progress(msg: str) -> None:
+    # stderr lines the parent keeps when a row fails or times out: they say how far it got.
+    print(f"[{time.perf_counter() - started:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+  started = time.perf_counter()
   if jax.device_count() < context:
     raise ValueError(f"context={context} needs {context} devices; this machine has "
                      f"{jax.device_count()}")
   mcfg = model_lib.ModelConfig(
       vocab_size=args.vocab, encoding=encoding, num_layers=args.layers, d_model=args.d_model,
-      num_heads=args.heads, head_dim=args.head_dim, block="llama", dtype=args.dtype)
+      num_heads=args.heads, head_dim=args.head_dim, block="llama", dtype=args.dtype,
+      scan_layers=args.scan_layers)
   devices = jax.devices()[:context]
   mesh = sharding.make_mesh(data=1, fsdp=1, context=context, devices=devices)
   trainer = train.Trainer(mcfg, base.get_config().train, mesh)
@@ -101,9 +110,13 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
   with jax.set_mesh(mesh):
     state = jax.block_until_ready(trainer.init_state(0))
     batches = [trainer.put(b) for b in host]
+    progress("state initialised, batches on the devices")
     t0 = time.perf_counter()
-    step = trainer.train_step.lower(state, batches[0]).compile()
+    lowered = trainer.train_step.lower(state, batches[0])
+    progress(f"lowered in {time.perf_counter() - t0:.1f} s")
+    step = lowered.compile()
     row["compile_s"] = time.perf_counter() - t0
+    progress(f"compiled in {row['compile_s']:.1f} s")
     losses, step_s = [], []
     for i in range(count - 1):
       t0 = time.perf_counter()
@@ -113,6 +126,7 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
         step_s.append(time.perf_counter() - t0)
       if i < args.loss_steps:
         losses.append(float(metrics["loss"]))
+      progress(f"step {i}: {(time.perf_counter() - t0) * 1e3:.1f} ms")
     if args.profile:
       with tempfile.TemporaryDirectory() as trace:
         with jax.profiler.trace(trace, create_perfetto_trace=True):
@@ -127,6 +141,8 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
              tokens_per_s_per_gpu=args.batch * seq_len / med / context,
              peak_gib=max(peaks) / 2**30 if all(p is not None for p in peaks) else None,
              device_kind=devices[0].device_kind, jax_version=jax.__version__,
+             layers=args.layers, d_model=args.d_model, heads=args.heads, head_dim=args.head_dim,
+             scan_layers=args.scan_layers,
              **shared.loss_summary(losses))
   return row
 
@@ -160,6 +176,7 @@ def run_all(args) -> None:
     argv = [sys.executable, "-m", "experiments.benchmarks.context_scaling",
             "--one", f"{encoding}:{seq_len}:{context}"] + sys.argv[1:]
     row = {"encoding": encoding, "seq_len": seq_len, "context": context, "batch": args.batch,
+           "layers": args.layers, "scan_layers": args.scan_layers,
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "error": None}
     t0 = time.time()
     try:
@@ -173,8 +190,10 @@ def run_all(args) -> None:
         tail = (out.stderr or out.stdout).strip().splitlines()
         row["error"] = f"exit {out.returncode}: {tail[-1][:300] if tail else ''}"
         row["log_tail"] = tail[-40:]
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
       row["error"] = f"timeout after {args.timeout:.0f} s"
+      err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+      row["log_tail"] = err.strip().splitlines()[-40:]
     row["wall_s"] = time.time() - t0
     with open(args.out, "a") as f:
       f.write(json.dumps(row) + "\n")
@@ -203,29 +222,30 @@ def _fmt(x, spec) -> str:
 def render_markdown(rows: list[dict]) -> str:
   latest = {}
   for r in rows:
-    latest[(r["encoding"], r["seq_len"], r["context"])] = r
+    layers = f"{r.get('layers', 12)}{' (scan)' if r.get('scan_layers') else ''}"
+    latest[(r["encoding"], layers, r["seq_len"], r["context"])] = r
   ok = {k: r for k, r in latest.items() if not r.get("error")}
   devices = sorted({r["device_kind"] for r in ok.values()})
   dates = sorted(r["date"] for r in latest.values())
   lines = ["# Context-parallel training", "",
            f"- machine: {', '.join(devices) or '-'}; date: "
            f"{dates[0] if dates else '-'} .. {dates[-1] if dates else '-'}",
-           "- model: llama-style, 12 heads of 64 unless a row says otherwise, bf16, batch 1 (the text task); "
-           "command in experiments/benchmarks/context_scaling.py",
+           "- model: llama-style, d_model 768, 12 heads of 64, vocabulary 32,000, bf16, batch 1 "
+           "(the text task); command in experiments/benchmarks/context_scaling.py",
            "- scaling: tokens/s per GPU over the same encoding's one-GPU row at T / context; "
            "memory: peak GiB over that row's", "",
-           "| encoding | T | context | tokens/s per GPU | step ms | scaling | peak GiB | "
+           "| encoding | layers | T | context | tokens/s per GPU | step ms | scaling | peak GiB | "
            "memory ratio | comm share | loss first > last |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-  for (e, t, c), r in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for (e, n, t, c), r in sorted(latest.items(), key=lambda kv: kv[0]):
     if r.get("error"):
-      lines.append(f"| {e} | {t:,} | {c} | error: {r['error'][:120]} | | | | | | |")
+      lines.append(f"| {e} | {n} | {t:,} | {c} | error: {r['error'][:120]} | | | | | | |")
       continue
-    base = ok.get((e, t // c, 1)) if c > 1 else None
+    base = ok.get((e, n, t // c, 1)) if c > 1 else None
     scale = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else None
     mem = (r["peak_gib"] / base["peak_gib"]
            if base and r.get("peak_gib") and base.get("peak_gib") else None)
-    lines.append(f"| {e} | {t:,} | {c} | {r['tokens_per_s_per_gpu']:,.0f} | "
+    lines.append(f"| {e} | {n} | {t:,} | {c} | {r['tokens_per_s_per_gpu']:,.0f} | "
                  f"{r['step_ms']:.1f} | {_fmt(scale, '.2f')} | {_fmt(r.get('peak_gib'), '.1f')} | "
                  f"{_fmt(mem, '.2f')} | {_fmt(r.get('comm_share'), '.1%')} | "
                  f"{r['loss_first']:.2f} > {r['loss_last']:.2f}"
@@ -237,6 +257,8 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   if args.one:
     encoding, seq_len, context = args.one.split(":")
+    # Before the parent's timeout kills this row, print where every thread is.
+    faulthandler.dump_traceback_later(max(args.timeout - 20, 1), exit=False)
     row = run_row(args, encoding, int(seq_len), int(context))
     print(ROW_PREFIX + json.dumps(row), flush=True)
     return

@@ -78,17 +78,22 @@ def _init_path_fox(key, dims, *, forget_time_min, forget_time_max, **hp):
 def short_conv(z_BTR, kernel_WR, segment_ids=None):
   """Causal depthwise convolution y_t = sum_m kernel[m] z_{t-m}, restarting at segment starts.
 
-  A tap reaches back to t - m only if no segment starts in (t - m, t]; counting starts (not
-  comparing ids) stays correct when ids repeat.
+  A tap reaches back to t - m only if no segment starts in (t - m, t]; looking at starts (not
+  comparing ids) stays correct when ids repeat. Only shifts by fewer than the kernel's width:
+  no running count over time, which a T sharded over devices (mesh.context) would turn into
+  a gather of T plus a sequential loop of T steps on the GPU.
   """
-  B, T, _ = z_BTR.shape
-  seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids
-  doc = jnp.cumsum(masking.segment_starts(seg), axis=1)          # document index per token
+  T = z_BTR.shape[1]
   out = kernel_WR[0] * z_BTR
+  starts = None if segment_ids is None else masking.segment_starts(segment_ids)
+  blocked = None                                         # a start in (t - m, t]
   for m in range(1, kernel_WR.shape[0]):
-    shifted = jnp.pad(z_BTR, ((0, 0), (m, 0), (0, 0)))[:, :T]
-    doc_m = jnp.pad(doc, ((0, 0), (m, 0)), constant_values=-1)[:, :T]
-    out = out + jnp.where((doc_m == doc)[..., None], kernel_WR[m] * shifted, 0.0)
+    tap = kernel_WR[m] * jnp.pad(z_BTR, ((0, 0), (m, 0), (0, 0)))[:, :T]
+    if starts is not None:
+      start_m = jnp.pad(starts, ((0, 0), (m - 1, 0)), constant_values=True)[:, :T]
+      blocked = start_m if blocked is None else blocked | start_m
+      tap = jnp.where(blocked[..., None], 0.0, tap)
+    out = out + tap
   return out
 
 
