@@ -43,9 +43,12 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from posenc_jax import attention
+from posenc_jax.context_parallel import mesh as cp_mesh
 from posenc_jax import encodings
 from posenc_jax import kv_cache
 
@@ -354,6 +357,37 @@ def _gather_fwd(V, table_VC, tokens):
 
 
 def _gather_bwd(V, tokens, ct):
+  axes = _token_mesh_axes(tokens.shape)
+  if not axes:
+    return _one_hot_table_grad(V, tokens, ct), None
+  # Tokens split over devices (batch axes, and T over "context"): each device adds up its
+  # own tokens and the partial tables are summed once. Left to the partitioner, the scan over
+  # chunks of the flattened tokens gathers every token and cotangent onto every device.
+  batch = tuple(a for a in axes if a != cp_mesh.AXIS) or None
+  spec = P(batch, cp_mesh.AXIS if cp_mesh.AXIS in axes else None)
+  local = jax.shard_map(lambda t, c: jax.lax.psum(_one_hot_table_grad(V, t, c), axes),
+                        in_specs=(spec, spec), out_specs=P(), axis_names=frozenset(axes),
+                        check_vma=False)
+  return local(tokens, ct), None
+
+
+def _token_mesh_axes(shape_BT) -> tuple[str, ...]:
+  """The axes of the current mesh that split tokens [B, T] as the trainer's batches are
+  (B over the batch axes, T over "context"), where the shape divides; () without a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or getattr(mesh, "empty", False):
+    return ()
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  batch = tuple(a for a in cp_mesh.batch_axes() if sizes[a] > 1)
+  n_batch = int(np.prod([sizes[a] for a in batch]))
+  n_ctx = sizes.get(cp_mesh.AXIS, 1)
+  if shape_BT[0] % n_batch or shape_BT[1] % n_ctx:
+    return ()
+  return batch + ((cp_mesh.AXIS,) if n_ctx > 1 else ())
+
+
+def _one_hot_table_grad(V, tokens, ct):
+  """one_hot(tokens)^T @ ct over chunks of ONE_HOT_GRAD_CHUNK tokens -> [V, C] float32."""
   ids_N, ct_NC = tokens.reshape(-1), ct.reshape(-1, ct.shape[-1])
   n = -(-ids_N.shape[0] // ONE_HOT_GRAD_CHUNK)
   pad = n * ONE_HOT_GRAD_CHUNK - ids_N.shape[0]
@@ -367,7 +401,7 @@ def _gather_bwd(V, tokens, ct):
     return acc_VC + jnp.dot(oh_KV.T, ct_KC, preferred_element_type=jnp.float32), None
 
   acc, _ = jax.lax.scan(add_chunk, jnp.zeros((V, ct.shape[-1]), jnp.float32), (ids_nK, ct_nKC))
-  return acc.astype(ct.dtype), None   # the cotangent has the table's dtype
+  return acc.astype(ct.dtype)   # the cotangent has the table's dtype
 
 
 _gather_one_hot_grad.defvjp(_gather_fwd, _gather_bwd)
