@@ -133,6 +133,8 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "divergence_margin": real(0.0),
         "divergence_patience": integer(0, note=" (0 = stop only at a NaN / inf loss)"),
         "allow_config_change": flag(),
+        "compile_cache_dir": Rule(lambda v: isinstance(v, str), "a directory ('' turns the "
+                                  "cache off; None: ~/.cache/posenc-jax/jax)", none=True),
     },
     "eval": {
         "lengths": integers(1, example="64,128 (() = data.seq_len only)"),

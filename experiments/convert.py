@@ -543,9 +543,11 @@ def _plot_stages(records, path: str, title: str) -> None:
 
 def main(argv) -> None:
   cli_config.start(argv)
+  from experiments import compilation
   from experiments import errors
   from experiments import train
   workdir = flags.FLAGS.workdir
+  compilation.enable_cache(flags.FLAGS["config"].value.train.get("compile_cache_dir"))
   try:
     summary = run(flags.FLAGS["config"].value, workdir)
   except (ValueError, errors.RunError) as e:

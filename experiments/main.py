@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import warnings
 
 from absl import app
 from absl import flags
@@ -75,9 +74,6 @@ def plan(config, workdir: str, *, data_module, num_devices: int) -> list[tuple]:
 
 def main(argv) -> None:
   cli_config.start(argv)
-  # A compilation cache entry that cannot be written (a full disk) costs a recompile next time,
-  # nothing else: the run's own error line says what failed.
-  warnings.filterwarnings("ignore", message="Error writing persistent compilation cache entry")
   from experiments import distributed
 
   try:  # before anything asks JAX for its devices
@@ -87,12 +83,14 @@ def main(argv) -> None:
     sys.exit(2)
   import jax
 
+  from experiments import compilation
   from experiments import data
   from experiments import errors
   from experiments import report
   from experiments import train
 
   config, workdir = _CONFIG.value, _WORKDIR.value
+  compilation.enable_cache(config.train.get("compile_cache_dir"))
   try:
     for note in cli_config.follow_explicit(config, cli_config.explicit_fields(),
                                            swept=cli_config.ENCODING_SWEEP):

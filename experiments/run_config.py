@@ -24,9 +24,9 @@ CONFIG = "config.json"
 ABSENT = "<absent>"
 # Field names, or prefixes ending in "." / "_", that may differ when a run resumes.
 CHANGEABLE = ("train.steps", "train.warmup_steps", "train.log_every", "train.checkpoint_every",
-              "train.allow_config_change", "train.divergence_", "eval.", "mesh.", "sweep.", "distributed.",
-              "data.read_threads", "data.prefetch_batches", "model.implementation",
-              "model.scan_layers")
+              "train.allow_config_change", "train.compile_cache_dir", "train.divergence_",
+              "eval.", "mesh.", "sweep.", "distributed.", "data.read_threads",
+              "data.prefetch_batches", "model.implementation", "model.scan_layers")
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

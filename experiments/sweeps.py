@@ -197,6 +197,8 @@ def main(argv) -> None:
     return
   if not workdir:
     raise app.UsageError("--workdir is required (except with --gather)")
+  from experiments import compilation
+  compilation.enable_cache(config.train.get("compile_cache_dir"))
   started = time.time()
   interrupted = None
   try:

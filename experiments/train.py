@@ -31,6 +31,7 @@ from flax import nnx
 from flax import traverse_util
 
 from experiments import checkpoint
+from experiments import compilation
 from experiments import config_checks
 from experiments import distributed
 from experiments import divergence
@@ -142,6 +143,18 @@ class Trainer:
   def abstract_state(self):
     """The train state's shapes, dtypes and shardings (what a restore fills in)."""
     return checkpoint.abstract(self._abstract, self.state_shardings)
+
+
+@contextlib.contextmanager
+def _compile_report(bar):
+  """Around a segment's first step: writes the time it spent compiling on its own line above
+  the progress bar (None: nothing)."""
+  if bar is None:
+    yield
+    return
+  with compilation.timed() as spent:
+    yield
+  bar.write(compilation.describe(spent), file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -263,8 +276,10 @@ def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: floa
                       dynamic_ncols=True, mininterval=0.5)
       losses = _Losses(guard, first_step=step + 1)
       pending, window_start = [], time.time()
+      first_step = step
       while step < last and not sigterm["set"]:
-        state, metrics = trainer.train_step(state, trainer.put(next(train_iter)))
+        with _compile_report(bar if primary and step == first_step else None):
+          state, metrics = trainer.train_step(state, trainer.put(next(train_iter)))
         step += 1
         pending.append(metrics)
         losses.add(metrics["loss"])
