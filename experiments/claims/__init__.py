@@ -36,7 +36,8 @@ UNTESTED = (
             "ALiBi at GPU scale", "untested",
             "the GPU sweep evaluates to 32x and ran only the Q/K/V rotations"),
     Verdict("PaTH Table 1 / Fig. 2", "SBA (stick-breaking attention) as a baseline", "untested",
-            "SBA is not implemented"),
+            "SBA is an encoding here ('sba', in the flip-flop, MQRAR and A5 GPU configs) "
+            "but the committed runs predate it"),
     Verdict("PaTH Fig. 1", "PaTH's kernel speed against RoPE and FoX kernels across lengths",
             "untested", "no such plot; kernel timings against FLA and cuDNN are in "
             "docs/benchmarks/path_kernel.md"),
