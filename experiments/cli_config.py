@@ -79,6 +79,27 @@ def start(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
 
 
+def finish_run(run, workdir: str, *, config_errors: tuple = ()) -> dict:
+  """run() -> its summary, as a command line ends a training run: a workdir or train-field
+  problem (errors.RunError, or one of `config_errors`) is one `error:` line and exit 2, a
+  diverged loss exit 1, an interrupted run (SIGTERM) the resume hint and exit 143."""
+  from experiments import errors
+  from experiments import train
+  try:
+    summary = run()
+  except (errors.RunError, *config_errors) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    errors.exit_quietly(2)
+  except train.TrainingDiverged as e:
+    print(f"error: {workdir}: {e}", file=sys.stderr)
+    sys.exit(1)
+  if summary["interrupted"]:
+    print(f"stopped at step {summary['step']} (SIGTERM); run the same command to resume",
+          file=sys.stderr)
+    sys.exit(143)
+  return summary
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl.app.run's flags_parser: a flag error prints `error: ...` and exits with status 2."""
   try:

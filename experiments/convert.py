@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 from absl import app
@@ -544,22 +543,9 @@ def _plot_stages(records, path: str, title: str) -> None:
 def main(argv) -> None:
   cli_config.start(argv)
   from experiments import compilation
-  from experiments import errors
-  from experiments import train
-  workdir = flags.FLAGS.workdir
-  compilation.enable_cache(flags.FLAGS["config"].value.train.get("compile_cache_dir"))
-  try:
-    summary = run(flags.FLAGS["config"].value, workdir)
-  except (ValueError, errors.RunError) as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    errors.exit_quietly(2)
-  except train.TrainingDiverged as e:
-    print(f"error: {workdir}: {e}", file=sys.stderr)
-    sys.exit(1)
-  if summary["interrupted"]:
-    print(f"stopped at step {summary['step']} (SIGTERM); run the same command to resume",
-          file=sys.stderr)
-    sys.exit(143)
+  config, workdir = flags.FLAGS["config"].value, flags.FLAGS.workdir
+  compilation.enable_cache(config.train.get("compile_cache_dir"))
+  cli_config.finish_run(lambda: run(config, workdir), workdir, config_errors=(ValueError,))
   with open(os.path.join(workdir, "report.md")) as f:
     print(f.read())
 

@@ -26,6 +26,7 @@ WORKDIR/NAME/) and says so.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 
@@ -85,7 +86,6 @@ def main(argv) -> None:
 
   from experiments import compilation
   from experiments import data
-  from experiments import errors
   from experiments import report
   from experiments import train
 
@@ -101,19 +101,8 @@ def main(argv) -> None:
     sys.exit(2)
   summaries = []
   for c, w, mcfg in runs:
-    try:
-      summary = train.run(c, w, data_module=data, mcfg=mcfg)
-    except errors.RunError as e:  # the workdir (in use, unwritable, damaged) or a train field
-      print(f"error: {e}", file=sys.stderr, flush=True)
-      errors.exit_quietly(2)
-    except train.TrainingDiverged as e:
-      print(f"error: {w}: {e}", file=sys.stderr)
-      sys.exit(1)
-    if summary["interrupted"]:
-      print(f"stopped at step {summary['step']} (SIGTERM); run the same command to resume",
-            file=sys.stderr)
-      sys.exit(143)
-    summaries.append(summary)
+    summaries.append(cli_config.finish_run(
+        functools.partial(train.run, c, w, data_module=data, mcfg=mcfg), w))
   if jax.process_index() == 0:
     if config.sweep.encodings:
       table = report.write_sweep_report(workdir, summaries)

@@ -43,7 +43,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -357,7 +356,7 @@ def _gather_fwd(V, table_VC, tokens):
 
 
 def _gather_bwd(V, tokens, ct):
-  axes = _token_mesh_axes(tokens.shape)
+  axes = cp_mesh.token_axes(*tokens.shape) if tokens.ndim == 2 else ()
   if not axes:
     return _one_hot_table_grad(V, tokens, ct), None
   # Tokens split over devices (batch axes, and T over "context"): each device adds up its
@@ -369,21 +368,6 @@ def _gather_bwd(V, tokens, ct):
                         in_specs=(spec, spec), out_specs=P(), axis_names=frozenset(axes),
                         check_vma=False)
   return local(tokens, ct), None
-
-
-def _token_mesh_axes(shape_BT) -> tuple[str, ...]:
-  """The axes of the current mesh that split tokens [B, T] as the trainer's batches are
-  (B over the batch axes, T over "context"), where the shape divides; () without a mesh."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or getattr(mesh, "empty", False):
-    return ()
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  batch = tuple(a for a in cp_mesh.batch_axes() if sizes[a] > 1)
-  n_batch = int(np.prod([sizes[a] for a in batch]))
-  n_ctx = sizes.get(cp_mesh.AXIS, 1)
-  if shape_BT[0] % n_batch or shape_BT[1] % n_ctx:
-    return ()
-  return batch + ((cp_mesh.AXIS,) if n_ctx > 1 else ())
 
 
 def _one_hot_table_grad(V, tokens, ct):

@@ -141,8 +141,6 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
              tokens_per_s_per_gpu=args.batch * seq_len / med / context,
              peak_gib=max(peaks) / 2**30 if all(p is not None for p in peaks) else None,
              device_kind=devices[0].device_kind, jax_version=jax.__version__,
-             layers=args.layers, d_model=args.d_model, heads=args.heads, head_dim=args.head_dim,
-             scan_layers=args.scan_layers,
              **shared.loss_summary(losses))
   return row
 
@@ -176,7 +174,8 @@ def run_all(args) -> None:
     argv = [sys.executable, "-m", "experiments.benchmarks.context_scaling",
             "--one", f"{encoding}:{seq_len}:{context}"] + sys.argv[1:]
     row = {"encoding": encoding, "seq_len": seq_len, "context": context, "batch": args.batch,
-           "layers": args.layers, "scan_layers": args.scan_layers,
+           "layers": args.layers, "d_model": args.d_model, "heads": args.heads,
+           "head_dim": args.head_dim, "scan_layers": args.scan_layers,
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "error": None}
     t0 = time.time()
     try:

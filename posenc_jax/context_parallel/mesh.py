@@ -36,6 +36,24 @@ def batch_axes() -> tuple[str, ...]:
   return tuple(a for a in BATCH_AXES if mesh is not None and a in mesh.axis_names)
 
 
+def token_axes(B: int, T: int) -> tuple[str, ...]:
+  """The axes of the current mesh that split tokens [B, T] as the trainer's batches are split
+  (B over the batch axes, T over "context"), those of size one left out; () without a mesh
+  or where B or T does not divide."""
+  mesh = _abstract_mesh()
+  if mesh is None:
+    return ()
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  batch = tuple(a for a in batch_axes() if sizes[a] > 1)
+  n_batch = 1
+  for a in batch:
+    n_batch *= sizes[a]
+  n_ctx = sizes.get(AXIS, 1)
+  if B % n_batch or T % n_ctx:
+    return ()
+  return batch + ((AXIS,) if n_ctx > 1 else ())
+
+
 def run_sharded(fn: Callable, sequence_args, other_args=(), *, out_time_axes=None):
   """fn(*local_sequence_args, *other_args) once per device, under jax.shard_map.
 
