@@ -16,6 +16,7 @@ for its devices: after that the process has committed to being alone.
 from __future__ import annotations
 
 import os
+import time
 
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
        "process_id": "JAX_PROCESS_ID"}
@@ -84,6 +85,29 @@ def initialize(cfg, *, detect: bool = False) -> bool:
     raise ValueError(f"jax.distributed.initialize({shown}) failed: {lines[0]}; check that "
                      f"process 0 runs and that every process names its address") from None
   return True
+
+
+# How long process 0 keeps the coordination service up after every client has passed the
+# shutdown barrier. The peers still cancel their calls then; XLA's gRPC server aborts the
+# process (`Check failed: queue.Pop() == nullptr`) when one of them arrives while it is
+# being destroyed, which jax.distributed.shutdown does right after the barrier.
+SERVICE_GRACE_S = 1.0
+
+
+def shutdown() -> None:
+  """Ends jax.distributed: the clients (a barrier of all processes), then, SERVICE_GRACE_S
+  later, process 0's coordination service. Safe to call when it never started."""
+  import jax
+  from jax._src import distributed as jax_distributed  # the service is not public API
+
+  state = getattr(jax_distributed, "global_state", None)
+  service = getattr(state, "service", None)
+  if service is not None:
+    state.service = None  # jax.distributed.shutdown below leaves it to us
+  jax.distributed.shutdown()
+  if service is not None:
+    time.sleep(SERVICE_GRACE_S)
+    service.shutdown()
 
 
 def process_rows(batch_sharding, shape: tuple[int, ...]) -> tuple[int, int]:

@@ -78,10 +78,18 @@ def main(argv) -> None:
   from experiments import distributed
 
   try:  # before anything asks JAX for its devices
-    distributed.initialize(_CONFIG.value.get("distributed"), detect=_DISTRIBUTED.value)
+    several = distributed.initialize(_CONFIG.value.get("distributed"),
+                                     detect=_DISTRIBUTED.value)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  _run(_CONFIG.value, _WORKDIR.value)
+  if several:  # on an error, jax's own exit handler ends it as before
+    distributed.shutdown()
+
+
+def _run(config, workdir) -> None:
+  """Trains every run that config names (one, or one per swept encoding) and reports."""
   import jax
 
   from experiments import compilation
@@ -89,7 +97,6 @@ def main(argv) -> None:
   from experiments import report
   from experiments import train
 
-  config, workdir = _CONFIG.value, _WORKDIR.value
   compilation.enable_cache(config.train.get("compile_cache_dir"))
   try:
     for note in cli_config.follow_explicit(config, cli_config.explicit_fields(),

@@ -179,3 +179,33 @@ def test_pair_on_a_locked_workdir_stops_in_both_processes(tmp_path):
   errors = [[line for line in out.splitlines() if line.startswith("error: ")] for out in outs]
   assert len(errors[0]) == 1 and "is in use by another run" in errors[0][0], outs[0]
   assert len(errors[1]) == 1 and "process 0 could not take run.lock" in errors[1][0], outs[1]
+
+
+def test_shutdown_ends_the_service_after_the_clients(monkeypatch):
+  """Process 0's coordination service outlives the clients' shutdown barrier by
+  SERVICE_GRACE_S (the peers' last calls would otherwise reach a server being destroyed);
+  without a service (process > 0, or one process) only the clients end."""
+  from jax._src import distributed as jax_distributed
+
+  events = []
+
+  class Service:
+    def shutdown(self):
+      events.append("service")
+
+  class State:
+    def __init__(self, service):
+      self.service = service
+
+    def shutdown(self):  # what jax.distributed.shutdown calls
+      events.append(("clients", self.service))
+
+  monkeypatch.setattr(distributed.time, "sleep", lambda s: events.append(("sleep", s)))
+  monkeypatch.setattr(jax_distributed, "global_state", State(Service()))
+  distributed.shutdown()
+  assert events == [("clients", None), ("sleep", distributed.SERVICE_GRACE_S), "service"]
+  assert distributed.SERVICE_GRACE_S >= 0.5
+  events.clear()
+  monkeypatch.setattr(jax_distributed, "global_state", State(None))
+  distributed.shutdown()
+  assert events == [("clients", None)]
