@@ -431,6 +431,9 @@ def tapa_attention(q, k, v, *, alpha=0.1, theta=0.5, linear_phase=False, segment
 
   q [B, T, H, D]; k, v [B, T, K, D]; the first round(theta * D) channels are the amplitude
   part, the rest the phase part. `linear_phase` is the paper's ablation (`tapa_linear`).
+  implementation "pallas": kernels_pallas.tapa_attention (Triton on a GPU, the Pallas
+  interpreter on a CPU; no TPU form); None picks "reference" or "chunked"
+  (auto_implementation).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)
@@ -440,7 +443,15 @@ def tapa_attention(q, k, v, *, alpha=0.1, theta=0.5, linear_phase=False, segment
     raise ValueError(f"theta={theta} with head_dim D={D} leaves an empty amplitude or phase part")
   if alpha < 0:
     raise ValueError(f"alpha={alpha} must be >= 0")
-  impl = _pick(implementation, "tapa", ("reference", "chunked"), q, v, segment_ids)
+  impl = _pick(implementation, "tapa", ("reference", "chunked", "pallas"), q, v, segment_ids)
+  if impl == "pallas":
+    if jax.default_backend() == "tpu":
+      raise ValueError("implementation='pallas' for TAPA has no TPU form (Triton on a GPU, the "
+                       "interpreter on a CPU): use None (auto), 'chunked' or 'reference'")
+    import kernels_pallas  # imported lazily: the kernels are optional on CPU
+    return kernels_pallas.tapa_attention(q, k, v, alpha=alpha, theta=theta,
+                                         linear_phase=linear_phase, segment_ids=segment_ids,
+                                         interpret=jax.default_backend() == "cpu")
   fn = {"reference": tapa.tapa_attention_reference, "chunked": tapa.tapa_attention_chunked}[impl]
   return fn(q, k, v, alpha=alpha, theta=theta, linear_phase=linear_phase, segment_ids=segment_ids)
 

@@ -1,0 +1,211 @@
+"""tapa_attention: the public function, its custom VJP and the three launches.
+
+The wrapper splits each head into its amplitude (first A channels) and phase parts, so that a
+kernel reads two power-of-two-wide operands instead of slicing channels in a tile; for the
+linear phase it passes the phase channels' float32 sums instead (the tile needs only
+sq_i + sk_j, and autodiff of the sum spreads d sq over the channels). Time is padded to whole
+tiles at the end and the channel parts to powers of two >= 16 (zeros change no product). The
+custom_vjp core sees the padded operands, so autodiff of the splits, pads and slices carries
+the cotangents back to the caller's shapes and dtypes.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kernels_pallas.path_attention import launch
+from kernels_pallas.tapa_attention import kernels
+
+DEFAULT_BLOCK_Q = 64
+DEFAULT_BLOCK_K = 64
+WARPS = 4
+STAGES = 2
+
+
+def split_sizes(theta: float, head_dim: int) -> tuple[int, int]:
+  """(A, P): the amplitude and phase widths, A = round(theta * head_dim)."""
+  a = int(round(theta * head_dim))
+  return a, head_dim - a
+
+
+def _pow2(n: int) -> int:
+  return max(16, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def _tile(requested, default: int, T: int, name: str) -> int:
+  if requested is not None and (requested < 16 or requested & (requested - 1)):
+    raise ValueError(f"tapa_attention: {name}={requested} must be a power of two >= 16")
+  return min(requested or default, _pow2(T))
+
+
+def _pad(x, axis: int, size: int, value=0):
+  if x is None or x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = False,
+                   segment_ids=None, block_q=None, block_k=None, interpret: bool = False):
+  """Causal TAPA attention (docs/encodings/tapa.md#tapa) -> o [B, T, H, Dv] in v's dtype.
+
+  l_ij = (q_A . k_A / sqrt(A)) cos(2 pi |i - j|^alpha phi_ij), A = round(theta D) channels
+  of amplitude, P = D - A of phase; phi_ij = q_P . k_P / sqrt(P), or with linear_phase
+  (sum(q_P) + sum(k_P)) / sqrt(P). q [B, T, H, D]; k [B, T, K, D]; v [B, T, K, Dv] (query
+  head h reads kv head h // (H // K)); segment_ids [B, T] int or None (one document).
+  Products read q and k in k's dtype and accumulate in float32. Differentiable in q, k and v.
+  interpret=True runs the Pallas interpreter (CPU); otherwise the Triton kernels (GPU).
+  """
+  B, T, H, D = q.shape
+  if k.ndim != 4 or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+    raise ValueError(f"tapa_attention: k {k.shape} must be [B, T, K, D] with q {q.shape}'s "
+                     "B, T and D")
+  K = k.shape[2]
+  if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"tapa_attention: v {v.shape} must be [B, T, K, Dv] with k {k.shape}")
+  if H % K:
+    raise ValueError(f"tapa_attention: query heads {H} must be a multiple of kv heads {K}")
+  A, P = split_sizes(theta, D)
+  if not (A >= 1 and P >= 1):
+    raise ValueError(f"tapa_attention: theta={theta} with head_dim {D} leaves an empty "
+                     "amplitude or phase part")
+  if alpha < 0:
+    raise ValueError(f"tapa_attention: alpha={alpha} must be >= 0")
+  if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
+    raise ValueError(f"tapa_attention: segment_ids has shape {tuple(segment_ids.shape)}, "
+                     f"expected {(B, T)}")
+  bq = _tile(block_q, DEFAULT_BLOCK_Q, T, "block_q")
+  bk = _tile(block_k, DEFAULT_BLOCK_K, T, "block_k")
+  Tp = -(-T // max(bq, bk)) * max(bq, bk)
+  dtype = k.dtype
+  q = q.astype(dtype)
+  pad = lambda x, width: _pad(_pad(x, 1, Tp), 3, width)  # noqa: E731
+  qa, ka = pad(q[..., :A], _pow2(A)), pad(k[..., :A], _pow2(A))
+  if linear_phase:
+    qp = kp = None
+    qs = _pad(q[..., A:].astype(jnp.float32).sum(-1), 1, Tp)
+    ks = _pad(k[..., A:].astype(jnp.float32).sum(-1), 1, Tp)
+  else:
+    qp, kp = pad(q[..., A:], _pow2(P)), pad(k[..., A:], _pow2(P))
+    qs = ks = None
+  Dv = v.shape[3]
+  vp = pad(v.astype(dtype), _pow2(Dv))
+  seg = None if segment_ids is None else _pad(segment_ids.astype(jnp.int32), 1, Tp, value=-1)
+  backend = "interpret" if interpret else "gpu"
+  precision = launch.float32_precision(backend) if jnp.dtype(dtype).itemsize == 4 else None
+  st = kernels.Static(alpha=float(alpha), a_scale=1.0 / math.sqrt(A), p_scale=1.0 / math.sqrt(P),
+                      linear_phase=bool(linear_phase), block_q=bq, block_k=bk,
+                      precision=precision, v_precision=precision)
+  o = _attention((st, backend), qa, ka, qp, kp, qs, ks, vp, seg)
+  return o[:, :T, :, :Dv].astype(v.dtype)
+
+
+def _with_nones(kernel, present):
+  """The kernel called with None in place of each absent operand."""
+  def run(*refs):
+    refs = list(refs)
+    kernel(*[refs.pop(0) if p else None for p in present])
+  run.__name__ = kernel.func.__name__
+  return run
+
+
+def _call(backend, kernel, grid, operands, outs, st):
+  """pallas_call over `grid`; operands and outs are (array / ShapeDtypeStruct or None,
+  BlockSpec) pairs, None meaning absent."""
+  present = [x is not None for x, _ in operands] + [x is not None for x, _ in outs]
+  body = _with_nones(functools.partial(kernel, st=st), present)
+  return launch.call(body, grid, [s for x, s in operands if x is not None],
+                     [s for x, s in outs if x is not None],
+                     [x for x, _ in outs if x is not None], backend=backend, warps=WARPS,
+                     stages=STAGES)(*[x for x, _ in operands if x is not None])
+
+
+def _f32(*shape):
+  return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _width(x):
+  return None if x is None else x.shape[-1]
+
+
+def _query_major(st, qa, ka, qp, kp, qs, ks, v, seg):
+  """Specs of a launch with one program per (query tile, head, batch) reading every key."""
+  T, G = qa.shape[1], qa.shape[2] // ka.shape[2]
+  bq = st.block_q
+  tile = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0))  # noqa: E731
+  keys = lambda d: pl.BlockSpec((None, T, None, d), lambda i, h, b: (b, 0, h // G, 0))  # noqa
+  rows = pl.BlockSpec((None, bq, None), lambda i, h, b: (b, i, h))
+  key_rows = pl.BlockSpec((None, T, None), lambda i, h, b: (b, 0, h // G))
+  return dict(
+      tile=tile, rows=rows,
+      inputs=[(qa, tile(_width(qa))), (ka, keys(_width(ka))), (qp, tile(_width(qp))),
+              (kp, keys(_width(kp))), (qs, rows), (ks, key_rows), (v, keys(_width(v))),
+              (seg, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
+              (seg, pl.BlockSpec((None, T), lambda i, h, b: (b, 0)))])
+
+
+def _forward(cfg, qa, ka, qp, kp, qs, ks, v, seg):
+  st, backend = cfg
+  B, T, H, _ = qa.shape
+  m = _query_major(st, qa, ka, qp, kp, qs, ks, v, seg)
+  outs = [(_f32(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])), (_f32(B, T, H), m["rows"])]
+  return _call(backend, kernels.forward_kernel, (T // st.block_q, H, B), m["inputs"], outs, st)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, qa, ka, qp, kp, qs, ks, v, seg):
+  return _forward(cfg, qa, ka, qp, kp, qs, ks, v, seg)[0]
+
+
+def _attention_fwd(cfg, qa, ka, qp, kp, qs, ks, v, seg):
+  o, lse = _forward(cfg, qa, ka, qp, kp, qs, ks, v, seg)
+  return o, (qa, ka, qp, kp, qs, ks, v, seg, o, lse)
+
+
+def _attention_bwd(cfg, res, do):
+  st, backend = cfg
+  qa, ka, qp, kp, qs, ks, v, seg, o, lse = res
+  B, T, H, _ = qa.shape
+  K = ka.shape[2]
+  G = H // K
+  delta = jnp.sum(do * o, axis=-1)
+  do = do.astype(v.dtype)
+
+  # dq: one program per (query tile, head, batch)
+  m = _query_major(st, qa, ka, qp, kp, qs, ks, v, seg)
+  inputs = m["inputs"] + [(do, m["tile"](_width(do))), (lse, m["rows"]), (delta, m["rows"])]
+  outs = [(_f32(*qa.shape), m["tile"](_width(qa))),
+          (None if qp is None else _f32(*qp.shape), m["tile"](_width(qp))),
+          (None if qs is None else _f32(B, T, H), m["rows"])]
+  dqa, *rest = _call(backend, kernels.dq_kernel, (T // st.block_q, H, B), inputs, outs, st)
+  dqp, dqs = (rest[0], None) if qp is not None else (None, rest[0])
+
+  # dk, dv: one program per (key tile, kv head, batch); the group's query heads whole in time
+  bk = st.block_k
+  group = lambda d: pl.BlockSpec((None, T, G, d), lambda j, h, b: (b, 0, h, 0))  # noqa: E731
+  ktile = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0))  # noqa
+  group_rows = pl.BlockSpec((None, T, G), lambda j, h, b: (b, 0, h))
+  key_rows = pl.BlockSpec((None, bk, None), lambda j, h, b: (b, j, h))
+  inputs = [(qa, group(_width(qa))), (ka, ktile(_width(ka))), (qp, group(_width(qp))),
+            (kp, ktile(_width(kp))), (qs, group_rows), (ks, key_rows), (v, ktile(_width(v))),
+            (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
+            (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
+            (do, group(_width(do))), (lse, group_rows), (delta, group_rows)]
+  outs = [(_f32(*ka.shape), ktile(_width(ka))),
+          (None if kp is None else _f32(*kp.shape), ktile(_width(kp))),
+          (None if ks is None else _f32(B, T, K), key_rows),
+          (_f32(*v.shape), ktile(_width(v)))]
+  dka, *rest = _call(backend, kernels.dkv_kernel, (T // bk, K, B), inputs, outs, st)
+  dkp, dks = (rest[0], None) if kp is not None else (None, rest[0])
+  dv = rest[-1]
+  cast = lambda x, like: None if x is None else x.astype(like.dtype)  # noqa: E731
+  return (cast(dqa, qa), cast(dka, ka), cast(dqp, qp), cast(dkp, kp), dqs, dks,
+          cast(dv, v), None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

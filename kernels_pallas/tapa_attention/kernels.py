@@ -1,0 +1,222 @@
+"""The three kernel bodies of causal TAPA attention: forward (online softmax over the key
+tiles up to the diagonal), dk/dv (one key tile against the query tiles from the diagonal on,
+for each head of its GQA group) and dq (one query tile against the key tiles up to the
+diagonal).
+
+A tile's logit is l = amp cos(theta), with
+
+  amp   = a_scale q_A . k_A
+  theta = 2 pi |i - j|^alpha ph,   ph = p_scale q_P . k_P       (quadratic phase)
+                                   ph = p_scale (sq_i + sk_j)    (linear phase: sq, sk are the
+                                                                  rows' phase-channel sums)
+
+and its cotangent ds = dl splits into d amp = ds cos(theta) and
+d ph = -ds amp sin(theta) 2 pi |i - j|^alpha, which the products carry back to the amplitude
+and phase channels (or, for the linear phase, sum along the tile into the per-row sums).
+
+Refs are time-major, cut by api.py's BlockSpecs: a query tile [bq, X], a whole key sequence
+[T, X] read a tile at a time, a group's queries [T, G, X] read one head at a time. Per-row
+vectors (phase sums, lse, delta, segment ids) are 1-D. Positions are the time indices: the
+caller pads T at the end, and a padded query (sliced off, zero cotangent) or key (seen only by
+padded queries, which are later in time) changes no real row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas.path_attention.tiles import NEG_INF, dot
+
+TWO_PI = 2.0 * math.pi
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """What the bodies need to know at trace time."""
+  alpha: float
+  a_scale: float        # 1 / sqrt(A)
+  p_scale: float        # 1 / sqrt(P)
+  linear_phase: bool
+  block_q: int
+  block_k: int
+  precision: object     # of the q.k products (None: the inputs' own)
+  v_precision: object   # of the products with v and dO
+
+
+def _distance_power(dist, alpha: float):
+  """|i - j|^alpha of the (non-negative on visible entries) distances, 0^alpha = [alpha == 0]."""
+  d = dist.astype(jnp.float32)
+  if alpha == 0.0:
+    return jnp.ones_like(d)
+  return jnp.where(d > 0, jnp.exp(alpha * jnp.log(jnp.maximum(d, 1.0))), 0.0)
+
+
+def _parts(st: Static, ra, ca, rp, cp, rs, cs, dist):
+  """(amp, theta, 2 pi |i-j|^alpha) of a tile whose rows read ra/rp/rs and columns ca/cp/cs
+  (queries x keys, or keys x queries: the same products, transposed)."""
+  amp = st.a_scale * dot(ra, ca, tb=True, precision=st.precision)
+  if st.linear_phase:
+    ph = st.p_scale * (rs[:, None] + cs[None, :])
+  else:
+    ph = st.p_scale * dot(rp, cp, tb=True, precision=st.precision)
+  w = TWO_PI * _distance_power(dist, st.alpha)
+  return amp, w * ph, w
+
+
+def _visible(dist, seg_r, seg_c):
+  """Causal (dist = i - j >= 0) and, with segment ids, the same document."""
+  ok = dist >= 0
+  if seg_r is not None:
+    ok = ok & (seg_r[:, None] == seg_c[None, :])
+  return ok
+
+
+def _read(ref, rows):
+  return None if ref is None else ref[rows]
+
+
+def forward_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref,
+                   o_ref, lse_ref, *, st: Static):
+  """qa [bq, A], ka [T, A], (qp [bq, P], kp [T, P]) or (qs [bq], ks [T]), v [T, Dv],
+  (sq [bq], sk [T]) -> o [bq, Dv], lse [bq] float32."""
+  bq, bk = st.block_q, st.block_k
+  q0 = pl.program_id(0) * bq
+  qa = qa_ref[...]
+  qp = None if qp_ref is None else qp_ref[...]
+  qs = None if qs_ref is None else qs_ref[...]
+  sq = None if sq_ref is None else sq_ref[...]
+  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+  n = pl.cdiv(q0 + bq, bk)   # the key tiles up to the diagonal
+
+  def body(j, carry):
+    m_i, l_i, acc = carry
+    k0 = pl.multiple_of(j * bk, bk)
+    rows = pl.ds(k0, bk)
+    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    amp, theta, _ = _parts(st, qa, ka_ref[rows, :], qp, _read(kp_ref, (rows, slice(None))),
+                           qs, _read(ks_ref, rows), dist)
+    ok = _visible(dist, sq, _read(sk_ref, rows))
+    s = jnp.where(ok, amp * jnp.cos(theta), NEG_INF)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    corr = jnp.exp(m_i - m_new)
+    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)   # a row masked so far: s == m_new
+    v = v_ref[rows, :]
+    acc = corr[:, None] * acc + dot(p.astype(v.dtype), v, precision=st.v_precision)
+    return m_new, corr * l_i + jnp.sum(p, axis=1), acc
+
+  init = (jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
+  m_i, l_i, acc = lax.fori_loop(0, n, body, init)
+  # every row sees its own key, so l_i >= 1
+  o_ref[...] = acc / l_i[:, None]
+  lse_ref[...] = m_i + jnp.log(l_i)
+
+
+def dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref, do_ref,
+              lse_ref, delta_ref, dqa_ref, dqp_ref, dqs_ref, *, st: Static):
+  """One query tile against the key tiles up to the diagonal: -> dqa [bq, A], and dqp
+  [bq, P] (quadratic) or dqs [bq] (linear), float32."""
+  bq, bk = st.block_q, st.block_k
+  q0 = pl.program_id(0) * bq
+  qa = qa_ref[...]
+  qp = None if qp_ref is None else qp_ref[...]
+  qs = None if qs_ref is None else qs_ref[...]
+  sq = None if sq_ref is None else sq_ref[...]
+  do = do_ref[...]
+  lse = lse_ref[...][:, None]
+  delta = delta_ref[...][:, None]
+  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+  n = pl.cdiv(q0 + bq, bk)
+
+  def body(j, carry):
+    dqa, dqp, dqs = carry
+    k0 = pl.multiple_of(j * bk, bk)
+    rows = pl.ds(k0, bk)
+    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    ka = ka_ref[rows, :]
+    kp = _read(kp_ref, (rows, slice(None)))
+    amp, theta, w = _parts(st, qa, ka, qp, kp, qs, _read(ks_ref, rows), dist)
+    ok = _visible(dist, sq, _read(sk_ref, rows))
+    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    p = jnp.where(ok, jnp.exp(amp * cos - lse), 0.0)
+    ds = p * (dot(do, v_ref[rows, :], tb=True, precision=st.v_precision) - delta)
+    dqa = dqa + dot((ds * cos).astype(ka.dtype), ka, precision=st.precision)
+    dph = -(ds * amp * sin * w)
+    if st.linear_phase:
+      dqs = dqs + jnp.sum(dph, axis=1)
+    else:
+      dqp = dqp + dot(dph.astype(kp.dtype), kp, precision=st.precision)
+    return dqa, dqp, dqs
+
+  init = (jnp.zeros(qa.shape, jnp.float32),
+          None if qp is None else jnp.zeros(qp.shape, jnp.float32),
+          None if qs is None else jnp.zeros((bq,), jnp.float32))
+  dqa, dqp, dqs = lax.fori_loop(0, n, body, init)
+  dqa_ref[...] = st.a_scale * dqa
+  if dqp_ref is not None:
+    dqp_ref[...] = st.p_scale * dqp
+  if dqs_ref is not None:
+    dqs_ref[...] = st.p_scale * dqs
+
+
+def dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref, do_ref,
+               lse_ref, delta_ref, dka_ref, dkp_ref, dks_ref, dv_ref, *, st: Static):
+  """One key tile against its group's G query heads, the query tiles from the diagonal on.
+  qa [T, G, A], (qp [T, G, P] or qs [T, G]), do [T, G, Dv], lse, delta [T, G]; ka [bk, A],
+  (kp [bk, P] or ks [bk]), v [bk, Dv], (sq [T], sk [bk]) -> dka [bk, A], (dkp [bk, P] or
+  dks [bk]), dv [bk, Dv], float32, summed over the group.
+
+  Key-major tiles ([keys, queries]) so that dk += dS^T q and dv += P^T dO take them as they
+  are."""
+  bq, bk = st.block_q, st.block_k
+  k0 = pl.program_id(0) * bk
+  ka = ka_ref[...]
+  kp = None if kp_ref is None else kp_ref[...]
+  ks = None if ks_ref is None else ks_ref[...]
+  sk = None if sk_ref is None else sk_ref[...]
+  v = v_ref[...]
+  kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+  first = k0 // bq                      # the query tile holding the diagonal
+  n = qa_ref.shape[0] // bq
+  G = qa_ref.shape[1]
+  dka = jnp.zeros(ka.shape, jnp.float32)
+  dkp = None if kp is None else jnp.zeros(kp.shape, jnp.float32)
+  dks = None if ks is None else jnp.zeros((bk,), jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for g in range(G):
+
+    def body(i, carry, g=g):
+      dka, dkp, dks, dv = carry
+      q0 = pl.multiple_of(i * bq, bq)
+      rows = pl.ds(q0, bq)
+      dist = (q0 + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) - kpos   # i - j, [keys, queries]
+      qa = qa_ref[rows, g, :]
+      qp = None if qp_ref is None else qp_ref[rows, g, :]
+      qs = None if qs_ref is None else qs_ref[rows, g]
+      amp, theta, w = _parts(st, ka, qa, kp, qp, ks, qs, dist)
+      sq = _read(sq_ref, rows)
+      ok = _visible(dist, sk, sq)
+      cos, sin = jnp.cos(theta), jnp.sin(theta)
+      p = jnp.where(ok, jnp.exp(amp * cos - lse_ref[rows, g][None, :]), 0.0)
+      do = do_ref[rows, g, :]
+      dv = dv + dot(p.astype(do.dtype), do, precision=st.v_precision)
+      ds = p * (dot(v, do, tb=True, precision=st.v_precision) - delta_ref[rows, g][None, :])
+      dka = dka + dot((ds * cos).astype(qa.dtype), qa, precision=st.precision)
+      dph = -(ds * amp * sin * w)
+      if st.linear_phase:
+        dks = dks + jnp.sum(dph, axis=1)
+      else:
+        dkp = dkp + dot(dph.astype(qp.dtype), qp, precision=st.precision)
+      return dka, dkp, dks, dv
+
+    dka, dkp, dks, dv = lax.fori_loop(first, n, body, (dka, dkp, dks, dv))
+  dka_ref[...] = st.a_scale * dka
+  if dkp_ref is not None:
+    dkp_ref[...] = st.p_scale * dkp
+  if dks_ref is not None:
+    dks_ref[...] = st.p_scale * dks
+  dv_ref[...] = dv

@@ -1,0 +1,194 @@
+"""kernels_pallas.tapa_attention against the dense oracle posenc_jax.tapa.tapa_attention_reference:
+the output and the gradients of sum(o * ct) w.r.t. q, k and v, in one program each.
+
+Interpreter (CPU): T 40 with 16-row query tiles and 32-row key tiles (the key tiles straddle
+query tiles, and both end in padding), GQA (H 4, K 2), head_dim 24 split unevenly (the padded
+channel parts), values of another width, both phases, alpha 0.1 and 0, documents that start
+inside a tile. bf16 at the bf16 kernel tolerance against the oracle on the same bf16 values.
+Lowering: the forward and the gradient lower through Triton for "cuda" on this host. GPU: bf16
+at T 2048 (marked gpu, run by .ci/gpu).
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import tapa_attention
+from posenc_jax import tapa
+from tests.kernels.kernel_check import TOL
+from tests.util import assert_rel_rms, value_and_grads
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def _inputs(key, *, B, T, H, K, D, Dv, dtype):
+  ks = jax.random.split(key, 4)
+  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+  k = jax.random.normal(ks[1], (B, T, K, D), dtype)
+  v = jax.random.normal(ks[2], (B, T, K, Dv), dtype)
+  return (q, k, v), jax.random.normal(ks[3], (B, T, H, Dv))
+
+
+def _documents(B, T):
+  """Row 0: three documents, starting at 0, 11 and 29 (inside tiles); the others one."""
+  starts = jnp.zeros((B, T), jnp.int32).at[0, jnp.array([11, 29])].set(1)
+  return jnp.cumsum(starts, axis=1)
+
+
+def _compare(key, *, interpret, tol, B, T, H, K, D, Dv, dtype, hp, segments, blocks):
+  args, ct = _inputs(key, B=B, T=T, H=H, K=K, D=D, Dv=Dv, dtype=dtype)
+  seg = _documents(B, T) if segments else None
+
+  def kernel(q, k, v):
+    return tapa_attention(q, k, v, segment_ids=seg, block_q=blocks[0], block_k=blocks[1],
+                          interpret=interpret, **hp)
+
+  def oracle(q, k, v):
+    return tapa.tapa_attention_reference(q.astype(F32), k.astype(F32), v.astype(F32),
+                                         segment_ids=seg, **hp)
+
+  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
+  o, grads = value_and_grads(kernel, loss, (0, 1, 2))(*args)
+  with jax.default_matmul_precision("highest"):
+    o_want, grads_want = value_and_grads(oracle, loss, (0, 1, 2))(*args)
+  assert o.dtype == dtype
+  assert_rel_rms(o, o_want, tol, "o")
+  for name, g, g_want in zip(("dq", "dk", "dv"), grads, grads_want):
+    assert g.dtype == dtype, name
+    assert_rel_rms(g, g_want, tol, name)
+
+
+SMALL = dict(B=2, T=40, H=4, K=2, D=24, Dv=16, blocks=(16, 32))
+
+
+@pytest.mark.parametrize("case", [
+    dict(hp=dict(alpha=0.1, theta=0.5, linear_phase=False), segments=True, dtype=F32),
+    dict(hp=dict(alpha=0.1, theta=0.4, linear_phase=True), segments=True, dtype=F32),
+    dict(hp=dict(alpha=0.3, theta=0.4, linear_phase=False), segments=False, dtype=BF16),
+    pytest.param(dict(hp=dict(alpha=0.0, theta=0.5, linear_phase=False), segments=False,
+                      dtype=F32), marks=pytest.mark.slow),
+    pytest.param(dict(hp=dict(alpha=0.1, theta=0.5, linear_phase=True), segments=True,
+                      dtype=BF16), marks=pytest.mark.slow),
+], ids=["quadratic-f32-docs", "linear-f32-docs", "quadratic-bf16", "alpha0-f32",
+        "linear-bf16-docs"])
+def test_tapa_kernel_matches_the_oracle(key, case):
+  case = dict(SMALL, **case)
+  _compare(key, interpret=True, tol=TOL[jnp.dtype(case["dtype"])], **case)
+
+
+@pytest.mark.parametrize("linear_phase", [False, True], ids=["quadratic", "linear"])
+def test_tapa_kernel_lowers_for_cuda(linear_phase):
+  """Forward and gradient lower through Triton for "cuda" on this host at bf16, head_dim 64,
+  T 1024, GQA and documents: the three kernels, no others."""
+  SD = jax.ShapeDtypeStruct
+  B, T, H, K, D = 1, 1024, 4, 2, 64
+  arrays = [SD((B, T, H, D), BF16), SD((B, T, K, D), BF16), SD((B, T, K, D), BF16),
+            SD((B, T), jnp.int32)]
+
+  def f(q, k, v, seg):
+    return tapa_attention(q, k, v, alpha=0.1, theta=0.5, linear_phase=linear_phase,
+                          segment_ids=seg)
+
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)), argnums=(0, 1, 2))
+  for fn, want in ((f, {"forward_kernel"}), (grad, {"forward_kernel", "dkv_kernel",
+                                                    "dq_kernel"})):
+    text = jax.jit(fn).trace(*arrays).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r'name = \\?"(\w+_kernel)', text)) == want
+
+
+def test_model_on_the_kernel_matches_the_reference(key, monkeypatch):
+  """A TAPA transformer with model.implementation="pallas" (the interpreted kernel, seen to
+  run) against the same parameters on the dense oracle: logits and every parameter's gradient
+  of the loss, on two packed documents."""
+  import kernels_pallas
+  from flax import nnx
+  from posenc_jax import model as model_lib
+
+  calls = []
+
+  def counted(*a, **kw):
+    calls.append(kw["linear_phase"])
+    return tapa_attention(*a, **kw)
+
+  monkeypatch.setattr(kernels_pallas, "tapa_attention", counted)
+
+  V, B, T = 50, 2, 24
+  kp, kt = jax.random.split(key)
+  tokens = jax.random.randint(kt, (B, T + 1), 0, V)
+  seg = jnp.where(jnp.arange(T) < 9, 1, 2)[None].repeat(B, 0)
+  pos = jnp.where(seg == 1, jnp.arange(T), jnp.arange(T) - 9)
+
+  def run(implementation):
+    cfg = model_lib.ModelConfig(vocab_size=V, encoding="tapa", num_layers=1, d_model=32,
+                                num_heads=4, num_kv_heads=2, head_dim=16,
+                                implementation=implementation)
+    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=kp))
+
+    @nnx.jit
+    def loss_and_grads(model):
+      def loss(model):
+        logits = model(tokens[:, :-1], positions_BT=pos, segment_ids_BT=seg)
+        lp = jax.nn.log_softmax(logits.astype(F32))
+        return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 1:, None], -1)), logits
+      return nnx.value_and_grad(loss, has_aux=True)(model)
+
+    (_, logits), grads = loss_and_grads(model)
+    return logits, jax.tree.leaves(nnx.to_pure_dict(grads))
+
+  logits, grads = run("pallas")
+  assert calls == [False]
+  with jax.default_matmul_precision("highest"):
+    logits_want, grads_want = run("reference")
+  tol = TOL[jnp.dtype(F32)]
+  assert_rel_rms(logits, logits_want, tol, "logits")
+  assert len(grads) == len(grads_want)
+  for i, (g, g_want) in enumerate(zip(grads, grads_want)):
+    assert_rel_rms(g, g_want, tol, f"gradient leaf {i}")
+
+
+def test_tapa_kernel_errors_name_the_field():
+  q = jnp.zeros((1, 8, 4, 16))
+  with pytest.raises(ValueError, match="multiple of kv heads"):
+    tapa_attention(q, jnp.zeros((1, 8, 3, 16)), jnp.zeros((1, 8, 3, 16)), alpha=0.1,
+                   theta=0.5, interpret=True)
+  with pytest.raises(ValueError, match="theta=0.01"):
+    tapa_attention(q, q, q, alpha=0.1, theta=0.01, interpret=True)
+  with pytest.raises(ValueError, match="alpha=-1"):
+    tapa_attention(q, q, q, alpha=-1, theta=0.5, interpret=True)
+  with pytest.raises(ValueError, match="block_q=24"):
+    tapa_attention(q, q, q, alpha=0.1, theta=0.5, block_q=24, interpret=True)
+  with pytest.raises(ValueError, match="segment_ids"):
+    tapa_attention(q, q, q, alpha=0.1, theta=0.5, segment_ids=jnp.zeros((1, 9), jnp.int32),
+                   interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("linear_phase", [False, True], ids=["quadratic", "linear"])
+def test_tapa_kernel_on_gpu(key, linear_phase):
+  """The Triton kernels at a training size (bf16, T 2048, 12 heads of 64, documents) against
+  the chunked oracle in float32 on the same bf16 values, at the bf16 kernel tolerance."""
+  B, T, H, D = 2, 2048, 12, 64
+  args, ct = _inputs(key, B=B, T=T, H=H, K=H, D=D, Dv=D, dtype=BF16)
+  starts = jnp.zeros((B, T), jnp.int32).at[:, jnp.array([300, 1100])].set(1)
+  seg = jnp.cumsum(starts, axis=1)
+  hp = dict(alpha=0.1, theta=0.5, linear_phase=linear_phase)
+
+  def kernel(q, k, v):
+    return tapa_attention(q, k, v, segment_ids=seg, **hp)
+
+  def oracle(q, k, v):
+    return tapa.tapa_attention_chunked(q.astype(F32), k.astype(F32), v.astype(F32),
+                                       segment_ids=seg, **hp)
+
+  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
+  o, grads = value_and_grads(kernel, loss, (0, 1, 2))(*args)
+  with jax.default_matmul_precision("highest"):
+    o_want, grads_want = value_and_grads(oracle, loss, (0, 1, 2))(*args)
+  tol = TOL[jnp.dtype(BF16)]
+  assert_rel_rms(o, o_want, tol, "o")
+  for name, g, g_want in zip(("dq", "dk", "dv"), grads, grads_want):
+    assert_rel_rms(g, g_want, tol, name)
