@@ -14,7 +14,8 @@ subprocess (peak memory per row; a crash or OOM becomes the row's error).
 Per row: compile seconds; --warmup steps; --steps timed steps (median; tokens/s = B T /
 median, per GPU = that / N); the loss of each of the first --loss-steps steps (finite and
 falling: mean of the last 5 below the first 5); peak memory: the largest
-memory_stats()["peak_bytes_in_use"] of the N GPUs; communication share: one more step under
+memory_stats()["peak_bytes_in_use"] of the N GPUs, beside XLA's compile-time account of
+the program (xla_temp_gib: its temporaries per device; arguments, outputs); communication share: one more step under
 jax.profiler, the device time of collective ops (all-gather, all-reduce, reduce-scatter,
 collective-permute, all-to-all, NCCL kernels) over all device time. The markdown table gives
 each context-N row's scaling (its tokens/s per GPU over the same encoding's one-GPU row at
@@ -117,6 +118,7 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
     step = lowered.compile()
     row["compile_s"] = time.perf_counter() - t0
     progress(f"compiled in {row['compile_s']:.1f} s")
+    row.update(_xla_memory(step))
     losses, step_s = [], []
     for i in range(count - 1):
       t0 = time.perf_counter()
@@ -143,6 +145,23 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
              device_kind=devices[0].device_kind, jax_version=jax.__version__,
              **shared.loss_summary(losses))
   return row
+
+
+def _xla_memory(compiled) -> dict:
+  """XLA's own account of the step's memory per device (GiB): the temporaries (activations
+  kept for the backward, workspaces) beside the arguments and outputs it aliases. Where the
+  peak grows faster than T / N, this says whether the compiled program asked for it."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except  # not every backend implements it
+    return {}
+  if m is None:
+    return {}
+  gib = lambda b: round(b / 2**30, 3)  # noqa: E731
+  return {"xla_temp_gib": gib(m.temp_size_in_bytes),
+          "xla_argument_gib": gib(m.argument_size_in_bytes),
+          "xla_output_gib": gib(m.output_size_in_bytes),
+          "xla_alias_gib": gib(m.alias_size_in_bytes)}
 
 
 # --- the parent ----------------------------------------------------------------------------
@@ -232,13 +251,14 @@ def render_markdown(rows: list[dict]) -> str:
            "- model: llama-style, d_model 768, 12 heads of 64, vocabulary 32,000, bf16, batch 1 "
            "(the text task); command in experiments/benchmarks/context_scaling.py",
            "- scaling: tokens/s per GPU over the same encoding's one-GPU row at T / context; "
-           "memory: peak GiB over that row's", "",
+           "memory: peak GiB over that row's; XLA temp: the compiled step's temporaries per "
+           "device (memory_analysis)", "",
            "| encoding | layers | T | context | tokens/s per GPU | step ms | scaling | peak GiB | "
-           "memory ratio | comm share | loss first > last |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "XLA temp GiB | memory ratio | comm share | loss first > last |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for (e, n, t, c), r in sorted(latest.items(), key=lambda kv: kv[0]):
     if r.get("error"):
-      lines.append(f"| {e} | {n} | {t:,} | {c} | error: {r['error'][:120]} | | | | | | |")
+      lines.append(f"| {e} | {n} | {t:,} | {c} | error: {r['error'][:120]} | | | | | | | |")
       continue
     base = ok.get((e, n, t // c, 1)) if c > 1 else None
     scale = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else None
@@ -246,7 +266,7 @@ def render_markdown(rows: list[dict]) -> str:
            if base and r.get("peak_gib") and base.get("peak_gib") else None)
     lines.append(f"| {e} | {n} | {t:,} | {c} | {r['tokens_per_s_per_gpu']:,.0f} | "
                  f"{r['step_ms']:.1f} | {_fmt(scale, '.2f')} | {_fmt(r.get('peak_gib'), '.1f')} | "
-                 f"{_fmt(mem, '.2f')} | {_fmt(r.get('comm_share'), '.1%')} | "
+                 f"{_fmt(r.get('xla_temp_gib'), '.1f')} | {_fmt(mem, '.2f')} | {_fmt(r.get('comm_share'), '.1%')} | "
                  f"{r['loss_first']:.2f} > {r['loss_last']:.2f}"
                  f"{'' if r['loss_falling'] else ' (not falling)'} |")
   return "\n".join(lines) + "\n"
