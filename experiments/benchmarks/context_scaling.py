@@ -15,8 +15,8 @@ Per row: compile seconds; --warmup steps; --steps timed steps (median; tokens/s 
 median, per GPU = that / N); the loss of each of the first --loss-steps steps (finite and
 falling: mean of the last 5 below the first 5); peak memory: the largest
 memory_stats()["peak_bytes_in_use"] of the N GPUs, beside XLA's compile-time account of
-the program (xla_temp_gib: its temporaries per device; arguments, outputs); communication share: one more step under
-jax.profiler, the device time of collective ops (all-gather, all-reduce, reduce-scatter,
+the program (xla_temp_gib: its temporaries per device; arguments, outputs); communication
+share: one more step under jax.profiler, the device time of collective ops (all-gather, all-reduce, reduce-scatter,
 collective-permute, all-to-all, NCCL kernels) over all device time. The markdown table gives
 each context-N row's scaling (its tokens/s per GPU over the same encoding's one-GPU row at
 T / N) and memory ratio (its peak over that row's).
@@ -266,7 +266,8 @@ def render_markdown(rows: list[dict]) -> str:
            if base and r.get("peak_gib") and base.get("peak_gib") else None)
     lines.append(f"| {e} | {n} | {t:,} | {c} | {r['tokens_per_s_per_gpu']:,.0f} | "
                  f"{r['step_ms']:.1f} | {_fmt(scale, '.2f')} | {_fmt(r.get('peak_gib'), '.1f')} | "
-                 f"{_fmt(r.get('xla_temp_gib'), '.1f')} | {_fmt(mem, '.2f')} | {_fmt(r.get('comm_share'), '.1%')} | "
+                 f"{_fmt(r.get('xla_temp_gib'), '.1f')} | {_fmt(mem, '.2f')} | "
+                 f"{_fmt(r.get('comm_share'), '.1%')} | "
                  f"{r['loss_first']:.2f} > {r['loss_last']:.2f}"
                  f"{'' if r['loss_falling'] else ' (not falling)'} |")
   return "\n".join(lines) + "\n"

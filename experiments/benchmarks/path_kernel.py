@@ -11,16 +11,20 @@ shapes (common.CASES). docs/benchmarks/path_kernel.md has the current table.
       --options "" --options span=8 --options "span=0,mosaic=false"
   python experiments/benchmarks/path_kernel.py --part fla --cases 4,0,3,1,2 --variants path
   python experiments/benchmarks/path_kernel.py --part jax --cases 3 --variants cudnn,fox,jax_mha
+  python experiments/benchmarks/path_kernel.py --part jax --cases 4,0,3 --docs 512 \
+      --variants cudnn,tapa,tapa_linear,tapa_auto,tapa_linear_auto
 
 Variants of --part jax: cudnn (jax.nn.dot_product_attention), path, path_fox, fox (ours without
 transport), sba (stick-breaking attention as attention.stick_breaking_attention runs it on the
 device: the blockwise jnp form, there is no kernel; packed documents with --docs), jax_mha
 (jax.experimental.pallas.ops.gpu.attention.mha: jax's own Pallas flash attention, what Pallas
 on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward only where causal);
-cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask. Each --options string
-(kp.BlockSizes fields, "key=value,..."; repeat the flag to compare several, "" the defaults)
-runs every one of our variants (path, path_fox, fox) once, as "path[span=8]" etc.; each such row
-holds the plan it ran (str(kp.explain(...))), which is also printed.
+cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask; tapa, tapa_linear (TAPA on its
+Pallas kernel, alpha 0.1, theta 0.5) and tapa_auto, tapa_linear_auto (what implementation=None
+runs). Each --options string (kp.BlockSizes fields, "key=value,..."; repeat the flag to compare
+several, "" the defaults) runs every one of our variants (path, path_fox, fox) once, as
+"path[span=8]" etc.; each such row holds the plan it ran (str(kp.explain(...))), which is also
+printed.
 
 Times: median ms of repeated runs after warm-up (JAX: wall clock around block_until_ready, the
 anchors' convention; torch: triton.testing.do_bench, device time by CUDA events). Each side
@@ -53,7 +57,10 @@ from posenc_jax import attention  # noqa: E402
 from posenc_jax import householder  # noqa: E402
 
 OURS = ("path", "path_fox", "fox")
-VARIANTS = OURS + ("sba", "cudnn", "jax_mha", "jax_mgpu", "cudnn_nc", "jax_mha_nc", "jax_mgpu_nc")
+# TAPA on its Pallas kernel (quadratic and linear phase) and as implementation=None runs it
+TAPA = ("tapa", "tapa_linear", "tapa_auto", "tapa_linear_auto")
+VARIANTS = OURS + TAPA + ("sba", "cudnn", "jax_mha", "jax_mgpu", "cudnn_nc", "jax_mha_nc",
+                          "jax_mgpu_nc")
 # jax's Mosaic GPU flash attention's tiles, tried in this order until one fits shared memory
 # (its backward needs all four backward blocks; jax 0.10-0.11 have no causal backward)
 MGPU_TILES = ((64, 128, 64, 128, 64, 128), (64, 64, 64, 64, 64, 64))
@@ -227,6 +234,19 @@ def _sba(segs, q, v):
   return fn, f"{choice.implementation}: {choice.reason}"
 
 
+def _tapa(name, segs, q, v):
+  """TAPA (alpha 0.1, theta 0.5): the Pallas kernel, or with "_auto" what
+  attention.tapa_attention runs with implementation None: (function, what it runs)."""
+  linear = name.startswith("tapa_linear")
+  impl = None if name.endswith("_auto") else "pallas"
+  label = impl or attention.auto_implementation(
+      "tapa", T=q.shape[1], dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+      has_segments=segs is not None).implementation
+  fn = lambda q, k, v: attention.tapa_attention(q, k, v, linear_phase=linear, segment_ids=segs,
+                                                implementation=impl)
+  return fn, label
+
+
 def _time(fn, args, do) -> dict:
   """Forward and forward+backward: wall and device ms, compiled GiB."""
   fwd = jax.jit(fn)
@@ -274,6 +294,9 @@ def part_jax(cases, variants, options=("",), dtype="bfloat16", docs=0):
             fn, args, plan = _ours(name, common.block_sizes(opts), segs, q, k, v, w, beta, g)
             _print_plan(f"{key} at case {label}", plan)
             res[key] = {"plan": str(plan), **_time(fn, args, do)}
+          elif name in TAPA:
+            fn, plan = _tapa(name, segs, q, v)
+            res[key] = {"plan": plan, **_time(fn, (q, k, v), do)}
           elif name == "sba":
             fn, plan = _sba(segs, q, v)
             _print_plan(f"{key} at case {label}", plan)
