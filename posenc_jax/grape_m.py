@@ -118,6 +118,31 @@ def rank2_planes_apply(x_BTHD, a_HND, b_HND, phases_BTHN):
   return y.astype(x_BTHD.dtype)
 
 
+PLANES_IMPLEMENTATIONS = ("scan", "pallas")
+
+
+def rank2_planes_at_positions(x_BTHD, a_HND, b_HND, positions_BT, w_HN, *,
+                              implementation: str = "scan"):
+  """`rank2_planes_apply` with the phases positions_t * w_hn, the encoding's.
+
+  implementation "scan": rank2_planes_apply (one XLA pass over x per plane); "pallas":
+  kernels_pallas.plane_rotations, every plane in one pass (Triton on a GPU, the Pallas
+  interpreter on a CPU; no TPU form). The same map and gradients.
+  """
+  if implementation not in PLANES_IMPLEMENTATIONS:
+    raise ValueError(f"planes={implementation!r} is not one of {PLANES_IMPLEMENTATIONS}")
+  if implementation == "pallas":
+    if jax.default_backend() == "tpu":
+      raise ValueError("planes='pallas' has no TPU form (Triton on a GPU, the interpreter on a "
+                       "CPU): use planes='scan'")
+    import kernels_pallas  # imported lazily: the kernels are optional on CPU
+    return kernels_pallas.plane_rotations(x_BTHD, a_HND, b_HND, positions_BT, w_HN,
+                                          apply=rank2_apply,
+                                          interpret=jax.default_backend() == "cpu")
+  phases = positions_BT.astype(jnp.float32)[:, :, None, None] * w_HN.astype(jnp.float32)
+  return rank2_planes_apply(x_BTHD, a_HND, b_HND, phases)
+
+
 def rank2_planes_scan(x, a_NHD, b_NHD, phases_NBTH):
   """The plane product by plain autodiff of a scan: the oracle of `_planes_reversible`."""
   def step(y, plane):
