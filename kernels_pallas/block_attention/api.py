@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.block_attention import kernels
 from kernels_pallas.path_attention import launch
+from kernels_pallas.path_attention.launch import pad_axis
 from kernels_pallas.path_attention.tiles import NEG_INF
 
 DEFAULT_BLOCK_Q = 128
@@ -48,12 +49,6 @@ def _tile(requested, default: int, T: int, name: str) -> int:
   return min(requested or default, max(16, _pow2(T)))
 
 
-def _pad(x, axis: int, size: int, value=0):
-  if x is None or x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad, constant_values=value)
 
 
 def block_attention(q, k, v, *, scale: float, q_bias=None, k_bias=None, q_segment_ids=None,
@@ -87,27 +82,19 @@ def block_attention(q, k, v, *, scale: float, q_bias=None, k_bias=None, q_segmen
   bk = _tile(block_k, DEFAULT_BLOCK_K, Tk, "block_k")
   Tqp, Tkp = -(-Tq // bq) * bq, -(-Tk // bk) * bk
   Dp, Dvp = max(16, _pow2(D)), max(16, _pow2(Dv))
-  q = _pad(_pad(q, 1, Tqp), 3, Dp)
-  k = _pad(_pad(k, 1, Tkp), 3, Dp)
-  v = _pad(_pad(v, 1, Tkp), 3, Dvp)
+  q = pad_axis(pad_axis(q, 1, Tqp), 3, Dp)
+  k = pad_axis(pad_axis(k, 1, Tkp), 3, Dp)
+  v = pad_axis(pad_axis(v, 1, Tkp), 3, Dvp)
   f32 = lambda x: None if x is None else x.astype(jnp.float32)  # noqa: E731
-  qb, kb = _pad(f32(q_bias), 1, Tqp), _pad(f32(k_bias), 1, Tkp)
+  qb, kb = pad_axis(f32(q_bias), 1, Tqp), pad_axis(f32(k_bias), 1, Tkp)
   i32 = lambda x: None if x is None else x.astype(jnp.int32)  # noqa: E731
-  sq, sk = _pad(i32(q_segment_ids), 1, Tqp), _pad(i32(k_segment_ids), 1, Tkp)
+  sq, sk = pad_axis(i32(q_segment_ids), 1, Tqp), pad_axis(i32(k_segment_ids), 1, Tkp)
   cfg = _Config(scale=float(scale), block_q=bq, block_k=bk, tk=Tk,
                 backend="interpret" if interpret else "gpu")
   o, lse = _attention(cfg, q, k, v, qb, kb, sq, sk)
   return o[:, :Tq, :, :Dv], lse[:, :Tq]
 
 
-def _with_nones(kernel, present):
-  """The kernel called with None in place of each absent operand (pallas_call passes only the
-  arrays it was given)."""
-  def run(*refs):
-    refs = list(refs)
-    kernel(*[refs.pop(0) if p else None for p in present])
-  run.__name__ = kernel.func.__name__   # the launch's name in the lowered program
-  return run
 
 
 def _call(cfg, kernel, grid, operands, outs, **kw):
@@ -118,7 +105,7 @@ def _call(cfg, kernel, grid, operands, outs, **kw):
   in_specs = [s for x, s in operands if x is not None]
   out_shape = [x for x, _ in outs if x is not None]
   out_specs = [s for x, s in outs if x is not None]
-  body = _with_nones(functools.partial(kernel, **kw), present)
+  body = launch.with_nones(functools.partial(kernel, **kw), present)
   return launch.call(body, grid, in_specs, out_specs, out_shape, backend=cfg.backend,
                      warps=WARPS, stages=STAGES)(*args)
 

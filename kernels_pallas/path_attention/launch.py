@@ -41,6 +41,25 @@ def interpret_params(backend: str):
   return False
 
 
+def pad_axis(x, axis: int, size: int, value=0):
+  """x zero- (or `value`-) padded at the end of `axis` to `size`; None stays None."""
+  if x is None or x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def with_nones(kernel, present):
+  """`kernel` (a functools.partial) called with None in place of each absent operand:
+  pallas_call passes only the arrays it was given; `present` flags each ref slot."""
+  def run(*refs):
+    refs = list(refs)
+    kernel(*[refs.pop(0) if p else None for p in present])
+  run.__name__ = kernel.func.__name__   # the launch's name in the lowered program
+  return run
+
+
 def call(kernel, grid, in_specs, out_specs, out_shape, *, backend: str, warps: int = 4,
          stages: int = 1, scratch=(), sequential_axes: int = 0, aliases=None):
   """pl.pallas_call of `kernel` on `backend`; warps and stages count on the GPU only."""

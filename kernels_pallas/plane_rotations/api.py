@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import launch
+from kernels_pallas.path_attention.launch import pad_axis
 from kernels_pallas.plane_rotations import kernels
 
 DEFAULT_BLOCK_T = 64
@@ -36,12 +37,6 @@ def _pow2(n: int, least: int = 1) -> int:
   return max(least, 1 << max(int(n) - 1, 0).bit_length())
 
 
-def _pad(x, axis: int, size: int):
-  if x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
 
 
 def plane_rotations(x, a, b, positions, w, *, apply: Callable, block_t=None,
@@ -69,11 +64,11 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, block_t=None,
   bt = min(block_t or DEFAULT_BLOCK_T, _pow2(T, 16))
   Tp, Dp, Np = -(-T // bt) * bt, _pow2(D, 16), _pow2(N)
   f32 = jnp.float32
-  xp = _pad(_pad(x, 1, Tp), 3, Dp)
-  ap = _pad(_pad(a.astype(f32), 1, Np), 2, Dp)
-  bp = _pad(_pad(b.astype(f32), 1, Np), 2, Dp)
-  wp = _pad(w.astype(f32), 1, Np)
-  pos = _pad(positions.astype(f32), 1, Tp)
+  xp = pad_axis(pad_axis(x, 1, Tp), 3, Dp)
+  ap = pad_axis(pad_axis(a.astype(f32), 1, Np), 2, Dp)
+  bp = pad_axis(pad_axis(b.astype(f32), 1, Np), 2, Dp)
+  wp = pad_axis(w.astype(f32), 1, Np)
+  pos = pad_axis(positions.astype(f32), 1, Tp)
   cfg = _Config(apply=apply, num_planes=N, block_t=bt,
                 backend="interpret" if interpret else "gpu")
   return _rotate(cfg, xp, ap, bp, pos, wp)[:, :T, :, :D].astype(x.dtype)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import launch
+from kernels_pallas.path_attention.launch import pad_axis
 from kernels_pallas.tapa_attention import kernels
 
 DEFAULT_BLOCK_Q = 64
@@ -42,12 +43,6 @@ def _tile(requested, default: int, T: int, name: str) -> int:
   return min(requested or default, _pow2(T))
 
 
-def _pad(x, axis: int, size: int, value=0):
-  if x is None or x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad, constant_values=value)
 
 
 def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = False,
@@ -84,18 +79,18 @@ def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = 
   Tp = -(-T // max(bq, bk)) * max(bq, bk)
   dtype = k.dtype
   q = q.astype(dtype)
-  pad = lambda x, width: _pad(_pad(x, 1, Tp), 3, width)  # noqa: E731
+  pad = lambda x, width: pad_axis(pad_axis(x, 1, Tp), 3, width)  # noqa: E731
   qa, ka = pad(q[..., :A], _pow2(A)), pad(k[..., :A], _pow2(A))
   if linear_phase:
     qp = kp = None
-    qs = _pad(q[..., A:].astype(jnp.float32).sum(-1), 1, Tp)
-    ks = _pad(k[..., A:].astype(jnp.float32).sum(-1), 1, Tp)
+    qs = pad_axis(q[..., A:].astype(jnp.float32).sum(-1), 1, Tp)
+    ks = pad_axis(k[..., A:].astype(jnp.float32).sum(-1), 1, Tp)
   else:
     qp, kp = pad(q[..., A:], _pow2(P)), pad(k[..., A:], _pow2(P))
     qs = ks = None
   Dv = v.shape[3]
   vp = pad(v.astype(dtype), _pow2(Dv))
-  seg = None if segment_ids is None else _pad(segment_ids.astype(jnp.int32), 1, Tp, value=-1)
+  seg = None if segment_ids is None else pad_axis(segment_ids.astype(jnp.int32), 1, Tp, value=-1)
   backend = "interpret" if interpret else "gpu"
   precision = launch.float32_precision(backend) if jnp.dtype(dtype).itemsize == 4 else None
   st = kernels.Static(alpha=float(alpha), a_scale=1.0 / math.sqrt(A), p_scale=1.0 / math.sqrt(P),
@@ -105,20 +100,13 @@ def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = 
   return o[:, :T, :, :Dv].astype(v.dtype)
 
 
-def _with_nones(kernel, present):
-  """The kernel called with None in place of each absent operand."""
-  def run(*refs):
-    refs = list(refs)
-    kernel(*[refs.pop(0) if p else None for p in present])
-  run.__name__ = kernel.func.__name__
-  return run
 
 
 def _call(backend, kernel, grid, operands, outs, st):
   """pallas_call over `grid`; operands and outs are (array / ShapeDtypeStruct or None,
   BlockSpec) pairs, None meaning absent."""
   present = [x is not None for x, _ in operands] + [x is not None for x, _ in outs]
-  body = _with_nones(functools.partial(kernel, st=st), present)
+  body = launch.with_nones(functools.partial(kernel, st=st), present)
   return launch.call(body, grid, [s for x, s in operands if x is not None],
                      [s for x, s in outs if x is not None],
                      [x for x, _ in outs if x is not None], backend=backend, warps=WARPS,
