@@ -29,6 +29,9 @@ import copy
 import functools
 import os
 import sys
+import time
+
+_STARTED = time.time()  # the command's start: the origin of its start-up timeline
 
 from absl import app
 from absl import flags
@@ -95,21 +98,29 @@ def _run(config, workdir) -> None:
   from experiments import compilation
   from experiments import data
   from experiments import report
+  from experiments import startup
   from experiments import train
 
+  timeline = startup.Timeline(origin=_STARTED)
+  timeline.mark("imports")
   compilation.enable_cache(config.train.get("compile_cache_dir"))
+  num_devices = jax.device_count()
+  timeline.mark("devices")
   try:
     for note in cli_config.follow_explicit(config, cli_config.explicit_fields(),
                                            swept=cli_config.ENCODING_SWEEP):
       print(note, file=sys.stderr)
-    runs = plan(config, workdir, data_module=data, num_devices=jax.device_count())
+    runs = plan(config, workdir, data_module=data, num_devices=num_devices)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  timeline.mark("checks")
   summaries = []
-  for c, w, mcfg in runs:
+  for i, (c, w, mcfg) in enumerate(runs):
+    # A sweep's later runs time their start-up from their own start.
     summaries.append(cli_config.finish_run(
-        functools.partial(train.run, c, w, data_module=data, mcfg=mcfg), w))
+        functools.partial(train.run, c, w, data_module=data, mcfg=mcfg,
+                          timeline=timeline if i == 0 else None), w))
   if jax.process_index() == 0:
     if config.sweep.encodings:
       table = report.write_sweep_report(workdir, summaries)

@@ -40,6 +40,7 @@ from experiments import evaluate
 from experiments import report
 from experiments import run_config
 from experiments import sharding
+from experiments import startup
 from experiments import workdir_lock
 from posenc_jax import model as model_lib
 
@@ -184,22 +185,26 @@ def _eval_sets(config, data_module, batch_sharding) -> dict:
   return sets
 
 
-def setup(config, mcfg, data_module):
+def setup(config, mcfg, data_module, *, timeline: startup.Timeline | None = None):
   """-> (mesh, Trainer, this process's training stream) for a checked config (`mcfg`)."""
   t = config.train
+  timeline = timeline or startup.Timeline()
   data_n, fsdp_n, context_n = config_checks.check_mesh(config, jax.device_count())
   mesh = sharding.make_mesh(data=data_n, fsdp=fsdp_n, context=context_n)
   trainer = Trainer(mcfg, t, mesh, rules=config.mesh.rules)
+  timeline.mark("model")
   # This process reads the rows its devices hold (all of them in a run of one process).
   first, end = distributed.process_rows(trainer.batch_sharding,
                                         (t.batch_size, config.data.seq_len))
   train_iter = data_module.make_train_iter(config.data, batch_size=end - first, seed=t.seed,
                                            process_index=first // (end - first),
                                            process_count=t.batch_size // (end - first))
+  timeline.mark("data")
   return mesh, trainer, train_iter
 
 
-def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | None = None) -> dict:
+def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | None = None,
+        timeline: startup.Timeline | None = None) -> dict:
   """Trains config's model in workdir (resuming if it holds a checkpoint); returns a summary.
 
   A workdir whose run already reached config.train.steps is not trained again: its summary
@@ -209,10 +214,13 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
   raises it when found. A diverging loss raises TrainingDiverged, keeping the checkpoints
   from before it.
   stop_after: stop (saving a checkpoint) once this many steps are done, as if interrupted.
+  timeline: the command's start-up marks so far (None: timed from this call); the summary
+    keeps them as `startup_s`.
   """
   if data_module is None:
     from experiments import data as data_module
   started = time.time()
+  timeline = timeline or startup.Timeline(origin=started)
   if mcfg is None:
     mcfg = config_checks.check(config, workdir=workdir, data_module=data_module,
                                num_devices=jax.device_count())
@@ -231,7 +239,7 @@ def run(config, workdir: str, *, data_module=None, mcfg=None, stop_after: int | 
   with workdir_lock.hold(workdir, enabled=primary):
     try:
       return _train(config, workdir, data_module=data_module, mcfg=mcfg, stop_after=stop_after,
-                    started=started, primary=primary)
+                    started=started, primary=primary, timeline=timeline)
     except OSError as e:  # the workdir's own files (records, config, reports)
       inside = e.filename and os.path.abspath(e.filename).startswith(os.path.abspath(workdir))
       if e.errno not in _WRITE_ERRNOS or not inside:
@@ -245,19 +253,23 @@ _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 
 
 def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: float,
-           primary: bool) -> dict:
+           primary: bool, timeline: startup.Timeline) -> dict:
   t = config.train
   ckpt = checkpoint.Checkpointer(workdir, every=t.checkpoint_every, primary=primary)
+  timeline.mark("checkpoint")
   log = bar = None
   try:
-    mesh, trainer, train_iter = setup(config, mcfg, data_module)
+    mesh, trainer, train_iter = setup(config, mcfg, data_module, timeline=timeline)
     eval_sets = _eval_sets(config, data_module, trainer.batch_sharding)
+    timeline.mark("eval_sets")
     evaluate_now = lambda params: evaluate.evaluate_all(trainer.eval_step, params, eval_sets,
                                                         trainer.put)
     stored = config_checks.stored_form(mcfg)
     with jax.set_mesh(mesh), _sigterm_flag() as sigterm:
       restored = ckpt.restore(trainer.abstract_state(), train_iter)
       step, state = restored if restored is not None else (0, trainer.init_state(t.seed))
+      jax.block_until_ready(state)
+      timeline.mark("state")
       # Records past the restored step were written by a segment that did not count; every
       # process reads the same records (its divergence guard decides as process 0's does),
       # process 0 rewrites the file.
@@ -280,6 +292,12 @@ def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: floa
       while step < last and not sigterm["set"]:
         with _compile_report(bar if primary and step == first_step else None):
           state, metrics = trainer.train_step(state, trainer.put(next(train_iter)))
+        if step == first_step:
+          timeline.mark("compile")  # jit compiles before it dispatches the step
+          jax.block_until_ready(metrics["loss"])
+          timeline.mark("first_step")
+          if primary:
+            bar.write(timeline.line(), file=sys.stderr)
         step += 1
         pending.append(metrics)
         losses.add(metrics["loss"])
@@ -326,6 +344,8 @@ def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: floa
              # Where and when it trained, for results gathered over several machines/calls.
              "tokens_seen": int(step) * int(config.train.batch_size) * int(config.data.seq_len),
              "device": f"{jax.devices()[0].device_kind} x{jax.device_count()}",
+             # Seconds from the command's start to the end of each start-up stage.
+             "startup_s": dict(timeline.marks),
              "jax": jax.__version__, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
   if primary:
     with open(os.path.join(workdir, SUMMARY), "w") as f:

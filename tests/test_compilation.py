@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import compilation
+from experiments import startup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"^compiled the train step in [\d.]+ s \(trace [\d.]+, lower [\d.]+, "
@@ -45,5 +46,11 @@ def test_a_rerun_reads_the_train_step_from_the_cache(tmp_path):
   assert first and first[0].startswith("XLA"), first
   assert os.listdir(cache), "nothing was written to the cache"
   # A second run of the same shapes (another workdir, another process) compiles nothing.
-  again = LINE.findall(_train(tmp_path / "b", cache))
+  stderr = _train(tmp_path / "b", cache)
+  again = LINE.findall(stderr)
   assert again and again[0].startswith("read from the compilation cache"), again
+  # The command's start-up line gives every stage's own seconds, in order.
+  startup_line = re.search(r"^start-up [\d.]+ s: (.*)$", stderr, re.M)
+  assert startup_line, stderr[-2000:]
+  stages = [part.rsplit(" ", 1)[0] for part in startup_line.group(1).split(", ")]
+  assert stages == list(startup.STAGES)

@@ -169,6 +169,11 @@ def test_workdir_outputs(tmp_path):
     assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
   assert os.listdir(tmp_path / "tensorboard")
   assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == summary["final_loss"]
+  # train.run times its own start-up stages, in order, from its start.
+  marks = summary["startup_s"]
+  assert list(marks) == ["checkpoint", "model", "data", "eval_sets", "state", "compile",
+                         "first_step"]
+  assert 0 <= marks["checkpoint"] and list(marks.values()) == sorted(marks.values())
   # Running a finished workdir again re-reports it without training or logging twice.
   assert train.run(_config(steps=3, lengths=(24, 40)), str(tmp_path)) == json.loads(
       (tmp_path / "summary.json").read_text())

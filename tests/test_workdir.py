@@ -50,10 +50,10 @@ def _cli(workdir: str, *flags: str, file_size_limit: int | None = None
 
 
 def _stderr_lines(stderr: str) -> list[str]:
-  """stderr's lines without the progress bar's and the compile report's."""
+  """stderr's lines without the progress bar's and the compile and start-up reports'."""
   lines = stderr.replace("\r", "\n").splitlines()
   return [line for line in lines if line.strip()
-          and not line.startswith(("rope:", "compiled the train step"))]
+          and not line.startswith(("rope:", "compiled the train step", "start-up "))]
 
 
 def _train_records(workdir) -> list[tuple[int, float]]:
