@@ -93,13 +93,18 @@ class Trainer:
     self.state_shardings = {"params": self.param_shardings, "opt": opt_shardings,
                             "step": repl, "rng": repl}
     self.batch_sharding = sharding.batch_sharding(mesh, rules=self.rules)
-    self.init_state = jax.jit(self._init_state, out_shardings=self.state_shardings)
+    self._init_jit = jax.jit(self._init_state, out_shardings=self.state_shardings)
     self.train_step = jax.jit(self._train_step, donate_argnums=0,
                               in_shardings=(self.state_shardings, self.batch_sharding),
                               out_shardings=(self.state_shardings, repl))
     self.eval_step = jax.jit(self._eval_step, in_shardings=(self.param_shardings,
                                                             self.batch_sharding),
                              out_shardings=repl)
+
+  def init_state(self, seed: int) -> dict:
+    """The train state of a fresh run, on the devices: parameters drawn from `seed`."""
+    with _threefry_kernel():
+      return self._init_jit(seed)
 
   def model(self, params) -> model_lib.Transformer:
     """The NNX model holding `params` (a pure dict); cheap, usable inside jit."""
@@ -144,6 +149,24 @@ class Trainer:
   def abstract_state(self):
     """The train state's shapes, dtypes and shardings (what a restore fills in)."""
     return checkpoint.abstract(self._abstract, self.state_shardings)
+
+
+@contextlib.contextmanager
+def _threefry_kernel():
+  """Lowers the PRNG's threefry hash to JAX's GPU kernel while inside (elsewhere: no effect).
+
+  XLA inlines the hash into each initializer's fusion, and compiling those fusions made up
+  most of a GPU run's start-up; the kernel computes the same hash of the same counters, so the
+  parameters are the same bits. Only the init uses it: inside the train step the inlined hash
+  fuses with dropout, where the kernel would write the random bits to memory first.
+  """
+  flag = "jax_threefry_gpu_kernel_lowering"
+  before = getattr(jax.config, flag)
+  jax.config.update(flag, True)
+  try:
+    yield
+  finally:
+    jax.config.update(flag, before)
 
 
 @contextlib.contextmanager

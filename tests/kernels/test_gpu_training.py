@@ -72,3 +72,25 @@ class TestGPUTraining:
         assert np.isfinite(float(metrics["grad_norm"])), f"grad norm not finite: {metrics}"
     assert np.all(np.isfinite(losses)), losses
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_init_state_draws_the_same_parameters_through_the_threefry_kernel():
+  """Trainer.init_state lowers threefry to JAX's GPU kernel (it compiles faster than XLA's
+  inlined hash): the state equals, bit for bit, the one the inlined hash draws."""
+  import numpy as np
+  from experiments import sharding, train
+  c, mcfg = _model_config("path_fox", 64, None)
+  mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+  trainer = train.Trainer(mcfg, c.train, mesh)
+  with jax.set_mesh(mesh):
+    kernel = jax.device_get(trainer.init_state(3))
+    inlined = jax.device_get(trainer._init_jit(3))  # the flag is part of jit's cache key
+    with train._threefry_kernel():
+      assert "threefry2x32_ffi" in trainer._init_jit.lower(3).as_text()
+    assert "threefry2x32_ffi" not in trainer._init_jit.lower(3).as_text()
+  flat_k, flat_i = jax.tree.leaves(kernel), jax.tree.leaves(inlined)
+  assert len(flat_k) == len(flat_i) > 100
+  for a, b in zip(flat_k, flat_i):
+    np.testing.assert_array_equal(a, b)
