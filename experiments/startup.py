@@ -14,15 +14,20 @@ later runs of a sweep) to the end of each start-up stage, in the order they happ
   compile     the train step traced, lowered and compiled (or read from the cache)
   first_step  the first step's loss back on the host
 
-The run's summary keeps them as `startup_s`; the command line prints them once, on one line
-above the progress bar. `experiments/benchmarks/cli_startup.py` reads them.
+and two more for the rest of the run's wall time:
+
+  trained     the last step's metrics back on the host
+  saved       the last checkpoint written (the manager closed)
+
+The run's summary keeps them as `startup_s`; the command line prints the start-up's once, on
+one line above the progress bar. `experiments/benchmarks/cli_startup.py` reads them.
 """
 from __future__ import annotations
 
 import time
 
 STAGES = ("imports", "devices", "checks", "checkpoint", "model", "data", "eval_sets", "state",
-          "compile", "first_step")
+          "compile", "first_step", "trained", "saved")
 
 
 class Timeline:

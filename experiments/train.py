@@ -333,6 +333,7 @@ def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: floa
         if ckpt.should_save(step) or step == last:
           _save_unless_diverging(ckpt, losses, step, state, train_iter, stored)
       bar.close()
+      timeline.mark("trained")
       if step < t.steps:  # interrupted (SIGTERM, whenever it came, or stop_after)
         _flush_or_stop(losses, log, pending, step, tokens_per_step, window_start, None)
         if step > 0:
@@ -356,6 +357,7 @@ def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: floa
     if bar is not None:
       bar.close()  # so that an error line starts on a line of its own
     ckpt.close()  # waits for the asynchronous save; RunError if it failed
+    timeline.mark("saved")
     if log is not None:
       log.close()
   summary = {"encoding": mcfg.encoding, "kv_shift": mcfg.kv_shift, "step": step,

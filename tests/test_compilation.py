@@ -53,4 +53,4 @@ def test_a_rerun_reads_the_train_step_from_the_cache(tmp_path):
   startup_line = re.search(r"^start-up [\d.]+ s: (.*)$", stderr, re.M)
   assert startup_line, stderr[-2000:]
   stages = [part.rsplit(" ", 1)[0] for part in startup_line.group(1).split(", ")]
-  assert stages == list(startup.STAGES)
+  assert stages == list(startup.STAGES[:startup.STAGES.index("first_step") + 1])

@@ -28,13 +28,15 @@ def test_timeline_keeps_the_first_mark_and_gives_each_stage_its_own_seconds(monk
 
 def test_cli_startup_renders_stage_seconds_and_errors():
   marks = {"imports": 4.0, "devices": 9.0, "checks": 9.5, "checkpoint": 9.5, "model": 12.0,
-           "data": 12.5, "eval_sets": 12.5, "state": 20.0, "compile": 60.0, "first_step": 61.0}
+           "data": 12.5, "eval_sets": 12.5, "state": 20.0, "compile": 60.0, "first_step": 61.0,
+           "trained": 66.0, "saved": 68.5}
   rows = [{"encoding": "path", "run": "cold", "size": "134m", "startup_s": marks,
+           "xla_compiles": [["_init_state", 9.1], ["_train_step", 38.0]],
            "tokens_per_s": 338123.4, "wall_s": 70.2},
           {"encoding": "rope", "run": "warm", "size": "134m", "error": "timeout after 400 s"}]
   table = cli_startup.render(rows).splitlines()
   assert table[2] == ("| path | cold | 4.0 | 5.0 | 0.5 | 0.0 | 2.5 | 0.5 | 0.0 | 7.5 | 40.0 "
-                      "| 1.0 | 61.0 | 338,123 | 70.2 |")
+                      "| 1.0 | 5.0 | 2.5 | 61.0 | 1 | 338,123 | 70.2 |")
   assert table[3] == "| rope | warm | error: timeout after 400 s |"
 
 
@@ -47,5 +49,5 @@ def test_cli_startup_runs_the_command_cold_then_warm(tmp_path):
   cold, warm = [json.loads(line) for line in out.read_text().splitlines()]
   for row in (cold, warm):
     assert list(row["startup_s"]) == list(startup.STAGES)
-    assert row["tokens_per_s"] > 0
+    assert row["tokens_per_s"] > 0 and [s for s, _ in row["windows_tokens_per_s"]] == [10, 12]
   assert "XLA" in cold["compile_line"] and "compilation cache" in warm["compile_line"]

@@ -172,7 +172,7 @@ def test_workdir_outputs(tmp_path):
   # train.run times its own start-up stages, in order, from its start.
   marks = summary["startup_s"]
   assert list(marks) == ["checkpoint", "model", "data", "eval_sets", "state", "compile",
-                         "first_step"]
+                         "first_step", "trained", "saved"]
   assert 0 <= marks["checkpoint"] and list(marks.values()) == sorted(marks.values())
   # Running a finished workdir again re-reports it without training or logging twice.
   assert train.run(_config(steps=3, lengths=(24, 40)), str(tmp_path)) == json.loads(

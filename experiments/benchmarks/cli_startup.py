@@ -14,9 +14,9 @@ task at T = 2048, batch 16, 40 steps:
 Each encoding runs twice, each time in a new workdir: `cold` with an empty compilation cache,
 then `warm` with the cache the cold run filled (a rerun of the same config). A row holds the
 run's own start-up marks (`experiments.startup`: seconds from the command's start to the end
-of each stage, from its summary.json), the compile line it printed, tokens/s over steps 21-40
-(the mean of the two 10-step windows in metrics.jsonl) and the process's wall time from launch
-to exit.
+of each stage, from its summary.json), the compile line it printed, every XLA compile of half
+a second or more (JAX_LOG_COMPILES: a train step compiled twice shows), tokens/s of each
+10-step window and over steps 21-40, and the process's wall time from launch to exit.
 
   python -m experiments.benchmarks.cli_startup --encodings rope,path,path_fox \
       --deadline 540 --out $OUT/cli_startup.jsonl --markdown $OUT/cli_startup.md
@@ -50,6 +50,8 @@ SIZES = {
              "train.batch_size": 2, "train.log_every": 10, "eval.num_batches": 0},
 }
 _COMPILE_LINE = re.compile(r"compiled the train step in ([0-9.]+) s \(([^)]*)\)")
+# JAX's own line per compile, under JAX_LOG_COMPILES=1 (a recompile shows as a second one).
+_XLA_COMPILE = re.compile(r"Finished XLA compilation of jit\(([^)]*)\) in ([0-9.e-]+) sec")
 
 
 def command(*, encoding: str, size: str, steps: int, workdir: str, cache: str) -> list[str]:
@@ -59,13 +61,17 @@ def command(*, encoding: str, size: str, steps: int, workdir: str, cache: str) -
           f"--workdir={workdir}", *flags, f"--config.train.compile_cache_dir={cache}"]
 
 
-def tokens_per_s(workdir: str, *, after_step: int) -> float | None:
-  """Mean tokens/s of the logged windows that end past `after_step`."""
+def windows(workdir: str) -> list[tuple[int, float]]:
+  """[(step, tokens/s of the logged window ending there)] from the run's metrics.jsonl."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
-  rates = [r["tokens_per_s"] for r in records
-           if r.get("kind") == "train" and r["step"] > after_step]
-  return sum(rates) / len(rates) if rates else None
+  return [(r["step"], r["tokens_per_s"]) for r in records if r.get("kind") == "train"]
+
+
+def tokens_per_s(rates: list[tuple[int, float]], *, after_step: int) -> float | None:
+  """Mean tokens/s of the windows that end past `after_step`."""
+  late = [rate for step, rate in rates if step > after_step]
+  return sum(late) / len(late) if late else None
 
 
 def run_one(*, encoding: str, run: str, size: str, steps: int, root: str,
@@ -81,7 +87,8 @@ def run_one(*, encoding: str, run: str, size: str, steps: int, root: str,
   try:
     proc = subprocess.run(command(encoding=encoding, size=size, steps=steps, workdir=workdir,
                                   cache=cache),
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "JAX_LOG_COMPILES": "1"})
   except subprocess.TimeoutExpired:
     return {**row, "error": f"timeout after {timeout:.0f} s"}
   row["wall_s"] = round(time.time() - t0, 2)
@@ -93,13 +100,17 @@ def run_one(*, encoding: str, run: str, size: str, steps: int, root: str,
   row["device"] = summary["device"]
   found = _COMPILE_LINE.search(proc.stderr)
   row["compile_line"] = found.group(0) if found else None
-  row["tokens_per_s"] = tokens_per_s(workdir, after_step=steps // 2)
+  row["xla_compiles"] = [(name, round(float(sec), 2)) for name, sec in
+                         _XLA_COMPILE.findall(proc.stderr) if float(sec) >= 0.5]
+  row["windows_tokens_per_s"] = windows(workdir)
+  row["tokens_per_s"] = tokens_per_s(row["windows_tokens_per_s"], after_step=steps // 2)
   return row
 
 
 def render(rows: list[dict]) -> str:
   """Markdown: one row per run, seconds per start-up stage (own time) and the totals."""
-  head = ["encoding", "run", *startup.STAGES, "first step at", "tok/s, 2nd half", "wall"]
+  head = ["encoding", "run", *startup.STAGES, "first step at", "train-step compiles",
+          "tok/s, 2nd half", "wall"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     if "error" in r:
@@ -110,8 +121,10 @@ def render(rows: list[dict]) -> str:
     own = tl.durations()
     cells = [f"{own[s]:.1f}" if s in own else "-" for s in startup.STAGES]
     tok = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
+    compiles = sum(name == "_train_step" for name, _ in r.get("xla_compiles", ()))
     lines.append(f"| {r['encoding']} | {r['run']} | " + " | ".join(cells)
-                 + f" | {r['startup_s']['first_step']:.1f} | {tok} | {r['wall_s']:.1f} |")
+                 + f" | {r['startup_s']['first_step']:.1f} | {compiles} | {tok} "
+                 f"| {r['wall_s']:.1f} |")
   return "\n".join(lines)
 
 
