@@ -51,3 +51,21 @@ def test_cli_startup_runs_the_command_cold_then_warm(tmp_path):
     assert list(row["startup_s"]) == list(startup.STAGES)
     assert row["tokens_per_s"] > 0 and [s for s, _ in row["windows_tokens_per_s"]] == [10, 12]
   assert "XLA" in cold["compile_line"] and "compilation cache" in warm["compile_line"]
+
+
+def test_retraces_keeps_jax_reasons_for_the_named_function_only():
+  stderr = """noise
+TRACING CACHE MISS at a.py:3 (<module>):
+  never seen function:
+    _train_step id=1 defined at train.py:9
+TRACING CACHE MISS at a.py:3 (<module>):
+  for _train_step defined at train.py:9
+  all previously seen cache keys differ. For the closest previous key:
+  different input types:
+  * at state['params']['gate'], now f32[4] and before bf16[4]
+TRACING CACHE MISS at a.py:5 (<module>):
+  for _eval_step defined at train.py:20
+  different input types:
+"""
+  found = cli_startup.retraces(stderr, "_train_step")
+  assert len(found) == 1 and found[0].endswith("now f32[4] and before bf16[4]")

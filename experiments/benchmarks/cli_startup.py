@@ -15,7 +15,8 @@ Each encoding runs twice, each time in a new workdir: `cold` with an empty compi
 then `warm` with the cache the cold run filled (a rerun of the same config). A row holds the
 run's own start-up marks (`experiments.startup`: seconds from the command's start to the end
 of each stage, from its summary.json), the compile line it printed, every XLA compile of half
-a second or more (JAX_LOG_COMPILES: a train step compiled twice shows), tokens/s of each
+a second or more (JAX_LOG_COMPILES: a train step compiled twice shows, with JAX's reason,
+JAX_EXPLAIN_CACHE_MISSES, in `train_step_retraces`), tokens/s of each
 10-step window and over steps 21-40, and the process's wall time from launch to exit.
 
   python -m experiments.benchmarks.cli_startup --encodings rope,path,path_fox \
@@ -61,6 +62,13 @@ def command(*, encoding: str, size: str, steps: int, workdir: str, cache: str) -
           f"--workdir={workdir}", *flags, f"--config.train.compile_cache_dir={cache}"]
 
 
+def retraces(stderr: str, name: str) -> list[str]:
+  """JAX's explanation (JAX_EXPLAIN_CACHE_MISSES) of each time `name` was traced again."""
+  blocks = re.split(r"^(?=TRACING CACHE MISS)", stderr, flags=re.M)
+  return [b.strip()[:2000] for b in blocks if b.startswith("TRACING CACHE MISS")
+          and f"for {name} " in b]
+
+
 def windows(workdir: str) -> list[tuple[int, float]]:
   """[(step, tokens/s of the logged window ending there)] from the run's metrics.jsonl."""
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -88,7 +96,8 @@ def run_one(*, encoding: str, run: str, size: str, steps: int, root: str,
     proc = subprocess.run(command(encoding=encoding, size=size, steps=steps, workdir=workdir,
                                   cache=cache),
                           cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "JAX_LOG_COMPILES": "1"})
+                          env={**os.environ, "JAX_LOG_COMPILES": "1",
+                               "JAX_EXPLAIN_CACHE_MISSES": "1"})
   except subprocess.TimeoutExpired:
     return {**row, "error": f"timeout after {timeout:.0f} s"}
   row["wall_s"] = round(time.time() - t0, 2)
@@ -102,6 +111,7 @@ def run_one(*, encoding: str, run: str, size: str, steps: int, root: str,
   row["compile_line"] = found.group(0) if found else None
   row["xla_compiles"] = [(name, round(float(sec), 2)) for name, sec in
                          _XLA_COMPILE.findall(proc.stderr) if float(sec) >= 0.5]
+  row["train_step_retraces"] = retraces(proc.stderr, "_train_step")
   row["windows_tokens_per_s"] = windows(workdir)
   row["tokens_per_s"] = tokens_per_s(row["windows_tokens_per_s"], after_step=steps // 2)
   return row
