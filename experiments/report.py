@@ -14,13 +14,18 @@ import json
 import math
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; never open a window
-import matplotlib.pyplot as plt  # noqa: E402
-from tensorboardX import SummaryWriter  # noqa: E402
+from tensorboardX import SummaryWriter
 
 METRICS = "metrics.jsonl"
+
+
+def _pyplot():
+  """matplotlib.pyplot for files only (never a window), imported when a run ends: it costs the
+  command's start-up a noticeable part of its imports."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
 
 
 def read_metrics(workdir: str) -> list[dict]:
@@ -160,7 +165,7 @@ def loss_figure(records: list[dict], title: str):
   show side by side as rings instead of one hiding the others."""
   from experiments import plot_style
 
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = _pyplot().subplots(figsize=(6, 4))
   train = [r for r in records if r["kind"] == "train"]
   ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (one batch)",
           lw=1, **{**plot_style.eval_set("train"), "marker": ""})
@@ -187,7 +192,7 @@ def loss_figure(records: list[dict], title: str):
 def _plot_loss(records: list[dict], path: str, title: str) -> None:
   fig, _ = loss_figure(records, title)
   fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _pyplot().close(fig)
 
 
 def vs_length_figure(final: list[dict], metric: str, title: str):
@@ -202,7 +207,7 @@ def vs_length_figure(final: list[dict], metric: str, title: str):
   lengths = sorted({r["length"] for r in final})
   scale = 100.0 if metric in ("error", "accuracy") else 1.0
   ylabel = f"{metric} (%)" if scale == 100 else metric
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = _pyplot().subplots(figsize=(6, 4))
   if len(lengths) == 1:
     vals = [scale * next(r[metric] for r in final if r["set"] == s) for s in sets]
     bars = ax.bar(range(len(sets)), vals, color=[plot_style.eval_set(s)["color"] for s in sets])
@@ -228,7 +233,7 @@ def vs_length_figure(final: list[dict], metric: str, title: str):
 def _plot_vs_length(final: list[dict], metric: str, path: str, title: str) -> None:
   fig, _ = vs_length_figure(final, metric, title)
   fig.savefig(path, dpi=100)
-  plt.close(fig)
+  _pyplot().close(fig)
 
 
 def write_run_report(workdir: str, summary: dict) -> str:
