@@ -35,9 +35,9 @@ def test_cli_startup_renders_stage_seconds_and_errors():
            "tokens_per_s": 338123.4, "wall_s": 70.2},
           {"encoding": "rope", "run": "warm", "size": "134m", "error": "timeout after 400 s"}]
   table = cli_startup.render(rows).splitlines()
-  assert table[2] == ("| path | cold | 4.0 | 5.0 | 0.5 | 0.0 | 2.5 | 0.5 | 0.0 | 7.5 | 40.0 "
+  assert table[2] == ("|  | path | cold | 4.0 | 5.0 | 0.5 | 0.0 | 2.5 | 0.5 | 0.0 | 7.5 | 40.0 "
                       "| 1.0 | 5.0 | 2.5 | 61.0 | 1 | 338,123 | 70.2 |")
-  assert table[3] == "| rope | warm | error: timeout after 400 s |"
+  assert table[3] == "|  | rope | warm | error: timeout after 400 s |"
 
 
 @pytest.mark.slow

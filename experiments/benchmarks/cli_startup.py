@@ -119,20 +119,22 @@ def run_one(*, encoding: str, run: str, size: str, steps: int, root: str,
 
 def render(rows: list[dict]) -> str:
   """Markdown: one row per run, seconds per start-up stage (own time) and the totals."""
-  head = ["encoding", "run", *startup.STAGES, "first step at", "train-step compiles",
+  head = ["code", "encoding", "run", *startup.STAGES, "first step at", "train-step compiles",
           "tok/s, 2nd half", "wall"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     if "error" in r:
-      lines.append(f"| {r['encoding']} | {r['run']} | error: {r['error'][:120]} |")
+      lines.append(f"| {r.get('code', '')} | {r['encoding']} | {r['run']} | error: "
+                   f"{r['error'][:120]} |")
       continue
     tl = startup.Timeline(origin=0.0)
     tl.marks = r["startup_s"]
     own = tl.durations()
     cells = [f"{own[s]:.1f}" if s in own else "-" for s in startup.STAGES]
     tok = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
-    compiles = sum(name == "_train_step" for name, _ in r.get("xla_compiles", ()))
-    lines.append(f"| {r['encoding']} | {r['run']} | " + " | ".join(cells)
+    compiles = (sum(name == "_train_step" for name, _ in r["xla_compiles"])
+                if "xla_compiles" in r else "-")
+    lines.append(f"| {r.get('code', '')} | {r['encoding']} | {r['run']} | " + " | ".join(cells)
                  + f" | {r['startup_s']['first_step']:.1f} | {compiles} | {tok} "
                  f"| {r['wall_s']:.1f} |")
   return "\n".join(lines)
