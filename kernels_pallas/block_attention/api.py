@@ -91,7 +91,7 @@ def block_attention(q, k, v, *, scale: float, q_bias=None, k_bias=None, q_segmen
   sq, sk = pad_axis(i32(q_segment_ids), 1, Tqp), pad_axis(i32(k_segment_ids), 1, Tkp)
   cfg = _Config(scale=float(scale), block_q=bq, block_k=bk, tk=Tk,
                 backend="interpret" if interpret else "gpu")
-  o, lse = _attention(cfg, q, k, v, qb, kb, sq, sk)
+  o, lse = _attention_once(cfg, q, k, v, qb, kb, sq, sk)
   return o[:, :Tq, :, :Dv], lse[:, :Tq]
 
 
@@ -194,3 +194,6 @@ def _attention_bwd(cfg, res, cts):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+# Called through jit keyed by the static config, so a model's layers share one traced and
+# lowered copy of the kernels (see kernels_pallas/path_attention/api.py's _attend_once).
+_attention_once = jax.jit(_attention, static_argnums=0)

@@ -196,6 +196,13 @@ def _attend_lse_bwd(plan, res, cts):
 
 _attend_lse.defvjp(_attend_lse_fwd, _attend_lse_bwd)
 
+# The entry points call the kernels through jit, keyed by the plan: a model calls the same plan
+# in each layer, and jit traces it (forward, linearization, transpose) and lowers its kernels
+# to Triton / Mosaic IR once, each layer calling that one function, instead of once per layer.
+# XLA inlines the calls, so the compiled program is the same.
+_attend_once = jax.jit(_attend, static_argnums=0)
+_attend_lse_once = jax.jit(_attend_lse, static_argnums=0)
+
 
 def _backend(interpret, backend):
   if backend is not None:
@@ -263,7 +270,7 @@ def path_attention(q, k, v, w, beta, log_forget=None, *, scale=None, segment_ids
   if w is None or beta is None:
     raise ValueError("w and beta are required (use forgetting_attention for no transport)")
   spec = _spec(q, k, v, w, beta, log_forget, segment_ids, _backend(interpret, backend))
-  attend = _attend_lse if return_lse else _attend
+  attend = _attend_lse_once if return_lse else _attend_once
   return attend(_plan(spec, scale, block_sizes, plan), q, k, v, w, beta, log_forget,
                 segment_ids)
 
@@ -274,7 +281,7 @@ def forgetting_attention(q, k, v, log_forget, *, scale=None, segment_ids=None, b
   """FoX attention (no transport); ALiBi is a constant log_forget per head; None is plain causal
   softmax attention. Arguments as path_attention's."""
   spec = _spec(q, k, v, None, None, log_forget, segment_ids, _backend(interpret, backend))
-  attend = _attend_lse if return_lse else _attend
+  attend = _attend_lse_once if return_lse else _attend_once
   return attend(_plan(spec, scale, block_sizes, plan), q, k, v, None, None, log_forget,
                 segment_ids)
 

@@ -71,7 +71,7 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, block_t=None,
   pos = pad_axis(positions.astype(f32), 1, Tp)
   cfg = _Config(apply=apply, num_planes=N, block_t=bt,
                 backend="interpret" if interpret else "gpu")
-  return _rotate(cfg, xp, ap, bp, pos, wp)[:, :T, :, :D].astype(x.dtype)
+  return _rotate_once(cfg, xp, ap, bp, pos, wp)[:, :T, :, :D].astype(x.dtype)
 
 
 def _specs(cfg, x):
@@ -131,3 +131,6 @@ def _rotate_bwd(cfg, res, g):
 
 
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)
+# Called through jit keyed by the static config, so a model's layers share one traced and
+# lowered copy of the kernels (see kernels_pallas/path_attention/api.py's _attend_once).
+_rotate_once = jax.jit(_rotate, static_argnums=0)

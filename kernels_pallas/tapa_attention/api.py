@@ -96,7 +96,7 @@ def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = 
   st = kernels.Static(alpha=float(alpha), a_scale=1.0 / math.sqrt(A), p_scale=1.0 / math.sqrt(P),
                       linear_phase=bool(linear_phase), block_q=bq, block_k=bk,
                       precision=precision, v_precision=precision)
-  o = _attention((st, backend), qa, ka, qp, kp, qs, ks, vp, seg)
+  o = _attention_once((st, backend), qa, ka, qp, kp, qs, ks, vp, seg)
   return o[:, :T, :, :Dv].astype(v.dtype)
 
 
@@ -197,3 +197,6 @@ def _attention_bwd(cfg, res, do):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+# Called through jit keyed by the static config, so a model's layers share one traced and
+# lowered copy of the kernels (see kernels_pallas/path_attention/api.py's _attend_once).
+_attention_once = jax.jit(_attention, static_argnums=0)

@@ -173,6 +173,24 @@ def test_lowers_for_gpu(call, block_sizes, pins, expect):
     assert any("output_operand_alias" in line for line in calls)
 
 
+def test_layers_share_one_lowering_of_the_kernels():
+  """Three layers' calls of one plan lower their kernels once (the entry point jits the call,
+  keyed by the plan), so a model's compile does not grow with its depth by the kernels' IR."""
+  f, arrays, plan = _call(64, BF16, T=256)
+  floats = tuple(i for i, a in enumerate(arrays) if a.dtype != jnp.int32)
+
+  def stack(layers):
+    def loss(*a):   # each layer's own inputs: a scaled copy, so no call is a common subterm
+      return sum(jnp.sum(f(*[x * (i + 1) if j in floats else x for j, x in enumerate(a)],
+                           plan=plan).astype(F32)) for i in range(layers))
+    text = jax.jit(jax.grad(loss, argnums=floats)).trace(*arrays).lower(
+        lowering_platforms=("cuda",)).as_text()
+    return text.count("__gpu$xla.gpu.triton"), text.count(MOSAIC_CALL)
+
+  one, three = stack(1), stack(3)
+  assert one[0] > 0 and three == one, (one, three)
+
+
 def _tpu_mesh():
   from jax._src import mesh as mesh_lib  # abstract TPU device: lower for TPU on a CPU host
   device = mesh_lib.AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu")
