@@ -94,6 +94,11 @@ class Trainer:
                             "step": repl, "rng": repl}
     self.batch_sharding = sharding.batch_sharding(mesh, rules=self.rules)
     self._init_jit = jax.jit(self._init_state, out_shardings=self.state_shardings)
+    # init_state draws through JAX's threefry GPU kernel (_threefry_kernel) only when no
+    # parameter is sharded: the kernel is one custom call that XLA cannot split over devices,
+    # so each device would draw whole sharded parameters (and four hash inputs of their size).
+    self.threefry_kernel = all(s.is_fully_replicated
+                               for s in jax.tree.leaves(self.param_shardings))
     self.train_step = jax.jit(self._train_step, donate_argnums=0,
                               in_shardings=(self.state_shardings, self.batch_sharding),
                               out_shardings=(self.state_shardings, repl))
@@ -103,7 +108,7 @@ class Trainer:
 
   def init_state(self, seed: int) -> dict:
     """The train state of a fresh run, on the devices: parameters drawn from `seed`."""
-    with _threefry_kernel():
+    with _threefry_kernel() if self.threefry_kernel else contextlib.nullcontext():
       return self._init_jit(seed)
 
   def model(self, params) -> model_lib.Transformer:

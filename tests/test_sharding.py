@@ -77,6 +77,7 @@ for name, mesh in (("sharded", sharding.make_mesh(data=2, fsdp=4)),
     state = trainer.init_state(0)
     out[name + "_spec"] = list(state["params"]["blocks"][0]["mlp"]["up"]["kernel"].sharding.spec)
     out[name + "_opt_devices"] = len(jax.tree.leaves(state["opt"])[1].sharding.device_set)
+    out[name + "_threefry_kernel"] = trainer.threefry_kernel
     losses = []
     for b in batches:
       state, m = trainer.train_step(state, trainer.put(b))
@@ -97,6 +98,8 @@ def test_sharded_step_matches_single_device():
   out = json.loads(proc.stdout.split("RESULT")[-1])
   assert out["sharded_spec"] == ["fsdp", None], out  # FSDP over "embed"
   assert out["sharded_opt_devices"] == 8
+  # The init's threefry kernel (one custom call, unsplittable) only where nothing is sharded.
+  assert out["single_threefry_kernel"] and not out["sharded_threefry_kernel"]
   # Same math on a different device layout: only the reduction order may differ.
   for a, b in zip(out["sharded"], out["single"]):
     assert abs(a - b) <= 1e-5 * abs(b), (out["sharded"], out["single"])
