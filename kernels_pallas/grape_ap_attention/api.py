@@ -59,7 +59,8 @@ def _rotate(p, pos):
 
 def grape_ap_attention(q, k, v, p, alpha, *, scale: float, p_query=None, segment_ids=None,
                        block_q=None, block_k=None, interpret: bool = False):
-  """Causal GRAPE-AP attention (docs/encodings/additive.md#grape_ap) -> o [B, T, H, Dv] in v's dtype.
+  """Causal GRAPE-AP attention (docs/encodings/additive.md#grape_ap) -> o [B, T, H, Dv] in
+  v's dtype.
 
   s_ij = scale q_i.k_j + sum_{l in (j, i]} alpha_h log_sigmoid(<pq_i, R_l p_l> / P), with
   pq = p_query (p when None) and R_l the rotation of every channel pair by l, the position

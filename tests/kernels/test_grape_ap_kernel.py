@@ -6,8 +6,9 @@ Interpreter (CPU): T 40 with 16-row query tiles and 32-row key tiles (the key ti
 query tiles, and both end in padding), GQA (H 4, K 2), values of another width, probes of an
 unpadded width, documents that start inside a tile, with and without a separate query probe.
 bf16 at the bf16 kernel tolerance against the oracle on the same bf16 values. Lowering: the
-forward and the gradient lower through Triton for "cuda" on this host. GPU: bf16 at T 2048
-(marked gpu).
+forward and the gradient lower through Triton for "cuda" on this host. Wiring:
+attention.path_integral_attention(implementation="pallas"), and (slow) a one-layer model on
+the kernel against the reference. GPU: bf16 at T 2048 (marked gpu).
 """
 from __future__ import annotations
 
@@ -112,8 +113,8 @@ def test_grape_ap_kernel_errors_name_the_field():
   q = jnp.zeros((1, 8, 4, 16))
   p = jnp.zeros((1, 8, 4, 8))
   al = jnp.ones((4,))
-  run = lambda **kw: grape_ap_attention(**{**dict(q=q, k=q, v=q, p=p, alpha=al, scale=0.25,  # noqa: E731
-                                                  interpret=True), **kw})
+  base = dict(q=q, k=q, v=q, p=p, alpha=al, scale=0.25, interpret=True)
+  run = lambda **kw: grape_ap_attention(**{**base, **kw})  # noqa: E731
   with pytest.raises(ValueError, match="multiple of kv heads"):
     run(k=jnp.zeros((1, 8, 3, 16)), v=jnp.zeros((1, 8, 3, 16)))
   with pytest.raises(ValueError, match="p .* even P"):
@@ -145,8 +146,12 @@ def test_attention_pallas_runs_the_kernel(key, monkeypatch):
   from posenc_jax import attention
 
   calls = []
-  monkeypatch.setattr(kernels_pallas, "grape_ap_attention",
-                      lambda *a, **kw: calls.append(kw["interpret"]) or grape_ap_attention(*a, **kw))
+
+  def counted(*a, **kw):
+    calls.append(kw["interpret"])
+    return grape_ap_attention(*a, **kw)
+
+  monkeypatch.setattr(kernels_pallas, "grape_ap_attention", counted)
   (q, k, v, p, alpha), _ = _inputs(key, B=1, T=20, H=2, K=1, D=16, Dv=16, P=4, dtype=F32,
                                    separate_query=False)
   seg = jnp.where(jnp.arange(20) < 7, 1, 2)[None]
@@ -157,3 +162,58 @@ def test_attention_pallas_runs_the_kernel(key, monkeypatch):
     o_want = attention.path_integral_attention(q, k, v, p, alpha, segment_ids=seg,
                                                implementation="reference")
   assert_rel_rms(o, o_want, TOL[jnp.dtype(F32)], "o")
+
+
+# Slow (a model's compile); the default set checks the wiring through attention (above).
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["paper", "official"])
+def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, variant):
+  """A GRAPE-AP transformer with model.implementation="pallas" (the interpreted kernel, seen to
+  run) against the same parameters on the dense oracle: logits and every parameter's gradient
+  of the loss (the probes' and alpha's included), on two packed documents. The official
+  variant passes separate query probes."""
+  import kernels_pallas
+  from flax import nnx
+  from posenc_jax import model as model_lib
+
+  calls = []
+
+  def counted(*a, **kw):
+    calls.append(kw["p_query"] is not None)
+    return grape_ap_attention(*a, **kw)
+
+  monkeypatch.setattr(kernels_pallas, "grape_ap_attention", counted)
+
+  V, B, T = 50, 2, 24
+  kp, kt = jax.random.split(key)
+  tokens = jax.random.randint(kt, (B, T + 1), 0, V)
+  seg = jnp.where(jnp.arange(T) < 9, 1, 2)[None].repeat(B, 0)
+  pos = jnp.where(seg == 1, jnp.arange(T), jnp.arange(T) - 9)
+
+  def run(implementation):
+    cfg = model_lib.ModelConfig(vocab_size=V, encoding="grape_ap", num_layers=1, d_model=32,
+                                num_heads=4, num_kv_heads=2, head_dim=16,
+                                encoding_kwargs=(("variant", variant),),
+                                implementation=implementation)
+    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=kp))
+
+    @nnx.jit
+    def loss_and_grads(model):
+      def loss(model):
+        logits = model(tokens[:, :-1], positions_BT=pos, segment_ids_BT=seg)
+        lp = jax.nn.log_softmax(logits.astype(F32))
+        return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 1:, None], -1)), logits
+      return nnx.value_and_grad(loss, has_aux=True)(model)
+
+    (_, logits), grads = loss_and_grads(model)
+    return logits, jax.tree.leaves(nnx.to_pure_dict(grads))
+
+  logits, grads = run("pallas")
+  assert calls == [variant == "official"]
+  with jax.default_matmul_precision("highest"):
+    logits_want, grads_want = run("reference")
+  tol = TOL[jnp.dtype(F32)]
+  assert_rel_rms(logits, logits_want, tol, "logits")
+  assert len(grads) == len(grads_want)
+  for i, (g, g_want) in enumerate(zip(grads, grads_want)):
+    assert_rel_rms(g, g_want, tol, f"gradient leaf {i}")
