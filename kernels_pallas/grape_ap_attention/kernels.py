@@ -42,11 +42,18 @@ class Static:
   f32_precision: object  # of the probe and triangular products (float32 operands)
 
 
-def _strict(n: int, upper: bool):
-  """[n, n] float32: [row < col] (upper) or [row > col]."""
+def _row_greater(n: int):
+  """[n, n] float32 [row > col]: (x @ it)_j = sum_{l > j} x_l, (it @ y)_l = sum_{j < l} y_j."""
   r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
   c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return ((r < c) if upper else (r > c)).astype(jnp.float32)
+  return (r > c).astype(jnp.float32)
+
+
+def _row_less(n: int):
+  """[n, n] float32 [row < col]: (x @ it)_l = sum_{j < l} x_j, (it @ y)_j = sum_{l > j} y_l."""
+  r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return (r < c).astype(jnp.float32)
 
 
 def _column(x, kt):
@@ -87,7 +94,7 @@ def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
   sq = None if sq_ref is None else sq_ref[...]
   qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
   n = pl.cdiv(q0 + bq, bk)
-  upper = _strict(bk, upper=False)   # U[l, j] = [l > j]: (w @ U)_ij = sum_{l > j} w_il
+  greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
 
   def body(t, state):
     m_i, l_i, acc, carry, cs = state
@@ -97,7 +104,7 @@ def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
     dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
     _, w = _potentials(st, pq, r_ref[rows, :], alpha, dist >= 0, True)
     cs = _set_column(cs, kt, carry)
-    bias = carry[:, None] + dot(w, upper, precision=st.f32_precision)
+    bias = carry[:, None] + dot(w, greater, precision=st.f32_precision)
     s = st.scale * dot(q, k_ref[rows, :], tb=True, precision=st.precision) + bias
     ok = _visible(dist, sq, None if sk_ref is None else sk_ref[rows])
     s = jnp.where(ok, s, NEG_INF)
@@ -134,8 +141,8 @@ def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref
   cs = c_ref[...]
   qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
   n = pl.cdiv(q0 + bq, bk)
-  upper = _strict(bk, upper=False)   # (w @ U)_ij = sum_{l > j} w_il
-  lower = _strict(bk, upper=True)    # (ds @ L)_il = sum_{j < l} ds_ij
+  greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
+  less = _row_less(bk)         # (ds @ less)_il = sum_{j < l} ds_ij
 
   def body(kt, state):
     dq, dpq, dal, pre, pres = state
@@ -145,7 +152,7 @@ def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref
     r = r_ref[rows, :]
     on_path = dist >= 0
     x, w = _potentials(st, pq, r, alpha, on_path, True)
-    bias = _column(cs, kt)[:, None] + dot(w, upper, precision=st.f32_precision)
+    bias = _column(cs, kt)[:, None] + dot(w, greater, precision=st.f32_precision)
     k = k_ref[rows, :]
     s = st.scale * dot(q, k, tb=True, precision=st.precision) + bias
     ok = _visible(dist, sq, None if sk_ref is None else sk_ref[rows])
@@ -153,10 +160,10 @@ def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref
     ds = p * (dot(do, v_ref[rows, :], tb=True, precision=st.precision) - delta)
     dq = dq + dot(ds.astype(k.dtype), k, precision=st.precision)
     pres = _set_column(pres, kt, pre)
-    dpsi = jnp.where(on_path, pre[:, None] + dot(ds, lower, precision=st.f32_precision), 0.0)
+    dpsi = jnp.where(on_path, pre[:, None] + dot(ds, less, precision=st.f32_precision), 0.0)
     dz = dpsi * alpha[:, None] * jax.nn.sigmoid(-x) / st.probe_dim
     dpq = dpq + dot(dz, r, precision=st.f32_precision)
-    dal = dal + jnp.sum(jnp.where(on_path, dpsi * jax.nn.log_sigmoid(x), 0.0), axis=1)
+    dal = dal + jnp.sum(dpsi * jax.nn.log_sigmoid(x), axis=1)   # dpsi is 0 off the path
     return dq, dpq, dal, pre + jnp.sum(ds, axis=1), pres
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(pq.shape, jnp.float32),
@@ -176,8 +183,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
   k [bk, D], v [bk, Dv], r [bk, G, P], (sq [T], sk [bk]) -> dk [bk, D], dv [bk, Dv] (summed
   over the group), dr [bk, G, P], float32.
 
-  Key-major tiles ([keys, queries]): the bias is b^T = L w^T (L[j, l] = [j < l]) plus the
-  queries' carry C[i, kt], and d w^T = U ds^T (U[l, j] = [l > j]) plus Pre[i, kt]."""
+  Key-major tiles ([keys, queries]): the bias is the in-tile sum (less @ w^T) plus the queries'
+  carry C[i, kt], and d w^T the in-tile sum (greater @ ds^T) plus Pre[i, kt]."""
   bq, bk = st.block_q, st.block_k
   kt = pl.program_id(0)
   k0 = kt * bk
@@ -188,8 +195,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
   first = k0 // bq
   n = q_ref.shape[0] // bq
   G = q_ref.shape[1]
-  upper = _strict(bk, upper=False)
-  lower = _strict(bk, upper=True)
+  greater = _row_greater(bk)   # (greater @ ds^T)_li = sum_{j < l} ds_ij
+  less = _row_less(bk)         # (less @ w^T)_ji = sum_{l > j} w_il
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for g in range(G):
@@ -206,7 +213,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
       x, w = _potentials(st, r, pq, alpha, on_path, False)             # [keys l, queries i]
       c = _column(c_ref[rows, g, :], kt)
       pre = _column(pre_ref[rows, g, :], kt)
-      bias = c[None, :] + dot(lower, w, precision=st.f32_precision)
+      bias = c[None, :] + dot(less, w, precision=st.f32_precision)
       q = q_ref[rows, g, :]
       s = st.scale * dot(k, q, tb=True, precision=st.precision) + bias
       ok = _visible(dist, sk, None if sq_ref is None else sq_ref[rows])
@@ -215,7 +222,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
       dv = dv + dot(p.astype(do.dtype), do, precision=st.precision)
       ds = p * (dot(v, do, tb=True, precision=st.precision) - delta_ref[rows, g][None, :])
       dk = dk + dot(ds.astype(q.dtype), q, precision=st.precision)
-      dpsi = jnp.where(on_path, pre[None, :] + dot(upper, ds, precision=st.f32_precision), 0.0)
+      dpsi = jnp.where(on_path, pre[None, :] + dot(greater, ds, precision=st.f32_precision), 0.0)
       dz = dpsi * alpha[None, :] * jax.nn.sigmoid(-x) / st.probe_dim
       dr = dr + dot(dz, pq, precision=st.f32_precision)
       return dk, dv, dr
