@@ -41,6 +41,7 @@ from posenc_jax import blockwise
 from posenc_jax import context_parallel
 from posenc_jax import householder
 from posenc_jax import masking
+from posenc_jax import path_integral
 from posenc_jax import stick_breaking
 from posenc_jax import tapa
 from posenc_jax import unipotent
@@ -429,8 +430,11 @@ def path_integral_attention(q, k, v, p, alpha, *, segment_ids=None, scale=None,
       raise ValueError("implementation='pallas' for GRAPE-AP has no TPU form (Triton on a GPU, "
                        "the interpreter on a CPU): use None (auto), 'chunked' or 'reference'")
     import kernels_pallas  # imported lazily: the kernels are optional on CPU
-    return kernels_pallas.grape_ap_attention(q, k, v, p, alpha, scale=_scale(scale, D),
-                                             p_query=p_query, segment_ids=segment_ids,
+    # The rotation of the key probes stays here, in jnp, where the oracle's is.
+    r = path_integral.rotate_probes(p, path_integral.segment_positions(segment_ids, B, T))
+    return kernels_pallas.grape_ap_attention(q, k, v, p if p_query is None else p_query, r,
+                                             alpha, scale=_scale(scale, D),
+                                             segment_ids=segment_ids,
                                              interpret=jax.default_backend() == "cpu")
   fn = {"reference": unipotent.path_integral_attention_reference,
         "chunked": unipotent.path_integral_attention_chunked}[impl]

@@ -1,8 +1,9 @@
 """grape_ap_attention: the public function, its custom VJP and the three launches.
 
-The wrapper rotates the key-side probes (r_l = R_l p_l, at within-document positions) and
-broadcasts alpha to per-row values in jnp, outside the kernels: autodiff of those steps carries
-the kernels' d r and per-row d alpha back to p and alpha. Time is padded to whole tiles at the
+The caller passes the key-side probes already rotated (r_l = R_l p_l, at within-document
+positions: posenc_jax.path_integral.rotate_probes), and the wrapper broadcasts alpha to
+per-row values in jnp, outside the kernels: autodiff of those steps carries the kernels' d r
+and per-row d alpha back to p and alpha. Time is padded to whole tiles at the
 end and the channel widths to powers of two >= 16 (zeros change no product). The custom_vjp
 core sees the padded operands, so autodiff of the pads and slices carries the cotangents back
 to the caller's shapes and dtypes.
@@ -13,7 +14,6 @@ float32 per head (NK: the key-tile count, padded to a power of two).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,36 +39,18 @@ def _tile(requested, default: int, T: int, name: str) -> int:
   return min(requested or default, _pow2(T))
 
 
-def _segment_positions(seg, B: int, T: int):
-  """Index of each position inside its packed document (arange(T) without segment ids)."""
-  idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  if seg is None:
-    return idx
-  starts = jnp.concatenate([jnp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-  return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
-
-
-def _rotate(p, pos):
-  """Every adjacent channel pair of p rotated by the angle pos (float32)."""
-  p = p.astype(jnp.float32)
-  ang = pos.astype(jnp.float32)[:, :, None, None]
-  c, s = jnp.cos(ang), jnp.sin(ang)
-  x0, x1 = p[..., 0::2], p[..., 1::2]
-  return jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(p.shape)
-
-
-def grape_ap_attention(q, k, v, p, alpha, *, scale: float, p_query=None, segment_ids=None,
+def grape_ap_attention(q, k, v, pq, r, alpha, *, scale: float, segment_ids=None,
                        block_q=None, block_k=None, interpret: bool = False):
   """Causal GRAPE-AP attention (docs/encodings/additive.md#grape_ap) -> o [B, T, H, Dv] in
   v's dtype.
 
-  s_ij = scale q_i.k_j + sum_{l in (j, i]} alpha_h log_sigmoid(<pq_i, R_l p_l> / P), with
-  pq = p_query (p when None) and R_l the rotation of every channel pair by l, the position
-  inside the document. q [B, T, H, D]; k [B, T, K, D]; v [B, T, K, Dv] (query head h reads kv
-  head h // (H // K)); p, p_query [B, T, H, P] (P even); alpha [H]; segment_ids [B, T] int or
-  None. Products with q, k, v read k's dtype and accumulate in float32; the probes and the bias
-  are float32. Differentiable in q, k, v, p, p_query and alpha. interpret=True runs the Pallas
-  interpreter (CPU); otherwise the Triton kernels (GPU).
+  s_ij = scale q_i.k_j + sum_{l in (j, i]} alpha_h log_sigmoid(<pq_i, r_l> / P), with pq the
+  query-side probes and r_l = R_l p_l the key-side probes rotated by their position inside the
+  document. q [B, T, H, D]; k [B, T, K, D]; v [B, T, K, Dv] (query head h reads kv head
+  h // (H // K)); pq, r [B, T, H, P]; alpha [H]; segment_ids [B, T] int or None. Products with
+  q, k, v read k's dtype and accumulate in float32; the probes and the bias are float32.
+  Differentiable in q, k, v, pq, r and alpha. interpret=True runs the Pallas interpreter
+  (CPU); otherwise the Triton kernels (GPU).
   """
   B, T, H, D = q.shape
   if k.ndim != 4 or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
@@ -79,12 +61,11 @@ def grape_ap_attention(q, k, v, p, alpha, *, scale: float, p_query=None, segment
     raise ValueError(f"grape_ap_attention: v {v.shape} must be [B, T, K, Dv] with k {k.shape}")
   if H % K:
     raise ValueError(f"grape_ap_attention: query heads {H} must be a multiple of kv heads {K}")
-  if p.ndim != 4 or p.shape[:3] != (B, T, H) or p.shape[3] % 2:
-    raise ValueError(f"grape_ap_attention: p {p.shape} must be [B, T, H, P] with q's B, T, H "
-                     "and an even P")
-  if p_query is not None and p_query.shape != p.shape:
-    raise ValueError(f"grape_ap_attention: p_query {p_query.shape} must have p's shape "
-                     f"{p.shape}")
+  if pq.ndim != 4 or pq.shape[:3] != (B, T, H):
+    raise ValueError(f"grape_ap_attention: pq {pq.shape} must be [B, T, H, P] with q's B, T "
+                     "and H")
+  if r.shape != pq.shape:
+    raise ValueError(f"grape_ap_attention: r {r.shape} must have pq's shape {pq.shape}")
   if jnp.shape(alpha) != (H,):
     raise ValueError(f"grape_ap_attention: alpha has shape {jnp.shape(alpha)}, expected ({H},)")
   if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
@@ -93,11 +74,10 @@ def grape_ap_attention(q, k, v, p, alpha, *, scale: float, p_query=None, segment
   bq = _tile(block_q, DEFAULT_BLOCK_Q, T, "block_q")
   bk = _tile(block_k, DEFAULT_BLOCK_K, T, "block_k")
   Tp = -(-T // max(bq, bk)) * max(bq, bk)
-  P = p.shape[3]
+  P = pq.shape[3]
   dtype = k.dtype
   pad = lambda x: pad_axis(pad_axis(x, 1, Tp), 3, _pow2(x.shape[3]))  # noqa: E731
-  r = _rotate(p, _segment_positions(segment_ids, B, T))
-  pq = (p if p_query is None else p_query).astype(jnp.float32)
+  pq, r = pq.astype(jnp.float32), r.astype(jnp.float32)
   al = jnp.broadcast_to(jnp.asarray(alpha, jnp.float32)[None, None, :], (B, Tp, H))
   Dv = v.shape[3]
   seg = None if segment_ids is None else pad_axis(segment_ids.astype(jnp.int32), 1, Tp, value=-1)

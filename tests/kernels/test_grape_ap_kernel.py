@@ -47,6 +47,12 @@ def _documents(B, T):
   return jnp.cumsum(starts, axis=1)
 
 
+def _rotated(p, seg):
+  """The key-side probes as the kernel takes them: R_l p_l at within-document positions."""
+  B, T = p.shape[:2]
+  return path_integral.rotate_probes(p, path_integral.segment_positions(seg, B, T))
+
+
 def _check(key, *, tol, B, T, H, K, D, Dv, P, dtype, segments, separate_query, blocks=(None,
            None), oracle_fn=path_integral.path_integral_attention_reference, interpret=True):
   args, ct = _inputs(key, B=B, T=T, H=H, K=K, D=D, Dv=Dv, P=P, dtype=dtype,
@@ -55,8 +61,9 @@ def _check(key, *, tol, B, T, H, K, D, Dv, P, dtype, segments, separate_query, b
   scale = D ** -0.5
 
   def kernel(q, k, v, p, alpha, p_query=None):
-    return grape_ap_attention(q, k, v, p, alpha, scale=scale, p_query=p_query, segment_ids=seg,
-                              block_q=blocks[0], block_k=blocks[1], interpret=interpret)
+    return grape_ap_attention(q, k, v, p if p_query is None else p_query, _rotated(p, seg),
+                              alpha, scale=scale, segment_ids=seg, block_q=blocks[0],
+                              block_k=blocks[1], interpret=interpret)
 
   def oracle(q, k, v, p, alpha, p_query=None):
     return oracle_fn(q.astype(F32), k.astype(F32), v.astype(F32), p, alpha, scale=scale,
@@ -100,7 +107,8 @@ def test_grape_ap_kernel_lowers_for_cuda():
             SD((B, T, H, P), F32), SD((H,), F32), SD((B, T, H, P), F32), SD((B, T), jnp.int32)]
 
   def f(q, k, v, p, alpha, pq, seg):
-    return grape_ap_attention(q, k, v, p, alpha, scale=0.125, p_query=pq, segment_ids=seg)
+    return grape_ap_attention(q, k, v, pq, _rotated(p, seg), alpha, scale=0.125,
+                              segment_ids=seg)
 
   grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)), argnums=(0, 1, 2, 3, 4, 5))
   for fn, want in ((f, {"forward_kernel"}), (grad, {"forward_kernel", "dkv_kernel",
@@ -113,14 +121,14 @@ def test_grape_ap_kernel_errors_name_the_field():
   q = jnp.zeros((1, 8, 4, 16))
   p = jnp.zeros((1, 8, 4, 8))
   al = jnp.ones((4,))
-  base = dict(q=q, k=q, v=q, p=p, alpha=al, scale=0.25, interpret=True)
+  base = dict(q=q, k=q, v=q, pq=p, r=p, alpha=al, scale=0.25, interpret=True)
   run = lambda **kw: grape_ap_attention(**{**base, **kw})  # noqa: E731
   with pytest.raises(ValueError, match="multiple of kv heads"):
     run(k=jnp.zeros((1, 8, 3, 16)), v=jnp.zeros((1, 8, 3, 16)))
-  with pytest.raises(ValueError, match="p .* even P"):
-    run(p=jnp.zeros((1, 8, 4, 7)))
-  with pytest.raises(ValueError, match="p_query"):
-    run(p_query=jnp.zeros((1, 8, 4, 6)))
+  with pytest.raises(ValueError, match="pq .* with q's B, T and H"):
+    run(pq=jnp.zeros((1, 8, 3, 8)))
+  with pytest.raises(ValueError, match="r .* must have pq's shape"):
+    run(r=jnp.zeros((1, 8, 4, 6)))
   with pytest.raises(ValueError, match="alpha"):
     run(alpha=jnp.ones((3,)))
   with pytest.raises(ValueError, match="block_k=24"):
@@ -171,7 +179,7 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, variant):
   """A GRAPE-AP transformer with model.implementation="pallas" (the interpreted kernel, seen to
   run) against the same parameters on the dense oracle: logits and every parameter's gradient
   of the loss (the probes' and alpha's included), on two packed documents. The official
-  variant passes separate query probes."""
+  variant passes separate query probes (the encoding builds them; the kernel takes pq)."""
   import kernels_pallas
   from flax import nnx
   from posenc_jax import model as model_lib
@@ -179,7 +187,7 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, variant):
   calls = []
 
   def counted(*a, **kw):
-    calls.append(kw["p_query"] is not None)
+    calls.append(kw["interpret"])
     return grape_ap_attention(*a, **kw)
 
   monkeypatch.setattr(kernels_pallas, "grape_ap_attention", counted)
@@ -209,7 +217,7 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, variant):
     return logits, jax.tree.leaves(nnx.to_pure_dict(grads))
 
   logits, grads = run("pallas")
-  assert calls == [variant == "official"]
+  assert calls == [True]
   with jax.default_matmul_precision("highest"):
     logits_want, grads_want = run("reference")
   tol = TOL[jnp.dtype(F32)]
