@@ -41,6 +41,7 @@ from posenc_jax import blockwise
 from posenc_jax import context_parallel
 from posenc_jax import householder
 from posenc_jax import masking
+from posenc_jax import path_integral
 from posenc_jax import stick_breaking
 from posenc_jax import tapa
 from posenc_jax import unipotent
@@ -407,6 +408,9 @@ def path_integral_attention(q, k, v, p, alpha, *, segment_ids=None, scale=None,
   q [B, T, H, D]; k, v [B, T, K, D]; p [B, T, H, d_p] (d_p even); alpha [H] >= 0.
   p_query: [B, T, H, d_p] probes for the query side p_i (the official GRAPE code's variant:
   raw query probes, RMS-normalised key probes), or None to use p on both sides (the paper).
+  implementation "pallas": kernels_pallas.grape_ap_attention (Triton on a GPU, the Pallas
+  interpreter on a CPU; no TPU form); None picks "reference" or "chunked"
+  (auto_implementation).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_rank("p", p, 4, "BTHP")
@@ -419,7 +423,19 @@ def path_integral_attention(q, k, v, p, alpha, *, segment_ids=None, scale=None,
   _checks.check_shape("alpha", alpha, (H,), "H")
   _checks.check_range("alpha", alpha, 0.0, float("inf"))
   _checks.check_segment_ids(segment_ids, B, T)
-  impl = _pick(implementation, "path_integral", ("reference", "chunked"), q, v, segment_ids)
+  impl = _pick(implementation, "path_integral", ("reference", "chunked", "pallas"), q, v,
+               segment_ids)
+  if impl == "pallas":
+    if jax.default_backend() == "tpu":
+      raise ValueError("implementation='pallas' for GRAPE-AP has no TPU form (Triton on a GPU, "
+                       "the interpreter on a CPU): use None (auto), 'chunked' or 'reference'")
+    import kernels_pallas  # imported lazily: the kernels are optional on CPU
+    # The rotation of the key probes stays here, in jnp, where the oracle's is.
+    r = path_integral.rotate_probes(p, path_integral.segment_positions(segment_ids, B, T))
+    return kernels_pallas.grape_ap_attention(q, k, v, p if p_query is None else p_query, r,
+                                             alpha, scale=_scale(scale, D),
+                                             segment_ids=segment_ids,
+                                             interpret=jax.default_backend() == "cpu")
   fn = {"reference": unipotent.path_integral_attention_reference,
         "chunked": unipotent.path_integral_attention_chunked}[impl]
   return fn(q, k, v, p, alpha, segment_ids=segment_ids, scale=_scale(scale, D), p_query=p_query)

@@ -1,0 +1,233 @@
+"""The three kernel bodies of causal GRAPE-AP attention: forward, dq (with the query probes'
+and alpha's cotangents) and dk/dv (with the rotated key probes' cotangent).
+
+The logit of query i and key j is s_ij = scale q_i.k_j + b_ij, with the path-sum bias
+
+  b_ij = sum_{l in (j, i]} w_il,   w_il = alpha_i log_sigmoid(z_il / P),  z_il = pq_i . r_l
+
+(alpha_i: the query's head's alpha, given per row). A program walks the key tiles; inside a
+tile the part of the sum over the tile's own positions is a reverse exclusive cumulative sum,
+taken as a product with a constant triangular matrix (Triton has no cheap cumsum), and the part
+beyond the tile is a per-row carry. The forward walks the key tiles right to left and records
+the carry at entering each tile, C[i, kt] = sum_{l >= (kt + 1) bk, l <= i} w_il; the dq kernel
+records Pre[i, kt] = sum_{j < kt bk} ds_ij, the part of d w_il = sum_{j < l} ds_ij that lies
+left of tile kt. The dk/dv kernel, which sees one key tile against all later queries, reads both
+instead of re-walking the tiles. Both are kept as [bq, NK] register tiles (NK: the key-tile
+count, padded to a power of two) and stored once, so no body indexes a ref by a loop counter.
+
+Refs are time-major, cut by api.py's BlockSpecs. Positions are the time indices: the caller
+pads T at the end, and a padded query (sliced off, zero cotangent) or key (later than every
+real query) changes no real row.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas.path_attention.tiles import NEG_INF, dot
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """What the bodies need to know at trace time."""
+  scale: float
+  probe_dim: int        # P before padding: z is divided by it
+  block_q: int
+  block_k: int
+  precision: object     # of the q.k and v / dO products (None: the inputs' own)
+  f32_precision: object  # of the probe and triangular products (float32 operands)
+
+
+def _row_greater(n: int):
+  """[n, n] float32 [row > col]: (x @ it)_j = sum_{l > j} x_l, (it @ y)_l = sum_{j < l} y_j."""
+  r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return (r > c).astype(jnp.float32)
+
+
+def _row_less(n: int):
+  """[n, n] float32 [row < col]: (x @ it)_l = sum_{j < l} x_j, (it @ y)_j = sum_{l > j} y_l."""
+  r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return (r < c).astype(jnp.float32)
+
+
+def _column(x, kt):
+  """x[:, kt] of a [rows, NK] tile, kt traced."""
+  sel = lax.broadcasted_iota(jnp.int32, x.shape, 1) == kt
+  return jnp.sum(jnp.where(sel, x, 0.0), axis=1)
+
+
+def _set_column(x, kt, col):
+  sel = lax.broadcasted_iota(jnp.int32, x.shape, 1) == kt
+  return jnp.where(sel, col[:, None], x)
+
+
+def _visible(dist, seg_r, seg_c):
+  ok = dist >= 0
+  if seg_r is not None:
+    ok = ok & (seg_r[:, None] == seg_c[None, :])
+  return ok
+
+
+def _potentials(st: Static, a, b, alpha, on_path, alpha_rows: bool):
+  """(z / P, w) of a tile: z = a . b (query probes x rotated probes, or the transpose),
+  w = alpha log_sigmoid(z / P) where on_path (l <= i), else 0."""
+  x = dot(a, b, tb=True, precision=st.f32_precision) / st.probe_dim
+  al = alpha[:, None] if alpha_rows else alpha[None, :]
+  return x, jnp.where(on_path, al * jax.nn.log_sigmoid(x), 0.0)
+
+
+def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
+                   o_ref, lse_ref, c_ref, *, st: Static):
+  """q [bq, D], k [T, D], v [T, Dv], pq [bq, P], r [T, P], alpha [bq], (sq [bq], sk [T])
+  -> o [bq, Dv], lse [bq], C [bq, NK] float32."""
+  bq, bk = st.block_q, st.block_k
+  q0 = pl.program_id(0) * bq
+  q = q_ref[...]
+  pq = pq_ref[...]
+  alpha = al_ref[...]
+  sq = None if sq_ref is None else sq_ref[...]
+  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+  n = pl.cdiv(q0 + bq, bk)
+  greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
+
+  def body(t, state):
+    m_i, l_i, acc, carry, cs = state
+    kt = n - 1 - t
+    k0 = pl.multiple_of(kt * bk, bk)
+    rows = pl.ds(k0, bk)
+    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    _, w = _potentials(st, pq, r_ref[rows, :], alpha, dist >= 0, True)
+    cs = _set_column(cs, kt, carry)
+    bias = carry[:, None] + dot(w, greater, precision=st.f32_precision)
+    s = st.scale * dot(q, k_ref[rows, :], tb=True, precision=st.precision) + bias
+    ok = _visible(dist, sq, None if sk_ref is None else sk_ref[rows])
+    s = jnp.where(ok, s, NEG_INF)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    corr = jnp.exp(m_i - m_new)
+    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+    v = v_ref[rows, :]
+    acc = corr[:, None] * acc + dot(p.astype(v.dtype), v, precision=st.precision)
+    return m_new, corr * l_i + jnp.sum(p, axis=1), acc, carry + jnp.sum(w, axis=1), cs
+
+  init = (jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros(c_ref.shape, jnp.float32))
+  m_i, l_i, acc, _, cs = lax.fori_loop(0, n, body, init)
+  # every row sees its own key, so l_i >= 1
+  o_ref[...] = acc / l_i[:, None]
+  lse_ref[...] = m_i + jnp.log(l_i)
+  c_ref[...] = cs
+
+
+def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref, lse_ref,
+              delta_ref, c_ref, dq_ref, dpq_ref, dal_ref, pre_ref, *, st: Static):
+  """One query tile against the key tiles up to the diagonal, left to right: -> dq [bq, D],
+  dpq [bq, P], dalpha [bq] (this row's share), Pre [bq, NK], float32."""
+  bq, bk = st.block_q, st.block_k
+  q0 = pl.program_id(0) * bq
+  q = q_ref[...]
+  pq = pq_ref[...]
+  alpha = al_ref[...]
+  sq = None if sq_ref is None else sq_ref[...]
+  do = do_ref[...]
+  lse = lse_ref[...][:, None]
+  delta = delta_ref[...][:, None]
+  cs = c_ref[...]
+  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+  n = pl.cdiv(q0 + bq, bk)
+  greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
+  less = _row_less(bk)         # (ds @ less)_il = sum_{j < l} ds_ij
+
+  def body(kt, state):
+    dq, dpq, dal, pre, pres = state
+    k0 = pl.multiple_of(kt * bk, bk)
+    rows = pl.ds(k0, bk)
+    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    r = r_ref[rows, :]
+    on_path = dist >= 0
+    x, w = _potentials(st, pq, r, alpha, on_path, True)
+    bias = _column(cs, kt)[:, None] + dot(w, greater, precision=st.f32_precision)
+    k = k_ref[rows, :]
+    s = st.scale * dot(q, k, tb=True, precision=st.precision) + bias
+    ok = _visible(dist, sq, None if sk_ref is None else sk_ref[rows])
+    p = jnp.where(ok, jnp.exp(s - lse), 0.0)
+    ds = p * (dot(do, v_ref[rows, :], tb=True, precision=st.precision) - delta)
+    dq = dq + dot(ds.astype(k.dtype), k, precision=st.precision)
+    pres = _set_column(pres, kt, pre)
+    dpsi = jnp.where(on_path, pre[:, None] + dot(ds, less, precision=st.f32_precision), 0.0)
+    dz = dpsi * alpha[:, None] * jax.nn.sigmoid(-x) / st.probe_dim
+    dpq = dpq + dot(dz, r, precision=st.f32_precision)
+    dal = dal + jnp.sum(dpsi * jax.nn.log_sigmoid(x), axis=1)   # dpsi is 0 off the path
+    return dq, dpq, dal, pre + jnp.sum(ds, axis=1), pres
+
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(pq.shape, jnp.float32),
+          jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros(pre_ref.shape, jnp.float32))
+  dq, dpq, dal, _, pres = lax.fori_loop(0, n, body, init)
+  dq_ref[...] = st.scale * dq
+  dpq_ref[...] = dpq
+  dal_ref[...] = dal
+  pre_ref[...] = pres
+
+
+def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref, lse_ref,
+               delta_ref, c_ref, pre_ref, dk_ref, dv_ref, dr_ref, *, st: Static):
+  """One key tile against its group's G query heads, the query tiles from the diagonal on.
+  q [T, G, D], pq [T, G, P], alpha, lse, delta [T, G], do [T, G, Dv], C, Pre [T, G, NK];
+  k [bk, D], v [bk, Dv], r [bk, G, P], (sq [T], sk [bk]) -> dk [bk, D], dv [bk, Dv] (summed
+  over the group), dr [bk, G, P], float32.
+
+  Key-major tiles ([keys, queries]): the bias is the in-tile sum (less @ w^T) plus the queries'
+  carry C[i, kt], and d w^T the in-tile sum (greater @ ds^T) plus Pre[i, kt]."""
+  bq, bk = st.block_q, st.block_k
+  kt = pl.program_id(0)
+  k0 = kt * bk
+  k = k_ref[...]
+  v = v_ref[...]
+  sk = None if sk_ref is None else sk_ref[...]
+  kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+  first = k0 // bq
+  n = q_ref.shape[0] // bq
+  G = q_ref.shape[1]
+  greater = _row_greater(bk)   # (greater @ ds^T)_li = sum_{j < l} ds_ij
+  less = _row_less(bk)         # (less @ w^T)_ji = sum_{l > j} w_il
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for g in range(G):
+    r = r_ref[:, g, :]
+
+    def body(i, carry, g=g, r=r):
+      dk, dv, dr = carry
+      q0 = pl.multiple_of(i * bq, bq)
+      rows = pl.ds(q0, bq)
+      dist = (q0 + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) - kpos   # i - j
+      on_path = dist >= 0
+      pq = pq_ref[rows, g, :]
+      alpha = al_ref[rows, g]
+      x, w = _potentials(st, r, pq, alpha, on_path, False)             # [keys l, queries i]
+      c = _column(c_ref[rows, g, :], kt)
+      pre = _column(pre_ref[rows, g, :], kt)
+      bias = c[None, :] + dot(less, w, precision=st.f32_precision)
+      q = q_ref[rows, g, :]
+      s = st.scale * dot(k, q, tb=True, precision=st.precision) + bias
+      ok = _visible(dist, sk, None if sq_ref is None else sq_ref[rows])
+      p = jnp.where(ok, jnp.exp(s - lse_ref[rows, g][None, :]), 0.0)
+      do = do_ref[rows, g, :]
+      dv = dv + dot(p.astype(do.dtype), do, precision=st.precision)
+      ds = p * (dot(v, do, tb=True, precision=st.precision) - delta_ref[rows, g][None, :])
+      dk = dk + dot(ds.astype(q.dtype), q, precision=st.precision)
+      dpsi = jnp.where(on_path, pre[None, :] + dot(greater, ds, precision=st.f32_precision), 0.0)
+      dz = dpsi * alpha[None, :] * jax.nn.sigmoid(-x) / st.probe_dim
+      dr = dr + dot(dz, pq, precision=st.f32_precision)
+      return dk, dv, dr
+
+    dk, dv, dr = lax.fori_loop(first, n, body, (dk, dv, jnp.zeros(r.shape, jnp.float32)))
+    dr_ref[:, g, :] = dr
+  dk_ref[...] = st.scale * dk
+  dv_ref[...] = dv
