@@ -244,8 +244,8 @@ def test_value_errors(key):
     posenc_jax.path_integral_attention(q, k, v, p[..., :5], alpha)
   with pytest.raises(ValueError, match="alpha must lie in"):
     posenc_jax.path_integral_attention(q, k, v, p, -alpha)
-  with pytest.raises(ValueError, match="implementation='pallas'"):
-    posenc_jax.path_integral_attention(q, k, v, p, alpha, implementation="pallas")
+  with pytest.raises(ValueError, match="implementation='cudnn'"):
+    posenc_jax.path_integral_attention(q, k, v, p, alpha, implementation="cudnn")
   with pytest.raises(ValueError, match="implementation='xla'"):
     posenc_jax.forgetting_attention(q, k, v, g, implementation="xla")
   with pytest.raises(ValueError, match="lam_q or lam_k"):
