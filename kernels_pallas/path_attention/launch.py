@@ -60,6 +60,16 @@ def with_nones(kernel, present):
   return run
 
 
+def call_present(kernel, grid, operands, outs, *, backend: str, warps: int, stages: int):
+  """call() with optional operands: operands and outs are (array / ShapeDtypeStruct or None,
+  BlockSpec) pairs, None meaning absent; `kernel` (a functools.partial) sees None there."""
+  present = [x is not None for x, _ in operands] + [x is not None for x, _ in outs]
+  return call(with_nones(kernel, present), grid, [s for x, s in operands if x is not None],
+              [s for x, s in outs if x is not None], [x for x, _ in outs if x is not None],
+              backend=backend, warps=warps, stages=stages)(
+                  *[x for x, _ in operands if x is not None])
+
+
 def call(kernel, grid, in_specs, out_specs, out_shape, *, backend: str, warps: int = 4,
          stages: int = 1, scratch=(), sequential_axes: int = 0, aliases=None):
   """pl.pallas_call of `kernel` on `backend`; warps and stages count on the GPU only."""

@@ -103,14 +103,8 @@ def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = 
 
 
 def _call(backend, kernel, grid, operands, outs, st):
-  """pallas_call over `grid`; operands and outs are (array / ShapeDtypeStruct or None,
-  BlockSpec) pairs, None meaning absent."""
-  present = [x is not None for x, _ in operands] + [x is not None for x, _ in outs]
-  body = launch.with_nones(functools.partial(kernel, st=st), present)
-  return launch.call(body, grid, [s for x, s in operands if x is not None],
-                     [s for x, s in outs if x is not None],
-                     [x for x, _ in outs if x is not None], backend=backend, warps=WARPS,
-                     stages=STAGES)(*[x for x, _ in operands if x is not None])
+  return launch.call_present(functools.partial(kernel, st=st), grid, operands, outs,
+                             backend=backend, warps=WARPS, stages=STAGES)
 
 
 def _f32(*shape):
