@@ -8,6 +8,8 @@ it chose (warps, stages) down.
 """
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -15,6 +17,25 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 BACKENDS = ("gpu", "tpu", "interpret", "tpu_interpret")
+
+# pallas_call imports its GPU lowerings (Triton, Mosaic GPU) when it first lowers one. On a GPU
+# that import adds a config state to JAX's tracing context, so a jitted function traced before
+# it (a train step, whose own first lowering reaches the kernels) missed its trace cache at its
+# next call and was compiled a second time. Importing them with the package keeps the context
+# fixed from the first trace on.
+_GPU_LOWERINGS = ("jax._src.pallas.triton.pallas_call_registration",
+                  "jax._src.pallas.mosaic_gpu.pallas_call_registration")
+
+
+def load_gpu_lowerings() -> None:
+  for name in _GPU_LOWERINGS:
+    try:
+      importlib.import_module(name)
+    except ImportError:  # a jaxlib without that backend: nothing of it can lower anyway
+      pass
+
+
+load_gpu_lowerings()
 
 
 def is_tpu(backend: str) -> bool:

@@ -2,6 +2,8 @@
 step with the PaTH kernels (.ci/gpu runs it first: the longest start first)."""
 from __future__ import annotations
 
+import math
+
 import jax
 import pytest
 
@@ -94,3 +96,57 @@ def test_init_state_draws_the_same_parameters_through_the_threefry_kernel():
   assert len(flat_k) == len(flat_i) > 100
   for a, b in zip(flat_k, flat_i):
     np.testing.assert_array_equal(a, b)
+
+
+def _first_steps(encoding, *, steps=3):
+  """A 2-layer d_model 768 bf16 model of `encoding` (the base config's optimizer) trained
+  `steps` steps on the text task at T 2048, batch 4: (XLA compiles per step, losses)."""
+  from experiments import data, sharding, train
+  from experiments.configs import base
+  from posenc_jax import model as model_lib
+  c = base.get_config()
+  c.data.task, c.data.seq_len = "text", 2048
+  mcfg = model_lib.ModelConfig(vocab_size=data.vocab_size(c.data), encoding=encoding,
+                               num_layers=2, d_model=768, num_heads=12, head_dim=64,
+                               dtype="bfloat16")
+  compiles = []
+  def on_duration(event, seconds, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
+  trainer = train.Trainer(mcfg, c.train, mesh)
+  batches = data.make_train_iter(c.data, batch_size=4, seed=0)
+  per_step, losses = [], []
+  try:
+    with jax.set_mesh(mesh):
+      state = trainer.init_state(0)
+      for _ in range(steps):
+        before = len(compiles)
+        state, metrics = trainer.train_step(state, trainer.put(next(batches)))
+        losses.append(float(metrics["loss"]))
+        per_step.append(sum(s > 1.0 for s in compiles[before:]))  # the step, not small helpers
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_duration)
+  return per_step, losses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("encoding", ["path", "rope"])
+def test_the_train_step_compiles_once(encoding):
+  """The first lowering of a Pallas kernel imports pallas_call's GPU lowerings, which add a
+  config state to JAX's tracing context; unless kernels_pallas imports them first, the train
+  step traced before that import compiles again at its second call."""
+  per_step, _ = _first_steps(encoding)
+  assert per_step == [1, 0, 0], per_step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.xfail(strict=True, reason="open: on an H200 this model's second loss is NaN for "
+                   "rope (cuDNN), path (kernel, chunked, float32) alike; the 12-layer model of "
+                   "the same trainer stays finite. Not reproduced on a CPU.")
+def test_a_two_layer_model_stays_finite():
+  _, losses = _first_steps("rope")
+  assert all(map(math.isfinite, losses)), losses

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +190,20 @@ def test_layers_share_one_lowering_of_the_kernels():
 
   one, three = stack(1), stack(3)
   assert one[0] > 0 and three == one, (one, three)
+
+
+def test_lowering_a_kernel_leaves_the_tracing_context_as_it_was():
+  """pallas_call imports its GPU lowerings at its first lowering; under jax 0.11 that import
+  adds a config state to the tracing context, so a train step traced before it (its own first
+  lowering reaches the kernels) misses its trace cache once and compiles twice. The package
+  imports them itself, so a first lowering finds the context complete."""
+  from jax._src import config as jax_config
+  from kernels_pallas.path_attention import launch
+  assert all(name in sys.modules for name in launch._GPU_LOWERINGS)
+  before = tuple(jax_config.trace_context_names())
+  f, arrays, plan = _call(64, BF16, T=128, gate_segments=False)
+  _lower(f, arrays, plan, grad=False)
+  assert tuple(jax_config.trace_context_names()) == before
 
 
 def _tpu_mesh():
