@@ -28,6 +28,7 @@ Rows already in --out are skipped (the same command continues after a time limit
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -63,10 +64,18 @@ def command(*, encoding: str, size: str, steps: int, workdir: str, cache: str) -
 
 
 def retraces(stderr: str, name: str) -> list[str]:
-  """JAX's explanation (JAX_EXPLAIN_CACHE_MISSES) of each time `name` was traced again."""
-  blocks = re.split(r"^(?=TRACING CACHE MISS)", stderr, flags=re.M)
-  return [b.strip()[:2000] for b in blocks if b.startswith("TRACING CACHE MISS")
-          and f"for {name} " in b]
+  """JAX's explanation (JAX_EXPLAIN_CACHE_MISSES) of each time `name` was traced again.
+
+  Each explanation is a logged line (behind absl's prefix, or behind a progress bar's carriage
+  return) that holds "TRACING CACHE MISS", then its indented lines."""
+  found = []
+  for chunk in stderr.split("TRACING CACHE MISS")[1:]:
+    first, *rest = chunk.splitlines() or [""]
+    body = itertools.takewhile(lambda line: line.startswith("  "), rest)
+    block = "\n".join(["TRACING CACHE MISS" + first, *body])
+    if f"  for {name} defined" in block:
+      found.append(block[:2000])
+  return found
 
 
 def windows(workdir: str) -> list[tuple[int, float]]:
