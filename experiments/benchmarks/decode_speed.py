@@ -49,6 +49,12 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Model c
 _NEW = flags.DEFINE_integer("new_tokens", 32, "Tokens decoded per timed call.")
 _RUNS = flags.DEFINE_integer("runs", 5, "Timed calls per case (median).")
 _OUT = flags.DEFINE_string("out", None, "Write the markdown table here too.")
+_BANDWIDTH = flags.DEFINE_float(
+    "bandwidth_gbs", None, "Device memory bandwidth (GB/s) for the read bound; default: the "
+    "device's datasheet figure where known (H100 SXM 3350, H200 4800), else no bound.")
+
+# Datasheet HBM bandwidth, GB/s, by jax's device_kind.
+_DATASHEET_GBS = {"NVIDIA H100 80GB HBM3": 3350.0, "NVIDIA H200": 4800.0}
 
 MIB = 2**20
 
@@ -81,8 +87,10 @@ def _setup(name: str, S: int) -> dict:
   started = time.perf_counter()
   call()                                                            # compiles, warms up
   mem = gen.memory_analysis("decode")
+  params = nnx.state(model, nnx.Param)
   return dict(encoding=name, context=S, call=call, first_s=time.perf_counter() - started,
               cache_mib=sum(x.nbytes for x in jax.tree.leaves(state["cache"])) / MIB,
+              param_mib=sum(x.nbytes for x in jax.tree.leaves(params)) / MIB,
               temp_mib=mem.temp_size_in_bytes / MIB if mem else None)
 
 
@@ -108,16 +116,34 @@ def _machine() -> str:
   return f"{jax.device_count()} x {d.device_kind}, jax {jax.__version__}"
 
 
-def _table(rows: list[dict]) -> str:
+def _bandwidth_gbs() -> float | None:
+  if _BANDWIDTH.value is not None:
+    return _BANDWIDTH.value
+  return _DATASHEET_GBS.get(jax.devices()[0].device_kind)
+
+
+def read_bound_ms(*, cache_mib: float, param_mib: float, bandwidth_gbs: float) -> float:
+  """The step's memory bound: every cache slot and every parameter read once, at the device's
+  bandwidth (a step cannot be faster; PaTH also writes its keys back, which this leaves out)."""
+  return (cache_mib + param_mib) * MIB / (bandwidth_gbs * 1e9) * 1e3
+
+
+def _table(rows: list[dict], bandwidth_gbs: float | None) -> str:
   rope = {r["context"]: r["step_ms"] for r in rows if r["encoding"] == "rope"}
   out = ["| encoding | context | ms / step | tokens/s | step vs rope | cache (MiB) "
-         "| XLA temp (MiB) | compile+1st call (s) |",
-         "|---|---|---|---|---|---|---|---|"]
+         "| read bound (ms) | step / bound | XLA temp (MiB) | compile+1st call (s) |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     ratio = f"{r['step_ms'] / rope[r['context']]:.2f}x" if r["context"] in rope else "-"
     temp = "-" if r["temp_mib"] is None else f"{r['temp_mib']:.1f}"
+    bound, over = "-", "-"
+    if bandwidth_gbs:
+      b = read_bound_ms(cache_mib=r["cache_mib"], param_mib=r["param_mib"],
+                        bandwidth_gbs=bandwidth_gbs)
+      bound, over = f"{b:.3f}", f"{r['step_ms'] / b:.2f}x"
     out.append(f"| {r['encoding']} | {r['context']} | {r['step_ms']:.2f} | {r['tok_s']:,.0f} "
-               f"| {ratio} | {r['cache_mib']:.1f} | {temp} | {r['first_s']:.1f} |")
+               f"| {ratio} | {r['cache_mib']:.1f} | {bound} | {over} | {temp} "
+               f"| {r['first_s']:.1f} |")
   return "\n".join(out)
 
 
@@ -140,6 +166,10 @@ def main(argv) -> None:
     rows += cases
   rows.sort(key=lambda r: (_ENCODINGS.value.index(r["encoding"]), r["context"]))
   load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+  bandwidth = _bandwidth_gbs()
+  bound_line = (f"- read bound: (cache + parameters) bytes / {bandwidth:,.0f} GB/s, each step "
+                f"reading every cache slot and parameter once" if bandwidth else
+                "- read bound: none (no bandwidth known for this device; --bandwidth_gbs)")
   text = "\n".join([
       "# Decode speed and cache memory",
       "",
@@ -150,8 +180,9 @@ def main(argv) -> None:
       f"{_HEAD_DIM.value}, {_DTYPE.value}, batch {_BATCH.value}; greedy, {_NEW.value} tokens "
       f"per call, median of {_RUNS.value} interleaved rounds after one warm-up; every step "
       f"reads all `context` slots of the cache",
+      bound_line,
       "",
-      _table(rows), ""])
+      _table(rows, bandwidth), ""])
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       f.write(text)
