@@ -38,7 +38,10 @@ from flax import nnx
 from posenc_jax import generation
 from posenc_jax import model as model_lib
 
-_ENCODINGS = flags.DEFINE_list("encodings", ["rope", "fox", "path", "grape_m_ctx"], "Encodings.")
+_ENCODINGS = flags.DEFINE_list(
+    "encodings", ["rope", "fox", "path", "grape_m_ctx"],
+    "Encodings; NAME:IMPLEMENTATION sets model.implementation (path:pallas decodes on "
+    "kernels_pallas.path_decode_step).")
 _CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192", "32768"], "Cache sizes (max_len).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Rows decoded together.")
 _LAYERS = flags.DEFINE_integer("num_layers", 2, "Transformer layers.")
@@ -61,9 +64,11 @@ MIB = 2**20
 
 def _setup(name: str, S: int) -> dict:
   """Builds, compiles and warms up one case; returns its `call` (one timed decode) and sizes."""
-  cfg = model_lib.ModelConfig(vocab_size=256, encoding=name, num_layers=_LAYERS.value,
+  encoding, _, implementation = name.partition(":")
+  cfg = model_lib.ModelConfig(vocab_size=256, encoding=encoding, num_layers=_LAYERS.value,
                               d_model=_D_MODEL.value, num_heads=_HEADS.value,
-                              head_dim=_HEAD_DIM.value, dtype=_DTYPE.value)
+                              head_dim=_HEAD_DIM.value, dtype=_DTYPE.value,
+                              implementation=implementation or None)
   model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=0))
   B, N = _BATCH.value, _NEW.value
   gen = generation.Generator(model, max_len=S)

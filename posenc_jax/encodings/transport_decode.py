@@ -55,6 +55,17 @@ def transport_and_logits(q_B1HD, k_BKSD, w_BKD, beta_BK, scale):
   return keys, logits.reshape(B, H, -1)
 
 
+def _kernel_step(q_B1HD, k_BKSD, w_BKD, beta_BK, scale):
+  """transport_and_logits as one Pallas pass over the cache (kernels_pallas.path_decode):
+  each cached key read once and written once."""
+  import kernels_pallas  # imported lazily: the kernels are optional on CPU
+  B, _, H, D = q_B1HD.shape
+  K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+  logits, keys = kernels_pallas.path_decode_step(
+      q_B1HD[:, 0].reshape(B, K, H // K, D), w_BKD, beta_BK, k_BKSD, scale=scale)
+  return keys, logits.reshape(B, H, S)
+
+
 def _init_cache(dims, *, batch_size, max_len, dtype, name, hparams):
   W = resolve_hparams(name, hparams, transport.HPARAMS[name])["conv_width"]
   B, S, K, D = batch_size, max_len, dims.num_kv_heads, dims.head_dim
@@ -84,7 +95,7 @@ def _fill(params, cache, prep, *, layer, slots, **unused):
   return cache
 
 
-def _step(params, cache, *, prepare, layer, slots, **unused):
+def _step(params, cache, *, prepare, layer, slots, implementation=None, **unused):
   del unused
   x, q, k, v = layer["x"], layer["q"], layer["k"], layer["v"]
   B, W1 = x.shape[0], cache["x_tail"].shape[1]
@@ -98,7 +109,10 @@ def _step(params, cache, *, prepare, layer, slots, **unused):
                        pos, segment_ids=seg)
   w_t, beta_t = prep.inputs["w"][:, -1], prep.inputs["beta"][:, -1]
   scale = q.shape[-1] ** -0.5
-  keys, s = transport_and_logits(q, cache["k"], w_t, beta_t, scale)   # H_t on every cached key
+  if implementation is not None and implementation.startswith("pallas"):
+    keys, s = _kernel_step(q, cache["k"], w_t, beta_t, scale)
+  else:
+    keys, s = transport_and_logits(q, cache["k"], w_t, beta_t, scale)  # H_t on every cached key
   s_new = kv_cache.dot_logits(q, jnp.moveaxis(k, 1, 2), scale)         # l_tt = scale q_t.k_t
   new = {**cache, "x_tail": window[:, 1:]}
   if "gate" in cache:
