@@ -1,0 +1,39 @@
+"""The PaTH Fig. 1 benchmark's table and figure from its rows (the timing itself is
+path_kernel.py's, on a GPU)."""
+from __future__ import annotations
+
+import os
+
+from experiments.benchmarks import kernel_lengths
+
+
+def _rows():
+  def cell(fwd, fb):
+    return {"fwd_ms": fwd, "fwdbwd_ms": fb}
+  return [{"case": "32x4096x32x64", "B": 32, "T": 4096, "H": 32, "D": 64,
+           "cudnn": cell(5.0, 20.0), "fox": cell(9.0, 40.0), "path": cell(16.0, 60.0),
+           "path_fox": "ERR out of time"},
+          {"case": "32x2048x32x64", "B": 32, "T": 2048, "H": 32, "D": 64,
+           "cudnn": cell(2.0, 6.5), "fox": cell(3.0, 13.0), "path": cell(6.0, 23.4),
+           "path_fox": cell(6.5, 24.9)}]
+
+
+def test_series_and_table_follow_the_rows(tmp_path):
+  rows = _rows()
+  got = kernel_lengths.series(rows)
+  assert got["path"] == [(2048, 23.4), (4096, 60.0)]
+  assert got["path_fox"] == [(2048, 24.9)]          # the error row is left out
+  lines = kernel_lengths.table(rows).splitlines()
+  assert lines[2].startswith("| 2048 | 2.0 / 6.5 | 3.0 / 13.0 | 6.0 / 23.4 | 6.5 / 24.9 |")
+  assert lines[2].endswith(f"| {23.4 / 6.5:.2f} | {23.4 / 13.0:.2f} |")
+  assert "ERR out of time" in lines[3] and lines[3].endswith("| 3.00 | 1.50 |")
+  kernel_lengths.render(rows, str(tmp_path))
+  assert os.path.getsize(tmp_path / "kernel_lengths.png") > 10_000
+  assert (tmp_path / "kernel_lengths.md").read_text().strip() == kernel_lengths.table(rows)
+
+
+def test_unknown_variant_is_one_error_line(capsys):
+  import pytest
+  with pytest.raises(SystemExit):
+    kernel_lengths.main(["--variants", "path,flash"])
+  assert "--variants flash" in capsys.readouterr().err
