@@ -81,13 +81,15 @@ def with_nones(kernel, present):
   return run
 
 
-def call_present(kernel, grid, operands, outs, *, backend: str, warps: int, stages: int):
+def call_present(kernel, grid, operands, outs, *, backend: str, warps: int, stages: int,
+                 aliases=None):
   """call() with optional operands: operands and outs are (array / ShapeDtypeStruct or None,
-  BlockSpec) pairs, None meaning absent; `kernel` (a functools.partial) sees None there."""
+  BlockSpec) pairs, None meaning absent; `kernel` (a functools.partial) sees None there.
+  aliases index the present operands and outputs."""
   present = [x is not None for x, _ in operands] + [x is not None for x, _ in outs]
   return call(with_nones(kernel, present), grid, [s for x, s in operands if x is not None],
               [s for x, s in outs if x is not None], [x for x, _ in outs if x is not None],
-              backend=backend, warps=warps, stages=stages)(
+              backend=backend, warps=warps, stages=stages, aliases=aliases)(
                   *[x for x, _ in operands if x is not None])
 
 

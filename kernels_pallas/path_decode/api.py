@@ -38,23 +38,31 @@ def _block(S: int, requested: int | None) -> int:
   return b
 
 
-def _kernel(qp_ref, w_ref, u_ref, k_ref, logits_ref, keys_ref, *, groups: int):
+def _kernel(qp_ref, w_ref, u_ref, k_ref, knew_ref, end_ref, logits_ref, keys_ref, *,
+            groups: int):
   k = k_ref[...]                                          # [tS, D] float32
   for g in range(groups):                                 # G query heads share this kv head
     logits_ref[g, :] = jnp.sum(k * qp_ref[g, :][None, :], axis=1)
   kw = jnp.sum(k * w_ref[...], axis=1, keepdims=True)     # [tS, 1]
-  keys_ref[...] = k - kw * u_ref[...]
+  keys = k - kw * u_ref[...]
+  if knew_ref is not None:                                # the new key joins at slot `end`
+    tS = k.shape[0]
+    slot = pl.program_id(2) * tS + jax.lax.broadcasted_iota(jnp.int32, (tS, 1), 0)
+    keys = jnp.where(slot == end_ref[...], knew_ref[...].astype(jnp.float32), keys)
+  keys_ref[...] = keys
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_s", "backend"))
-def path_decode_step(q, w, beta, k, *, scale: float, block_s: int | None = None,
-                     backend: str | None = None):
+def path_decode_step(q, w, beta, k, *, scale: float, k_new=None, end=None,
+                     block_s: int | None = None, backend: str | None = None):
   """(logits, keys) of one PaTH decode step (docs/encodings/decoding.md).
 
   q [B, K, G, D]: the new token's queries, G per kv head; w [B, K, D], beta [B, K]: its
   Householder vector and strength; k [B, K, S, D] float32: the cache, every key transported to
   the previous token. Returns logits [B, K, G, S] float32 = scale q . H_t k_j and keys
-  [B, K, S, D] = H_t k_j, written over k's buffer. backend: "gpu" (Triton), "tpu" (Mosaic),
+  [B, K, S, D] = H_t k_j, written over k's buffer; with k_new [B, K, D] and end [B] int, row
+  b's slot end[b] holds k_new instead (the new token's key joins untransported), so the cache
+  needs no separate write. backend: "gpu" (Triton), "tpu" (Mosaic),
   "interpret" (the Pallas interpreter); None: the default device's, the interpreter on a CPU.
   """
   B, K, G, D = q.shape
@@ -64,6 +72,11 @@ def path_decode_step(q, w, beta, k, *, scale: float, block_s: int | None = None,
   if w.shape != (B, K, D) or beta.shape != (B, K):
     raise ValueError(f"path_decode_step: w must be [{B}, {K}, {D}] and beta [{B}, {K}], got "
                      f"{w.shape} and {beta.shape}")
+  if (k_new is None) != (end is None):
+    raise ValueError("path_decode_step: k_new and end come together (the new key and its slot)")
+  if k_new is not None and (k_new.shape != (B, K, D) or end.shape != (B,)):
+    raise ValueError(f"path_decode_step: k_new must be [{B}, {K}, {D}] and end [{B}], got "
+                     f"{k_new.shape} and {end.shape}")
   if backend is None:
     backend = {"cpu": "interpret", "tpu": "tpu"}.get(jax.default_backend(), "gpu")
   if backend not in launch.BACKENDS[:3]:
@@ -79,12 +92,17 @@ def path_decode_step(q, w, beta, k, *, scale: float, block_s: int | None = None,
   Gp = 1 << (G - 1).bit_length()   # Triton's blocks are powers of two: zero rows pad G
   qp = launch.pad_axis(qp, 2, Gp)
   vec = pl.BlockSpec((None, None, 1, D), lambda b, h, s: (b, h, 0, 0))
-  logits, keys = launch.call(
+  logits, keys = launch.call_present(
       functools.partial(_kernel, groups=G), (B, K, S // tS),
-      [pl.BlockSpec((None, None, Gp, D), lambda b, h, s: (b, h, 0, 0)), vec, vec,
-       pl.BlockSpec((None, None, tS, D), lambda b, h, s: (b, h, s, 0))],
-      [pl.BlockSpec((None, None, Gp, tS), lambda b, h, s: (b, h, 0, s)),
-       pl.BlockSpec((None, None, tS, D), lambda b, h, s: (b, h, s, 0))],
-      [jax.ShapeDtypeStruct((B, K, Gp, S), f32), jax.ShapeDtypeStruct(k.shape, f32)],
-      backend=backend, warps=WARPS, aliases={3: 1})(qp, w[:, :, None], u[:, :, None], k)
+      [(qp, pl.BlockSpec((None, None, Gp, D), lambda b, h, s: (b, h, 0, 0))),
+       (w[:, :, None], vec), (u[:, :, None], vec),
+       (k, pl.BlockSpec((None, None, tS, D), lambda b, h, s: (b, h, s, 0))),
+       (None if k_new is None else k_new[:, :, None], vec),
+       (None if end is None else end.astype(jnp.int32)[:, None, None],
+        pl.BlockSpec((None, 1, 1), lambda b, h, s: (b, 0, 0)))],
+      [(jax.ShapeDtypeStruct((B, K, Gp, S), f32),
+        pl.BlockSpec((None, None, Gp, tS), lambda b, h, s: (b, h, 0, s))),
+       (jax.ShapeDtypeStruct(k.shape, f32),
+        pl.BlockSpec((None, None, tS, D), lambda b, h, s: (b, h, s, 0)))],
+      backend=backend, warps=WARPS, stages=1, aliases={3: 1})
   return (logits if Gp == G else logits[:, :, :G]), keys

@@ -12,6 +12,7 @@ import pytest
 from jax import export
 
 import kernels_pallas as kp
+from posenc_jax import kv_cache
 from posenc_jax.encodings.transport_decode import transport_and_logits
 from tests.util import assert_rel_rms
 
@@ -41,14 +42,35 @@ def test_kernel_matches_the_xla_step(G, S, block_s, key):
   assert_rel_rms(keys, want_keys, 1e-6, "keys")
 
 
+def test_kernel_writes_the_new_key_at_each_rows_slot(key):
+  """With k_new and end the pass also writes each row's new key at its own slot (the XLA step
+  scatters it after the update): keys equal write_token(transported keys)."""
+  B, K, G, D, S = 3, 2, 2, 16, 32
+  q, w, beta, k = _inputs(key, B, K, G, D, S)
+  k_new = jax.random.normal(jax.random.fold_in(key, 1), (B, 1, K, D), jnp.bfloat16)
+  end = jnp.array([0, 17, 31], jnp.int32)           # first slot, inside a later tile, last slot
+  moved, want_logits = transport_and_logits(q, k, w, beta, D ** -0.5)
+  want_keys = kv_cache.write_token(moved, k_new, kv_cache.Slots(start=jnp.zeros_like(end),
+                                                                end=end))
+  logits, keys = kp.path_decode_step(q[:, 0].reshape(B, K, G, D), w, beta, k, scale=D ** -0.5,
+                                     k_new=k_new[:, 0], end=end, block_s=8,
+                                     backend="interpret")
+  assert_rel_rms(logits.reshape(B, K * G, S), want_logits, 1e-6, "logits")
+  np.testing.assert_array_equal(keys[np.arange(B), :, end], k_new[:, 0].astype(jnp.float32))
+  assert_rel_rms(keys, want_keys, 1e-6, "keys")
+
+
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 def test_kernel_lowers(backend):
-  """The 134M model's layer at batch 8 and an 8192-slot cache, one query head per kv head
-  (Triton for cuda), and grouped heads (Mosaic TPU, exported on this host)."""
+  """The 134M model's layer at batch 8 and an 8192-slot cache with the new key written in the
+  pass, one query head per kv head (Triton for cuda), and grouped heads (Mosaic TPU, exported
+  on this host)."""
   G = 1 if backend == "gpu" else 2
   args = (SD((8, 12, G, 64), jnp.bfloat16), SD((8, 12, 64), jnp.float32),
-          SD((8, 12), jnp.float32), SD((8, 12, 8192, 64), jnp.float32))
-  f = jax.jit(lambda *a: kp.path_decode_step(*a, scale=0.125, backend=backend))
+          SD((8, 12), jnp.float32), SD((8, 12, 8192, 64), jnp.float32),
+          SD((8, 12, 64), jnp.bfloat16), SD((8,), jnp.int32))
+  f = jax.jit(lambda q, w, b, k, kn, e: kp.path_decode_step(q, w, b, k, scale=0.125, k_new=kn,
+                                                            end=e, backend=backend))
   if backend == "gpu":
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
@@ -64,6 +86,8 @@ def test_errors_name_the_argument():
     kp.path_decode_step(q, w, beta, k, scale=1.0, backend="interpret")
   with pytest.raises(ValueError, match="k must be float32"):
     kp.path_decode_step(q, w, beta, k[:, :, :8].astype(jnp.bfloat16), scale=1.0)
+  with pytest.raises(ValueError, match="k_new and end come together"):
+    kp.path_decode_step(q, w, beta, k[:, :, :8], scale=1.0, k_new=w)
   with pytest.raises(ValueError, match="block_s=24"):
     kp.path_decode_step(q, w, beta, jnp.zeros((1, 1, 48, 16)), scale=1.0, block_s=24)
 
