@@ -39,16 +39,6 @@ class _Config:
     return launch.float32_precision(self.backend) if jnp.dtype(dtype).itemsize == 4 else None
 
 
-def _pow2(n: int) -> int:
-  return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def _tile(requested, default: int, T: int, name: str) -> int:
-  if requested is not None and (requested < 16 or requested & (requested - 1)):
-    raise ValueError(f"block_attention: {name}={requested} must be a power of two >= 16")
-  return min(requested or default, max(16, _pow2(T)))
-
-
 
 
 def block_attention(q, k, v, *, scale: float, q_bias=None, k_bias=None, q_segment_ids=None,
@@ -78,10 +68,10 @@ def block_attention(q, k, v, *, scale: float, q_bias=None, k_bias=None, q_segmen
                          ("k_segment_ids", k_segment_ids, (B, Tk))):
     if x is not None and tuple(x.shape) != shape:
       raise ValueError(f"block_attention: {name} has shape {tuple(x.shape)}, expected {shape}")
-  bq = _tile(block_q, DEFAULT_BLOCK_Q, Tq, "block_q")
-  bk = _tile(block_k, DEFAULT_BLOCK_K, Tk, "block_k")
+  bq = launch.tile(block_q, DEFAULT_BLOCK_Q, Tq, "block_attention: block_q")
+  bk = launch.tile(block_k, DEFAULT_BLOCK_K, Tk, "block_attention: block_k")
   Tqp, Tkp = -(-Tq // bq) * bq, -(-Tk // bk) * bk
-  Dp, Dvp = max(16, _pow2(D)), max(16, _pow2(Dv))
+  Dp, Dvp = launch.pow2(D, 16), launch.pow2(Dv, 16)
   q = pad_axis(pad_axis(q, 1, Tqp), 3, Dp)
   k = pad_axis(pad_axis(k, 1, Tkp), 3, Dp)
   v = pad_axis(pad_axis(v, 1, Tkp), 3, Dvp)
@@ -98,16 +88,8 @@ def block_attention(q, k, v, *, scale: float, q_bias=None, k_bias=None, q_segmen
 
 
 def _call(cfg, kernel, grid, operands, outs, **kw):
-  """pallas_call of kernel over `grid`; operands and outs are (array or ShapeDtypeStruct or
-  None, BlockSpec) pairs, None meaning absent."""
-  present = [x is not None for x, _ in operands] + [x is not None for x, _ in outs]
-  args = [x for x, _ in operands if x is not None]
-  in_specs = [s for x, s in operands if x is not None]
-  out_shape = [x for x, _ in outs if x is not None]
-  out_specs = [s for x, s in outs if x is not None]
-  body = launch.with_nones(functools.partial(kernel, **kw), present)
-  return launch.call(body, grid, in_specs, out_specs, out_shape, backend=cfg.backend,
-                     warps=WARPS, stages=STAGES)(*args)
+  return launch.call_present(functools.partial(kernel, **kw), grid, operands, outs,
+                             backend=cfg.backend, warps=WARPS, stages=STAGES)
 
 
 def _f32(*shape):

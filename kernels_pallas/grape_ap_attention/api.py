@@ -29,16 +29,6 @@ WARPS = 4
 STAGES = 2
 
 
-def _pow2(n: int) -> int:
-  return max(16, 1 << max(int(n) - 1, 0).bit_length())
-
-
-def _tile(requested, default: int, T: int, name: str) -> int:
-  if requested is not None and (requested < 16 or requested & (requested - 1)):
-    raise ValueError(f"grape_ap_attention: {name}={requested} must be a power of two >= 16")
-  return min(requested or default, _pow2(T))
-
-
 def grape_ap_attention(q, k, v, pq, r, alpha, *, scale: float, segment_ids=None,
                        block_q=None, block_k=None, interpret: bool = False):
   """Causal GRAPE-AP attention (docs/encodings/additive.md#grape_ap) -> o [B, T, H, Dv] in
@@ -71,12 +61,12 @@ def grape_ap_attention(q, k, v, pq, r, alpha, *, scale: float, segment_ids=None,
   if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
     raise ValueError(f"grape_ap_attention: segment_ids has shape {tuple(segment_ids.shape)}, "
                      f"expected {(B, T)}")
-  bq = _tile(block_q, DEFAULT_BLOCK_Q, T, "block_q")
-  bk = _tile(block_k, DEFAULT_BLOCK_K, T, "block_k")
+  bq = launch.tile(block_q, DEFAULT_BLOCK_Q, T, "grape_ap_attention: block_q")
+  bk = launch.tile(block_k, DEFAULT_BLOCK_K, T, "grape_ap_attention: block_k")
   Tp = -(-T // max(bq, bk)) * max(bq, bk)
   P = pq.shape[3]
   dtype = k.dtype
-  pad = lambda x: pad_axis(pad_axis(x, 1, Tp), 3, _pow2(x.shape[3]))  # noqa: E731
+  pad = lambda x: pad_axis(pad_axis(x, 1, Tp), 3, launch.pow2(x.shape[3], 16))  # noqa: E731
   pq, r = pq.astype(jnp.float32), r.astype(jnp.float32)
   al = jnp.broadcast_to(jnp.asarray(alpha, jnp.float32)[None, None, :], (B, Tp, H))
   Dv = v.shape[3]
@@ -101,7 +91,7 @@ def _f32(*shape):
 
 
 def _key_tiles(st, T: int) -> int:
-  return _pow2(T // st.block_k)
+  return launch.pow2(T // st.block_k, 16)
 
 
 def _query_major(st, q, k, v, pq, r, al, seg):

@@ -204,19 +204,6 @@ _attend_once = jax.jit(_attend, static_argnums=0)
 _attend_lse_once = jax.jit(_attend_lse, static_argnums=0)
 
 
-def _backend(interpret, backend):
-  if backend is not None:
-    if backend not in launch.BACKENDS:
-      raise ValueError(f"backend={backend!r} must be one of {launch.BACKENDS}")
-    return backend
-  if interpret:
-    return "interpret"
-  platform = jax.default_backend()
-  if platform not in ("gpu", "tpu"):
-    raise ValueError(f"no Pallas backend for platform {platform!r}: pass interpret=True")
-  return platform
-
-
 def _spec(q, k, v, w, beta, log_forget, segment_ids, backend) -> Spec:
   """The call's Spec, after checking every shape against q's."""
   if q.ndim != 4:
@@ -252,7 +239,8 @@ def explain(q, k, v, w=None, beta=None, log_forget=None, *, scale=None, segment_
             block_sizes=None, interpret=False, backend=None) -> Plan:
   """The plan path_attention (w given) or forgetting_attention (w None) runs for these
   arguments (arrays or jax.ShapeDtypeStruct). print() it for a few readable lines."""
-  spec = _spec(q, k, v, w, beta, log_forget, segment_ids, _backend(interpret, backend))
+  backend = launch.resolve_backend(interpret, backend)
+  spec = _spec(q, k, v, w, beta, log_forget, segment_ids, backend)
   return _plan(spec, scale, block_sizes, None)
 
 
@@ -269,7 +257,8 @@ def path_attention(q, k, v, w, beta, log_forget=None, *, scale=None, segment_ids
   (dataclasses.replace), to run instead of resolving one: it pins a form."""
   if w is None or beta is None:
     raise ValueError("w and beta are required (use forgetting_attention for no transport)")
-  spec = _spec(q, k, v, w, beta, log_forget, segment_ids, _backend(interpret, backend))
+  backend = launch.resolve_backend(interpret, backend)
+  spec = _spec(q, k, v, w, beta, log_forget, segment_ids, backend)
   attend = _attend_lse_once if return_lse else _attend_once
   return attend(_plan(spec, scale, block_sizes, plan), q, k, v, w, beta, log_forget,
                 segment_ids)
@@ -280,7 +269,8 @@ def forgetting_attention(q, k, v, log_forget, *, scale=None, segment_ids=None, b
                          return_lse: bool = False):
   """FoX attention (no transport); ALiBi is a constant log_forget per head; None is plain causal
   softmax attention. Arguments as path_attention's."""
-  spec = _spec(q, k, v, None, None, log_forget, segment_ids, _backend(interpret, backend))
+  backend = launch.resolve_backend(interpret, backend)
+  spec = _spec(q, k, v, None, None, log_forget, segment_ids, backend)
   attend = _attend_lse_once if return_lse else _attend_once
   return attend(_plan(spec, scale, block_sizes, plan), q, k, v, None, None, log_forget,
                 segment_ids)
@@ -293,7 +283,8 @@ def phases(q, k, v, w, beta, log_forget=None, *, do=None, scale=None, segment_id
   "prepass_vjp": ...}, each f(*args) one phase given the outputs of the phases before it (run
   here once, eagerly; wrap f in jax.jit to time it). do: the output cotangent (default: ones).
   The kernels inside a phase are split apart by a profiler trace of the whole call."""
-  spec = _spec(q, k, v, w, beta, log_forget, segment_ids, _backend(interpret, backend))
+  backend = launch.resolve_backend(interpret, backend)
+  spec = _spec(q, k, v, w, beta, log_forget, segment_ids, backend)
   plan = _plan(spec, scale, block_sizes, None)
   args = (q, k, v, w, beta, log_forget)
   seg = segment_ids

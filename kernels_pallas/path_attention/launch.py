@@ -38,6 +38,35 @@ def load_gpu_lowerings() -> None:
 load_gpu_lowerings()
 
 
+def resolve_backend(interpret: bool, backend: str | None) -> str:
+  """`backend` when given (one of BACKENDS), else "interpret" with interpret=True, else the
+  default device's platform ("gpu" or "tpu")."""
+  if backend is not None:
+    if backend not in BACKENDS:
+      raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+    return backend
+  if interpret:
+    return "interpret"
+  platform = jax.default_backend()
+  if platform not in ("gpu", "tpu"):
+    raise ValueError(f"no Pallas backend for platform {platform!r}: pass interpret=True")
+  return platform
+
+
+def pow2(n: int, least: int = 1) -> int:
+  """The smallest power of two >= n and >= least (Triton's blocks are powers of two, and its
+  dots want sides of 16 or more)."""
+  return max(least, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def tile(requested, default: int, T: int, what: str) -> int:
+  """A tile along T: `requested` (a power of two >= 16; `what` names it in the error), else
+  `default`, at most T rounded up to a power of two >= 16."""
+  if requested is not None and (requested < 16 or requested & (requested - 1)):
+    raise ValueError(f"{what}={requested} must be a power of two >= 16")
+  return min(requested or default, pow2(T, 16))
+
+
 def is_tpu(backend: str) -> bool:
   return backend in ("tpu", "tpu_interpret")
 

@@ -52,9 +52,10 @@ def _kernel(qp_ref, w_ref, u_ref, k_ref, knew_ref, end_ref, logits_ref, keys_ref
   keys_ref[...] = keys
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_s", "backend"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_s", "interpret", "backend"))
 def path_decode_step(q, w, beta, k, *, scale: float, k_new=None, end=None,
-                     block_s: int | None = None, backend: str | None = None):
+                     block_s: int | None = None, interpret: bool = False,
+                     backend: str | None = None):
   """(logits, keys) of one PaTH decode step (docs/encodings/decoding.md).
 
   q [B, K, G, D]: the new token's queries, G per kv head; w [B, K, D], beta [B, K]: its
@@ -62,8 +63,9 @@ def path_decode_step(q, w, beta, k, *, scale: float, k_new=None, end=None,
   the previous token. Returns logits [B, K, G, S] float32 = scale q . H_t k_j and keys
   [B, K, S, D] = H_t k_j, written over k's buffer; with k_new [B, K, D] and end [B] int, row
   b's slot end[b] holds k_new instead (the new token's key joins untransported), so the cache
-  needs no separate write. backend: "gpu" (Triton), "tpu" (Mosaic),
-  "interpret" (the Pallas interpreter); None: the default device's, the interpreter on a CPU.
+  needs no separate write. interpret=True runs the Pallas interpreter (CPU); otherwise the
+  default device's kernel (Triton on a GPU, Mosaic on a TPU); backend (launch.BACKENDS)
+  overrides both.
   """
   B, K, G, D = q.shape
   if k.ndim != 4 or k.shape[:2] != (B, K) or k.shape[3] != D or k.dtype != jnp.float32:
@@ -77,19 +79,15 @@ def path_decode_step(q, w, beta, k, *, scale: float, k_new=None, end=None,
   if k_new is not None and (k_new.shape != (B, K, D) or end.shape != (B,)):
     raise ValueError(f"path_decode_step: k_new must be [{B}, {K}, {D}] and end [{B}], got "
                      f"{k_new.shape} and {end.shape}")
-  if backend is None:
-    backend = {"cpu": "interpret", "tpu": "tpu"}.get(jax.default_backend(), "gpu")
-  if backend not in launch.BACKENDS[:3]:
-    raise ValueError(f"path_decode_step: backend={backend!r} must be one of "
-                     f"{launch.BACKENDS[:3]} or None")
   S = k.shape[2]
   tS = _block(S, block_s)
+  backend = launch.resolve_backend(interpret, backend)
   f32 = jnp.float32
   w = w.astype(f32)
   u = beta.astype(f32)[..., None] * w
   q = q.astype(f32)
   qp = scale * (q - jnp.einsum("bkgd,bkd->bkg", q, u)[..., None] * w[:, :, None])
-  Gp = 1 << (G - 1).bit_length()   # Triton's blocks are powers of two: zero rows pad G
+  Gp = launch.pow2(G)   # Triton's blocks are powers of two: zero rows pad G
   qp = launch.pad_axis(qp, 2, Gp)
   vec = pl.BlockSpec((None, None, 1, D), lambda b, h, s: (b, h, 0, 0))
   logits, keys = launch.call_present(

@@ -33,10 +33,6 @@ class _Config:
   backend: str
 
 
-def _pow2(n: int, least: int = 1) -> int:
-  return max(least, 1 << max(int(n) - 1, 0).bit_length())
-
-
 
 
 def plane_rotations(x, a, b, positions, w, *, apply: Callable, block_t=None,
@@ -61,8 +57,8 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, block_t=None,
                      f"expected {(B, T)}")
   if block_t is not None and (block_t < 16 or block_t & (block_t - 1)):
     raise ValueError(f"plane_rotations: block_t={block_t} must be a power of two >= 16")
-  bt = min(block_t or DEFAULT_BLOCK_T, _pow2(T, 16))
-  Tp, Dp, Np = -(-T // bt) * bt, _pow2(D, 16), _pow2(N)
+  bt = min(block_t or DEFAULT_BLOCK_T, launch.pow2(T, 16))
+  Tp, Dp, Np = -(-T // bt) * bt, launch.pow2(D, 16), launch.pow2(N)
   f32 = jnp.float32
   xp = pad_axis(pad_axis(x, 1, Tp), 3, Dp)
   ap = pad_axis(pad_axis(a.astype(f32), 1, Np), 2, Dp)

@@ -33,16 +33,6 @@ def split_sizes(theta: float, head_dim: int) -> tuple[int, int]:
   return a, head_dim - a
 
 
-def _pow2(n: int) -> int:
-  return max(16, 1 << max(int(n) - 1, 0).bit_length())
-
-
-def _tile(requested, default: int, T: int, name: str) -> int:
-  if requested is not None and (requested < 16 or requested & (requested - 1)):
-    raise ValueError(f"tapa_attention: {name}={requested} must be a power of two >= 16")
-  return min(requested or default, _pow2(T))
-
-
 
 
 def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = False,
@@ -74,22 +64,22 @@ def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = 
   if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
     raise ValueError(f"tapa_attention: segment_ids has shape {tuple(segment_ids.shape)}, "
                      f"expected {(B, T)}")
-  bq = _tile(block_q, DEFAULT_BLOCK_Q, T, "block_q")
-  bk = _tile(block_k, DEFAULT_BLOCK_K, T, "block_k")
+  bq = launch.tile(block_q, DEFAULT_BLOCK_Q, T, "tapa_attention: block_q")
+  bk = launch.tile(block_k, DEFAULT_BLOCK_K, T, "tapa_attention: block_k")
   Tp = -(-T // max(bq, bk)) * max(bq, bk)
   dtype = k.dtype
   q = q.astype(dtype)
   pad = lambda x, width: pad_axis(pad_axis(x, 1, Tp), 3, width)  # noqa: E731
-  qa, ka = pad(q[..., :A], _pow2(A)), pad(k[..., :A], _pow2(A))
+  qa, ka = pad(q[..., :A], launch.pow2(A, 16)), pad(k[..., :A], launch.pow2(A, 16))
   if linear_phase:
     qp = kp = None
     qs = pad_axis(q[..., A:].astype(jnp.float32).sum(-1), 1, Tp)
     ks = pad_axis(k[..., A:].astype(jnp.float32).sum(-1), 1, Tp)
   else:
-    qp, kp = pad(q[..., A:], _pow2(P)), pad(k[..., A:], _pow2(P))
+    qp, kp = pad(q[..., A:], launch.pow2(P, 16)), pad(k[..., A:], launch.pow2(P, 16))
     qs = ks = None
   Dv = v.shape[3]
-  vp = pad(v.astype(dtype), _pow2(Dv))
+  vp = pad(v.astype(dtype), launch.pow2(Dv, 16))
   seg = None if segment_ids is None else pad_axis(segment_ids.astype(jnp.int32), 1, Tp, value=-1)
   backend = "interpret" if interpret else "gpu"
   precision = launch.float32_precision(backend) if jnp.dtype(dtype).itemsize == 4 else None

@@ -23,6 +23,7 @@ Cache: {"k": [B, K, S, D] float32, "v": [B, K, S, Dv], "x_tail": [B, W-1, C],
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from posenc_jax import householder
@@ -63,7 +64,7 @@ def _kernel_step(q_B1HD, k_BKSD, w_BKD, beta_BK, scale, *, k_new, end):
   K, S = k_BKSD.shape[1], k_BKSD.shape[2]
   logits, keys = kernels_pallas.path_decode_step(
       q_B1HD[:, 0].reshape(B, K, H // K, D), w_BKD, beta_BK, k_BKSD, scale=scale,
-      k_new=k_new, end=end)
+      k_new=k_new, end=end, interpret=jax.default_backend() == "cpu")
   return keys, logits.reshape(B, H, S)
 
 
