@@ -42,6 +42,24 @@ def value_and_grads(f, loss, argnums=0):
   return jax.jit(both)
 
 
+def model_logits_and_grads(model, tokens_BT1, **call):
+  """(logits, every parameter's gradient as a list of leaves) of an NNX language model's
+  next-token loss on tokens [B, T + 1], jitted; call: the model's keyword arguments."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  @nnx.jit
+  def loss_and_grads(model):
+    def loss(model):
+      logits = model(tokens_BT1[:, :-1], **call)
+      lp = jax.nn.log_softmax(logits.astype(jnp.float32))
+      return -jnp.mean(jnp.take_along_axis(lp, tokens_BT1[:, 1:, None], -1)), logits
+    return nnx.value_and_grad(loss, has_aux=True)(model)
+
+  (_, logits), grads = loss_and_grads(model)
+  return logits, jax.tree.leaves(nnx.to_pure_dict(grads))
+
+
 def in_float64(fn, *args):
   """Runs an oracle in float64 on float32 test inputs (pytrees), returning numpy arrays.
 

@@ -17,7 +17,7 @@ import pytest
 
 from kernels_pallas import plane_rotations
 from posenc_jax import grape_m
-from tests.util import assert_rel_rms
+from tests.util import assert_rel_rms, assert_trees_rel_rms, model_logits_and_grads
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -89,24 +89,12 @@ def test_model_on_the_kernel_matches_the_scan(key):
     state = jax.tree.unflatten(treedef, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype)
                                          for x, k in zip(leaves, keys)])
     nnx.update(model, state)
-
-    @nnx.jit
-    def loss_and_grads(model):
-      def loss(model):
-        logits = model(tokens[:, :-1])
-        lp = jax.nn.log_softmax(logits.astype(F32))
-        return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 1:, None], -1)), logits
-      return nnx.value_and_grad(loss, has_aux=True)(model)
-
-    (_, logits), grads = loss_and_grads(model)
-    return logits, jax.tree.leaves(nnx.to_pure_dict(grads))
+    return model_logits_and_grads(model, tokens)
 
   logits, grads = run("pallas")
   logits_want, grads_want = run("scan")
   assert_rel_rms(logits, logits_want, 1e-5, "logits")
-  assert len(grads) == len(grads_want)
-  for i, (g, g_want) in enumerate(zip(grads, grads_want)):
-    assert_rel_rms(g, g_want, 1e-5, f"gradient leaf {i}")
+  assert_trees_rel_rms(grads, grads_want, 1e-5, "gradient")
 
 
 def test_kernel_lowers_for_cuda():

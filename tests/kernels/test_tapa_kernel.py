@@ -19,7 +19,8 @@ import pytest
 from kernels_pallas import tapa_attention
 from posenc_jax import tapa
 from tests.kernels.kernel_check import TOL
-from tests.util import assert_rel_rms, value_and_grads
+from tests.util import (assert_rel_rms, assert_trees_rel_rms, model_logits_and_grads,
+                        value_and_grads)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -129,17 +130,7 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch):
                                 num_heads=4, num_kv_heads=2, head_dim=16,
                                 implementation=implementation)
     model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=kp))
-
-    @nnx.jit
-    def loss_and_grads(model):
-      def loss(model):
-        logits = model(tokens[:, :-1], positions_BT=pos, segment_ids_BT=seg)
-        lp = jax.nn.log_softmax(logits.astype(F32))
-        return -jnp.mean(jnp.take_along_axis(lp, tokens[:, 1:, None], -1)), logits
-      return nnx.value_and_grad(loss, has_aux=True)(model)
-
-    (_, logits), grads = loss_and_grads(model)
-    return logits, jax.tree.leaves(nnx.to_pure_dict(grads))
+    return model_logits_and_grads(model, tokens, positions_BT=pos, segment_ids_BT=seg)
 
   logits, grads = run("pallas")
   assert calls == [False]
@@ -147,9 +138,7 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch):
     logits_want, grads_want = run("reference")
   tol = TOL[jnp.dtype(F32)]
   assert_rel_rms(logits, logits_want, tol, "logits")
-  assert len(grads) == len(grads_want)
-  for i, (g, g_want) in enumerate(zip(grads, grads_want)):
-    assert_rel_rms(g, g_want, tol, f"gradient leaf {i}")
+  assert_trees_rel_rms(grads, grads_want, tol, "gradient")
 
 
 def test_tapa_kernel_errors_name_the_field():
