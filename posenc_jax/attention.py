@@ -31,6 +31,7 @@ Dv value head dim.
 """
 from __future__ import annotations
 
+import importlib
 from typing import NamedTuple
 
 import jax
@@ -160,6 +161,30 @@ def softmax_gpu_path(dtype, D: int, Dv: int, *, has_segments: bool, T: int) -> C
     return Choice("pallas", f"{why}; the Pallas flash kernel{per_tile}")
   return Choice("xla", f"neither cuDNN ({no_cudnn}) nor the Pallas kernel ({no_pallas}): "
                        "XLA, which holds a T x T array")
+
+
+def preload_kernels(family: str, implementation: str | None, dtype, *,
+                    backend: str | None = None) -> bool:
+  """Imports kernels_pallas now, outside any trace, where `family`'s attention under
+  `implementation` may run a Pallas kernel on `backend` (default: jax's); returns whether it
+  did. Models call it when they are built.
+
+  Why: importing the kernels loads Pallas's GPU lowerings, and under jax 0.11 these add a value
+  to JAX's tracing context. Imported inside a jitted function's first trace (the lazy imports
+  below), the function misses its trace cache at its second call and XLA compiles it again: a
+  PaTH train step compiled twice. Imported before, the context is complete at the first call.
+  """
+  impl = implementation or ""
+  backend = backend or jax.default_backend()
+  if impl.startswith("pallas"):
+    need = True
+  elif impl or backend not in ("gpu", "tpu"):
+    need = False
+  else:   # auto: softmax runs cuDNN unless it cannot (float32 here: the Pallas flash kernel)
+    need = family != "softmax" or jnp.dtype(dtype).itemsize == 4
+  if need:
+    importlib.import_module("kernels_pallas")   # the import is the point
+  return need
 
 
 def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim: int | None = None,

@@ -39,14 +39,17 @@ from posenc_jax import sampling
 
 
 # XLA's CPU backend copies a loop-carried buffer that the loop body both reads and updates in
-# place (the whole cache, twice per decode step) unless copy insertion uses region analysis.
-_CPU_COMPILE_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+# place (the whole cache, once or twice per decode step) unless copy insertion uses region
+# analysis. The GPU backend's switch of the same name changed neither the time nor the
+# temporaries of the decode loop on an H200 (docs/benchmarks/decode_speed.md), so it is not
+# set. compiler_options=None in Generator means these.
+REGION_ANALYSIS = {"cpu": {"xla_cpu_copy_insertion_use_region_analysis": True}}
 
 
-def _compile(lowered):
-  if jax.default_backend() == "cpu":
+def _compile(lowered, options: dict):
+  if options:
     try:
-      return lowered.compile(compiler_options=_CPU_COMPILE_OPTIONS)
+      return lowered.compile(compiler_options=options)
     except Exception as e:  # a jaxlib without the option: compile as it would by default
       if "No such compile option" not in str(e):
         raise
@@ -98,13 +101,17 @@ class Output:
 class Generator:
   """Compiled prefill and decode loop for one model and cache size (max_len slots per row)."""
 
-  def __init__(self, model, *, max_len: int):
+  def __init__(self, model, *, max_len: int, compiler_options: dict | None = None):
+    """compiler_options: XLA options for both compiled functions; None: the backend's
+    REGION_ANALYSIS (the cache updated in place), {}: XLA's defaults."""
     if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral) or max_len < 1:
       raise ValueError(f"max_len={max_len!r} must be a positive integer")
     self.max_len = max_len
     self.graphdef, self.state = nnx.split(model)
     self._compiled: dict = {}
     self.compile_s = 0.0   # seconds spent compiling since the last generate()
+    self.compiler_options = (REGION_ANALYSIS.get(jax.default_backend(), {})
+                             if compiler_options is None else dict(compiler_options))
 
   def _prefill(self, state, tokens_BP, lengths_B, *, padding):
     model = nnx.merge(self.graphdef, state)
@@ -152,7 +159,7 @@ class Generator:
       # place, no second copy.
       jitted = jax.jit(functools.partial(fn, **static),
                        donate_argnums=(1,) if name == "decode" else ())
-      self._compiled[key] = _compile(jitted.lower(*args))
+      self._compiled[key] = _compile(jitted.lower(*args), self.compiler_options)
       self.compile_s += time.perf_counter() - started
     return self._compiled[key]
 

@@ -99,7 +99,7 @@ def attend_and_append(q_B1HD, k_BKSD, v_BKSD, k_B1KD, v_B1KD, slots: Slots, *, l
   The cache is only read here (its slot `end` still holds older contents, replaced by the new
   token's own logit and value), and written once at the end: with every read before the one
   in-place write, XLA can update a loop-carried cache in place (reading it after the write
-  made XLA copy it several times per step; on CPU see generation._CPU_COMPILE_OPTIONS too).
+  made XLA copy it several times per step; see generation.REGION_ANALYSIS too).
   Returns (o [B, 1, H, Dv] float32, keys, values with the token written).
   """
   B, S = k_BKSD.shape[0], k_BKSD.shape[2]

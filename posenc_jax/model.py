@@ -201,6 +201,7 @@ class Attention(nnx.Module):
       self.q_norm = _norm(cfg, D, ("head_dim",), rngs)
       self.k_norm = _norm(cfg, D, ("head_dim",), rngs)
     self.enc = cfg.encoding_fn()
+    attention.preload_kernels(self.enc.family, cfg.implementation, DTYPES[cfg.dtype])
     self.enc_params = _as_params(self.enc.init(rngs.params(), cfg.dims))
     if cfg.kv_shift:
       self.kv_shift_params = _as_params(kv_shift_init(rngs.params(), cfg.dims))

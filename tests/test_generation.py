@@ -7,6 +7,11 @@ own state is exercised.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,3 +214,40 @@ def test_sum_after_and_per_row_writes_against_loops(key):
   want = np.zeros((2, 3, 7))
   want[0, :, 4], want[1, :, 6] = np.asarray(token[0, 0]), np.asarray(token[1, 0])
   np.testing.assert_array_equal(np.asarray(cache), want)
+
+
+_IN_PLACE_PROBE = """
+import json, sys
+import jax, numpy as np
+from flax import nnx
+from posenc_jax import generation, model as model_lib
+cfg = model_lib.ModelConfig(vocab_size=13, encoding=sys.argv[1], num_layers=1, d_model=32,
+                            num_heads=4, head_dim=8)
+model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=0))
+tokens, lengths = generation.pad_prompts([[1, 2, 3], [4, 5, 6]])
+out = {"temps": [], "tokens": []}
+for options in (None, {}):
+  gen = generation.Generator(model, max_len=4096, compiler_options=options)
+  out["tokens"].append(gen.generate(tokens, lengths, max_new_tokens=3).tokens.tolist())
+  out["temps"].append(gen.memory_analysis("decode").temp_size_in_bytes)
+out["cache"] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+    jax.eval_shape(lambda: model.init_cache(2, 4096))))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("encoding", ["rope", "path"])
+def test_the_decode_loop_updates_its_cache_in_place(encoding):
+  """With the backend's REGION_ANALYSIS the compiled loop needs no copy of the cache (XLA's
+  temporaries are a small part of it); XLA's defaults copy it (this test's witness that the
+  option is what does it). Same tokens either way. In a subprocess with XLA's default flags:
+  the CPU code generation conftest picks for speed (--xla_cpu_use_fusion_emitters=false)
+  copies the cache whatever copy insertion does."""
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  run = subprocess.run([sys.executable, "-c", _IN_PLACE_PROBE, encoding], env=env,
+                       capture_output=True, text=True, check=False)
+  assert run.returncode == 0, run.stderr[-2000:]
+  out = json.loads(run.stdout.strip().splitlines()[-1])
+  temps, cache_bytes = out["temps"], out["cache"]
+  assert out["tokens"][0] == out["tokens"][1]
+  assert temps[0] < cache_bytes / 4 < temps[1], (temps, cache_bytes)

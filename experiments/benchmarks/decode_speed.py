@@ -41,7 +41,8 @@ from posenc_jax import model as model_lib
 _ENCODINGS = flags.DEFINE_list(
     "encodings", ["rope", "fox", "path", "grape_m_ctx"],
     "Encodings; NAME:IMPLEMENTATION sets model.implementation (path:pallas decodes on "
-    "kernels_pallas.path_decode_step).")
+    "kernels_pallas.path_decode_step); a trailing @xla compiles with XLA's default options "
+    "instead of generation.REGION_ANALYSIS (on a CPU, rope@xla copies the cache each step).")
 _CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192", "32768"], "Cache sizes (max_len).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Rows decoded together.")
 _LAYERS = flags.DEFINE_integer("num_layers", 2, "Transformer layers.")
@@ -64,14 +65,17 @@ MIB = 2**20
 
 def _setup(name: str, S: int) -> dict:
   """Builds, compiles and warms up one case; returns its `call` (one timed decode) and sizes."""
-  encoding, _, implementation = name.partition(":")
+  spec, _, options = name.partition("@")
+  if options not in ("", "xla"):
+    raise ValueError(f"--encodings entry {name!r}: the only suffix is @xla")
+  encoding, _, implementation = spec.partition(":")
   cfg = model_lib.ModelConfig(vocab_size=256, encoding=encoding, num_layers=_LAYERS.value,
                               d_model=_D_MODEL.value, num_heads=_HEADS.value,
                               head_dim=_HEAD_DIM.value, dtype=_DTYPE.value,
                               implementation=implementation or None)
   model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=0))
   B, N = _BATCH.value, _NEW.value
-  gen = generation.Generator(model, max_len=S)
+  gen = generation.Generator(model, max_len=S, compiler_options={} if options else None)
   shapes = jax.eval_shape(lambda: model.init_cache(B, S))
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(shapes))))
 
@@ -152,6 +156,39 @@ def _table(rows: list[dict], bandwidth_gbs: float | None) -> str:
   return "\n".join(out)
 
 
+def fit_fixed_and_bandwidth(rows: list[dict]) -> dict[str, tuple[float, float]]:
+  """Per encoding over its contexts, the least-squares line step_ms = fixed + slope * bytes
+  of cache: (fixed ms, the cache's effective rate in GB/s = 1 / slope). The fixed part is
+  what a step costs whatever its context (the parameters' read, launches, the layers' small
+  ops); the rate says how fast the context-proportional part runs against the bandwidth."""
+  out = {}
+  for name in dict.fromkeys(r["encoding"] for r in rows):
+    pts = [(r["cache_mib"] * MIB, r["step_ms"]) for r in rows
+           if r["encoding"] == name]
+    if len({x for x, _ in pts}) < 2:
+      continue
+    slope, fixed = np.polyfit([x for x, _ in pts], [y for _, y in pts], 1)
+    out[name] = (float(fixed), 1e3 / float(slope) / 1e9 if slope > 0 else float("inf"))
+  return out
+
+
+def _fit_table(rows: list[dict], bandwidth_gbs: float | None) -> str:
+  fits = fit_fixed_and_bandwidth(rows)
+  if not fits:
+    return ""
+  params = {r["encoding"]: r["param_mib"] for r in rows}
+  out = ["| encoding | fixed ms / step | parameters' read at the bound (ms) | cache read at "
+         "(GB/s) | of the bound's bandwidth |", "|---|---|---|---|---|"]
+  for name, (fixed, gbs) in fits.items():
+    p_ms, share = "-", "-"
+    if bandwidth_gbs:
+      p_ms = f"{read_bound_ms(cache_mib=0, param_mib=params[name], bandwidth_gbs=bandwidth_gbs):.3f}"
+      share = f"{gbs / bandwidth_gbs:.2f}"
+    out.append(f"| {name} | {fixed:.3f} | {p_ms} | {gbs:,.0f} | {share} |")
+  return "\n".join(["", "Each encoding's step fitted over its contexts as fixed + cache bytes / "
+                    "rate:", "", *out])
+
+
 def main(argv) -> None:
   del argv
   contexts = [int(c) for c in _CONTEXTS.value]
@@ -187,7 +224,7 @@ def main(argv) -> None:
       f"reads all `context` slots of the cache",
       bound_line,
       "",
-      _table(rows, bandwidth), ""])
+      _table(rows, bandwidth), _fit_table(rows, bandwidth), ""])
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       f.write(text)

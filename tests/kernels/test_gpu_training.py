@@ -2,10 +2,16 @@
 step with the PaTH kernels (.ci/gpu runs it first: the longest start first)."""
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (encoding, head_dim, model.kernel_options, lines of the plan each layer runs). The 12-layer
 # llama-style model: d_model 768, 12 heads x 64 or 6 x 128; batch 8 x 2048 packed tokens.
@@ -135,9 +141,16 @@ def _first_steps(encoding, *, steps=3):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("encoding", ["path", "rope"])
 def test_the_train_step_compiles_once(encoding):
-  """The first lowering of a Pallas kernel imports pallas_call's GPU lowerings, which add a
-  config state to JAX's tracing context; unless kernels_pallas imports them first, the train
-  step traced before that import compiles again at its second call."""
-  per_step, losses = _first_steps(encoding)
+  """Importing kernels_pallas loads pallas_call's GPU lowerings, which add a config state to
+  JAX's tracing context (jax 0.11). Imported lazily inside the train step's first trace, the
+  step misses its trace cache at its second call and compiles again; the model imports the
+  kernels when it is built (attention.preload_kernels). In a fresh process, as the CLI runs:
+  here pytest has imported the kernels long before."""
+  script = ("import json, sys; from tests.kernels.test_gpu_training import _first_steps; "
+            "print(json.dumps(_first_steps(sys.argv[1])))")
+  run = subprocess.run([sys.executable, "-c", script, encoding], cwd=ROOT, capture_output=True,
+                       text=True, check=False, env=dict(os.environ, JAX_PLATFORMS="cuda"))
+  assert run.returncode == 0, run.stderr[-3000:]
+  per_step, losses = json.loads(run.stdout.strip().splitlines()[-1])
   assert per_step == [1, 0, 0], per_step
   assert all(map(math.isfinite, losses)), losses
