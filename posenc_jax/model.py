@@ -257,8 +257,7 @@ class Attention(nnx.Module):
       k, v, cache["kv_shift"] = kv_shift_step(_values(self.kv_shift_params), cache["kv_shift"],
                                               x=x_B1C, k=k, v=v)
     o, cache["enc"] = self.enc.decode(_values(self.enc_params), cache["enc"], slots=slots,
-                                      x=x_B1C, q=q, k=k, v=v, tokens=tokens_BT,
-                                      implementation=self.cfg.implementation)
+                                      x=x_B1C, q=q, k=k, v=v, tokens=tokens_BT)
     return self._out(o, x_B1C), cache
 
   def __call__(self, x_BTC, *, tokens_BT, positions_BT, segment_ids_BT, rngs, train):

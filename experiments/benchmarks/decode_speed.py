@@ -40,8 +40,7 @@ from posenc_jax import model as model_lib
 
 _ENCODINGS = flags.DEFINE_list(
     "encodings", ["rope", "fox", "path", "grape_m_ctx"],
-    "Encodings; NAME:IMPLEMENTATION sets model.implementation (path:pallas decodes on "
-    "kernels_pallas.path_decode_step); a trailing @xla compiles with XLA's default options "
+    "Encodings; a trailing @xla compiles with XLA's default options "
     "instead of generation.REGION_ANALYSIS (on a CPU, rope@xla copies the cache each step).")
 _CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192", "32768"], "Cache sizes (max_len).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Rows decoded together.")
@@ -65,14 +64,12 @@ MIB = 2**20
 
 def _setup(name: str, S: int) -> dict:
   """Builds, compiles and warms up one case; returns its `call` (one timed decode) and sizes."""
-  spec, _, options = name.partition("@")
+  encoding, _, options = name.partition("@")
   if options not in ("", "xla"):
     raise ValueError(f"--encodings entry {name!r}: the only suffix is @xla")
-  encoding, _, implementation = spec.partition(":")
   cfg = model_lib.ModelConfig(vocab_size=256, encoding=encoding, num_layers=_LAYERS.value,
                               d_model=_D_MODEL.value, num_heads=_HEADS.value,
-                              head_dim=_HEAD_DIM.value, dtype=_DTYPE.value,
-                              implementation=implementation or None)
+                              head_dim=_HEAD_DIM.value, dtype=_DTYPE.value)
   model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=0))
   B, N = _BATCH.value, _NEW.value
   gen = generation.Generator(model, max_len=S, compiler_options={} if options else None)

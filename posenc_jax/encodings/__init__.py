@@ -132,12 +132,10 @@ class Encoding:
                                   slots=slots)
     return o, cache
 
-  def decode(self, params, cache, *, slots, implementation=None, **layer):
+  def decode(self, params, cache, *, slots, **layer):
     """One new token per row (x [B,1,C], q [B,1,H,D], k, v [B,1,K,D], tokens [B,1]) at slot
-    slots.end: returns (o [B, 1, H, Dv], cache with the token added). implementation: the
-    model's; a decoder with a Pallas step (PaTH's) runs it where this names "pallas"."""
-    return self._decoding().step(params, cache, prepare=self.prepare, layer=layer, slots=slots,
-                                 implementation=implementation)
+    slots.end: returns (o [B, 1, H, Dv], cache with the token added)."""
+    return self._decoding().step(params, cache, prepare=self.prepare, layer=layer, slots=slots)
 
 
 class _Entry(NamedTuple):
@@ -155,7 +153,7 @@ class _Decoder(NamedTuple):
 
   init_cache(dims, *, batch_size, max_len, dtype) -> cache
   fill(params, cache, prep: Prepared, *, layer, slots) -> cache after the prompt
-  step(params, cache, *, prepare, layer, slots, implementation) -> (o [B, 1, H, Dv], cache)
+  step(params, cache, *, prepare, layer, slots) -> (o [B, 1, H, Dv], cache)
   """
   init_cache: Callable
   fill: Callable

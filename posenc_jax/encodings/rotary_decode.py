@@ -118,7 +118,7 @@ def _phase_decoder(steps, *, inclusive: bool, values: bool, plane_phase: bool):
     phase = jnp.sum(jnp.where(mask, s, 0.0), axis=1)
     return {**fill_kv(params, cache, prep), "phase": phase}
 
-  def step(params, cache, *, prepare, layer, slots, name, hparams: dict, **unused):
+  def step(params, cache, *, prepare, layer, slots, name, hparams: dict):
     del prepare
     s = steps(params, layer, kv_cache.positions(slots)[:, None], _resolve(name, hparams))[:, 0]
     new_phase = cache["phase"] + s

@@ -23,7 +23,6 @@ Cache: {"k": [B, K, S, D] float32, "v": [B, K, S, Dv], "x_tail": [B, W-1, C],
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from posenc_jax import householder
@@ -56,18 +55,6 @@ def transport_and_logits(q_B1HD, k_BKSD, w_BKD, beta_BK, scale):
   return keys, logits.reshape(B, H, -1)
 
 
-def _kernel_step(q_B1HD, k_BKSD, w_BKD, beta_BK, scale, *, k_new, end):
-  """transport_and_logits as one Pallas pass over the cache (kernels_pallas.path_decode):
-  each cached key read once and written once, the new key k_new [B, K, D] at slot end."""
-  import kernels_pallas  # imported lazily: the kernels are optional on CPU
-  B, _, H, D = q_B1HD.shape
-  K, S = k_BKSD.shape[1], k_BKSD.shape[2]
-  logits, keys = kernels_pallas.path_decode_step(
-      q_B1HD[:, 0].reshape(B, K, H // K, D), w_BKD, beta_BK, k_BKSD, scale=scale,
-      k_new=k_new, end=end, interpret=jax.default_backend() == "cpu")
-  return keys, logits.reshape(B, H, S)
-
-
 def _init_cache(dims, *, batch_size, max_len, dtype, name, hparams):
   W = resolve_hparams(name, hparams, transport.HPARAMS[name])["conv_width"]
   B, S, K, D = batch_size, max_len, dims.num_kv_heads, dims.head_dim
@@ -97,7 +84,7 @@ def _fill(params, cache, prep, *, layer, slots, **unused):
   return cache
 
 
-def _step(params, cache, *, prepare, layer, slots, implementation=None, **unused):
+def _step(params, cache, *, prepare, layer, slots, **unused):
   del unused
   x, q, k, v = layer["x"], layer["q"], layer["k"], layer["v"]
   B, W1 = x.shape[0], cache["x_tail"].shape[1]
@@ -111,18 +98,14 @@ def _step(params, cache, *, prepare, layer, slots, implementation=None, **unused
                        pos, segment_ids=seg)
   w_t, beta_t = prep.inputs["w"][:, -1], prep.inputs["beta"][:, -1]
   scale = q.shape[-1] ** -0.5
-  kernel = implementation is not None and implementation.startswith("pallas")
-  if kernel:   # the new key is written in the same pass
-    keys, s = _kernel_step(q, cache["k"], w_t, beta_t, scale, k_new=k[:, 0], end=slots.end)
-  else:
-    keys, s = transport_and_logits(q, cache["k"], w_t, beta_t, scale)  # H_t on every cached key
+  keys, s = transport_and_logits(q, cache["k"], w_t, beta_t, scale)  # H_t on every cached key
   s_new = kv_cache.dot_logits(q, jnp.moveaxis(k, 1, 2), scale)         # l_tt = scale q_t.k_t
   new = {**cache, "x_tail": window[:, 1:]}
   if "gate" in cache:
     new["gate"] = add_gate(cache, prep.inputs["log_forget"][:, -1:], slots)
     s = s + new["gate"]   # the new token's own gate sum is 0
   o = kv_cache.attend_new(s, s_new, cache["v"], v, slots)
-  new["k"] = keys if kernel else kv_cache.write_token(keys, k, slots)
+  new["k"] = kv_cache.write_token(keys, k, slots)
   new["v"] = kv_cache.write_token(cache["v"], v, slots)
   return o, new
 
