@@ -9,6 +9,7 @@ depends on several fields, the encoding registry, the data and the devices.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 
@@ -175,6 +176,24 @@ def check_workdir(workdir: str, mcfg: model_lib.ModelConfig) -> None:
                      f"use a new --workdir or restore the config")
 
 
+def check_init_from(config, mcfg: model_lib.ModelConfig) -> None:
+  """train.init_from names a workdir with a checkpoint of a model with these parameters (the
+  compute dtype and dropout may differ: they leave the parameters as they are)."""
+  source = config.train.get("init_from") or ""
+  if not source:
+    return
+  stored = checkpoint.stored_model_config(source) if os.path.isdir(source) else None
+  if stored is None:
+    raise ValueError(f"train.init_from={source!r} holds no checkpoint; give the workdir of a "
+                     f"trained run")
+  free = ("dtype", "dropout")
+  diff = checkpoint.config_mismatch({k: v for k, v in stored.items() if k not in free},
+                                    {k: v for k, v in stored_form(mcfg).items() if k not in free})
+  if diff:
+    raise ValueError(f"train.init_from={source!r} holds a different model ({diff}): its "
+                     f"parameters cannot start this run")
+
+
 def check(config, *, workdir: str, data_module, num_devices: int) -> model_lib.ModelConfig:
   """Runs every check; returns the ModelConfig to build. Raises ValueError naming the field."""
   config_fields.check_fields(config)
@@ -184,4 +203,5 @@ def check(config, *, workdir: str, data_module, num_devices: int) -> model_lib.M
   mcfg = check_model(config, vocab)
   check_mesh(config, num_devices)
   check_workdir(workdir, mcfg)
+  check_init_from(config, mcfg)
   return mcfg

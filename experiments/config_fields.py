@@ -133,6 +133,7 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "divergence_margin": real(0.0),
         "divergence_patience": integer(0, note=" (0 = stop only at a NaN / inf loss)"),
         "allow_config_change": flag(),
+        "init_from": Rule(lambda v: isinstance(v, str), "a workdir ('' = none)"),
         "compile_cache_dir": Rule(lambda v: isinstance(v, str), "a directory ('' turns the "
                                   "cache off; None: ~/.cache/posenc-jax/jax)", none=True),
     },
@@ -149,6 +150,7 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "ignore_prob": real(0.0, 1.0),
         "sparse_ignore_prob": real(0.0, 1.0),
         "dense_ignore_prob": real(0.0, 1.0),
+        "byte_tokens": flag(),
         "group": choice(word_problem.GROUPS),
         "alphabet": choice(word_problem.ALPHABETS, optional=True),
         "n_back": integer(1),

@@ -13,7 +13,8 @@ Fields of the `data` ConfigDict (`default_data_config()` has them all):
   task                "flipflop" | "word_problem" | "mqrar" | "text"
   seq_len             training row length T (512)
   flipflop:           ignore_prob 0.8 (train and "id"), sparse_ignore_prob 0.98,
-                      dense_ignore_prob 0.1
+                      dense_ignore_prob 0.1; byte_tokens False (True: each symbol is its
+                      character's byte, in the text task's 257-token vocabulary)
   word_problem:       group "A5" | "S5"; alphabet "group" | "generators" (optional: absent
                       means "group")
   mqrar:              n_back 1, num_pairs 32 (distinct keys), num_values 32,
@@ -75,6 +76,7 @@ def default_data_config() -> ml_collections.ConfigDict:
       "ignore_prob": 0.8,
       "sparse_ignore_prob": 0.98,
       "dense_ignore_prob": 0.1,
+      "byte_tokens": False,
       # word_problem
       "group": "A5",
       # mqrar

@@ -25,6 +25,7 @@ ABSENT = "<absent>"
 # Field names, or prefixes ending in "." / "_", that may differ when a run resumes.
 CHANGEABLE = ("train.steps", "train.warmup_steps", "train.log_every", "train.checkpoint_every",
               "train.allow_config_change", "train.compile_cache_dir", "train.divergence_",
+              "train.init_from",
               "eval.", "mesh.", "sweep.", "distributed.", "data.read_threads",
               "data.prefetch_batches", "model.implementation", "model.scan_layers")
 

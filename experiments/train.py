@@ -156,6 +156,14 @@ class Trainer:
     return checkpoint.abstract(self._abstract, self.state_shardings)
 
 
+def _start_from(trainer: Trainer, state: dict, source: str) -> dict:
+  """state with the parameters of `source`'s newest intact checkpoint (train.init_from; the
+  optimizer's state stays the fresh one). config_checks.check_init_from vetted the model."""
+  step, params = checkpoint.restore_params(source, trainer.abstract_state()["params"])
+  print(f"parameters from {source} (step {step}); the optimizer starts afresh", file=sys.stderr)
+  return {**state, "params": jax.device_put(params, trainer.param_shardings)}
+
+
 @contextlib.contextmanager
 def _threefry_kernel():
   """Lowers the PRNG's threefry hash to JAX's GPU kernel while inside (elsewhere: no effect).
@@ -296,6 +304,8 @@ def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: floa
     with jax.set_mesh(mesh), _sigterm_flag() as sigterm:
       restored = ckpt.restore(trainer.abstract_state(), train_iter)
       step, state = restored if restored is not None else (0, trainer.init_state(t.seed))
+      if restored is None and t.get("init_from"):
+        state = _start_from(trainer, state, t.init_from)
       jax.block_until_ready(state)
       timeline.mark("state")
       # Records past the restored step were written by a segment that did not count; every

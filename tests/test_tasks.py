@@ -182,3 +182,18 @@ def test_bad_task_fields_raise_naming_the_field(field, value, task):
   config = _config(task=task, **{field: value})
   with pytest.raises(ValueError, match=f"data.{field}"):
     data.vocab_size(config)
+
+
+def test_flipflop_in_byte_tokens_is_the_same_string_in_the_text_vocabulary():
+  """data.byte_tokens: each symbol becomes its character's byte, in the text task's
+  vocabulary, with the same strings and the same scored positions."""
+  from experiments import data
+  c = data.default_data_config()
+  c.task, c.seq_len = "flipflop", 64
+  plain = flipflop.make_example(c, np.random.default_rng(3), seq_len=64, split="train")
+  c.byte_tokens = True
+  as_bytes = flipflop.make_example(c, np.random.default_rng(3), seq_len=64, split="train")
+  assert data.vocab_size(c) == 257 and flipflop.vocab_size(data.default_data_config()) == 5
+  for key in ("tokens", "targets"):
+    assert "".join(map(chr, as_bytes[key])) == "".join(flipflop.VOCAB[t] for t in plain[key])
+  np.testing.assert_array_equal(as_bytes["loss_mask"], plain["loss_mask"])

@@ -190,3 +190,48 @@ def test_nonfinite_loss_names_the_step(tmp_path):
 def test_first_nonfinite():
   assert evaluate.first_nonfinite(np.array([1.0, 2.0, np.inf, np.nan])) == 2
   assert evaluate.first_nonfinite(np.array([1.0, 2.0])) is None
+
+
+def test_init_from_starts_a_run_from_another_runs_parameters(tmp_path):
+  """train.init_from: a flip-flop run in byte tokens (the text task's vocabulary) starts from a
+  finished run's parameters, the optimizer afresh: at a negligible learning rate it ends where
+  that run ended, and far from its own seed's draw."""
+  from experiments import config_checks
+  from experiments import data
+  from experiments.probes import load
+
+  def config(**train_kw):
+    c = _config(steps=3, lengths=())
+    c.data.byte_tokens = True
+    c.train.update(**train_kw)
+    return c
+
+  train.run(config(), str(tmp_path / "source"))
+  started = config(steps=1, warmup_steps=0, learning_rate=1e-9, seed=7,
+                   init_from=str(tmp_path / "source"))
+  train.run(started, str(tmp_path / "fine_tuned"))
+  drawn = config(steps=1, warmup_steps=0, learning_rate=1e-9, seed=7)
+  train.run(drawn, str(tmp_path / "drawn"))
+  _, source = load.restore(config(), str(tmp_path / "source"))
+  _, tuned = load.restore(started, str(tmp_path / "fine_tuned"))
+  _, fresh = load.restore(drawn, str(tmp_path / "drawn"))
+  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+  assert flat(source).size == flat(tuned).size > 1000
+  np.testing.assert_allclose(flat(tuned), flat(source), atol=1e-6)
+  assert np.max(np.abs(flat(fresh) - flat(source))) > 1e-2
+
+  # What cannot start this run is refused before anything is built, naming the field.
+  def check(c):
+    return config_checks.check(c, workdir=str(tmp_path / "new"), data_module=data,
+                               num_devices=1)
+  with pytest.raises(ValueError, match=r"^train.init_from='.*nowhere' holds no checkpoint"):
+    check(config(init_from=str(tmp_path / "nowhere")))
+  wider = config(init_from=str(tmp_path / "source"))
+  wider.model.d_model = 32
+  with pytest.raises(ValueError, match=r"holds a different model \(model.d_model=16 in the "
+                                       r"checkpoint, 32 in this config\)"):
+    check(wider)
+  other_vocab = config(init_from=str(tmp_path / "source"))
+  other_vocab.data.byte_tokens = False
+  with pytest.raises(ValueError, match=r"model.vocab_size=257 in the checkpoint, 5"):
+    check(other_vocab)

@@ -27,6 +27,10 @@ Experiment files start from `base.get_config()` and override what they study. Fi
                           `patience` steps in a row whose loss is above both `factor` x its
                           running level and log(vocab) + `margin` (experiments/divergence.py);
                           patience 0 stops only at NaN / inf
+  train.init_from         a workdir whose newest checkpoint's parameters start this run instead
+                          of a draw from train.seed (a fine-tuning start: the optimizer starts
+                          afresh; the model must have the same parameters, e.g. a text model
+                          fine-tuned on flip-flop with data.byte_tokens); "" = none
   train.compile_cache_dir the persistent compilation cache (None: ~/.cache/posenc-jax/jax, or
                           under $XDG_CACHE_HOME; "": off): reruns of a shape skip XLA's compile
   train.allow_config_change
@@ -78,7 +82,7 @@ def get_config() -> ml_collections.ConfigDict:
       steps=1000, batch_size=32, learning_rate=1e-3, warmup_steps=100, weight_decay=0.1,
       grad_clip=1.0, checkpoint_every=500, log_every=50, seed=0,
       divergence_factor=2.0, divergence_margin=1.0, divergence_patience=5,
-      allow_config_change=False, compile_cache_dir=config_dict.placeholder(str)))
+      allow_config_change=False, compile_cache_dir=config_dict.placeholder(str), init_from=""))
   c.eval = ml_collections.ConfigDict(dict(
       lengths=(), every=0, num_batches=4, batch_size=0, seed=1234))
   c.data = data.default_data_config()

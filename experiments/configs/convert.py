@@ -45,6 +45,7 @@ import ml_collections
 
 from experiments import run_config
 from experiments.configs import base
+from experiments.configs import from_workdir
 
 # (steps, batch, seq_len) of the teacher's training and of the two stages; learning rates.
 CPU = dict(teacher=(500, 16, 64), mse=(100, 16, 64), kl=(200, 16, 64), teacher_lr=3e-3,
@@ -106,11 +107,7 @@ def _teacher_run_config(teacher: str) -> ml_collections.ConfigDict:
     raise ValueError(f"convert.teacher={teacher!r} holds no config.json; give the workdir of a "
                      f"run trained by experiments.main or written by experiments.import_hf")
 
-  def overlay(into: dict, over: dict) -> dict:
-    for k, v in over.items():
-      into[k] = overlay(into.get(k) or {}, v) if isinstance(v, dict) and k != "encoding_kwargs" else v
-    return into
-  return ml_collections.ConfigDict(overlay(base.get_config().to_dict(), recorded))
+  return from_workdir.on_defaults(recorded)
 
 
 def _pretraining(a, size) -> ml_collections.ConfigDict:

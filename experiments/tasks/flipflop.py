@@ -27,15 +27,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from experiments.tasks import code_corpus
+
 WRITE, READ, IGNORE, ZERO, ONE = range(5)
 VOCAB = ("w", "r", "i", "0", "1")
+BYTE_IDS = np.array([ord(c) for c in VOCAB], np.int32)   # data.byte_tokens
 TEST_SETS = ("id", "sparse", "dense")
 MIN_SEQ_LEN = 2
 
 
 def vocab_size(config) -> int:
-  del config
-  return len(VOCAB)
+  """5, or with data.byte_tokens the byte-level text task's vocabulary: each symbol is then
+  its character's byte (w = 119, ...), so a model trained on text is fine-tuned on flip-flop
+  as it is (train.init_from), as a state-tracking probe of a language model."""
+  return code_corpus.VOCAB_SIZE if config.get("byte_tokens", False) else len(VOCAB)
 
 
 def validate(config) -> None:
@@ -79,4 +84,8 @@ def generate(rng: np.random.Generator, *, seq_len: int, ignore_prob: float) -> d
 
 
 def make_example(config, rng: np.random.Generator, *, seq_len: int, split: str) -> dict[str, np.ndarray]:
-  return generate(rng, seq_len=seq_len, ignore_prob=split_ignore_prob(config, split))
+  example = generate(rng, seq_len=seq_len, ignore_prob=split_ignore_prob(config, split))
+  if config.get("byte_tokens", False):
+    for key in ("tokens", "targets"):
+      example[key] = BYTE_IDS[example[key]]
+  return example
