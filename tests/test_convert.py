@@ -161,8 +161,9 @@ def test_errors_are_one_line_naming_the_field(tmp_path):
 
 
 def test_gpu_experiment_configs_pass_the_checks(tmp_path):
-  """configs/convert.py:gpu: the teacher's run, the scratch runs at equal total tokens and the
-  conversions (of the newest and of the step-3000 checkpoint) are valid configs."""
+  """configs/convert.py:gpu: the teacher's run, the scratch runs at equal total tokens, the
+  conversions (of the newest and of an earlier checkpoint) and the flip-flop probe are valid
+  configs."""
   from experiments import config_checks
   from experiments import config_fields
   teacher = convert_config.get_config("gpu,run=teacher")
@@ -171,11 +172,20 @@ def test_gpu_experiment_configs_pass_the_checks(tmp_path):
     config_fields.check_fields(c)
     config_checks.check_model(c, data.vocab_size(c.data))
   assert (teacher.model.num_layers, teacher.model.d_model, teacher.data.seq_len) == (12, 768, 2048)
-  assert teacher.train.steps == 6000 and scratch.train.steps == 7700   # 6000 + 200 + 1500
+  assert teacher.train.steps == 1200 and scratch.train.steps == 1550   # 1200 + 50 + 300
   assert tuple(scratch.eval.lengths) == (2048, 8192, 16384)
   wd = _fake_teacher(tmp_path, "rope", teacher)
   for arg in ("", ",teacher_step=5", ",encoding=path_fox"):
     c = convert_config.get_config(f"gpu,teacher={wd}{arg}")
     mcfg, tcfg = _check(c, tmp_path)
     assert (mcfg.num_layers, mcfg.d_model, tcfg.encoding) == (12, 768, "rope")
-    assert c.convert.mse_steps * c.convert.mse_batch_size * c.convert.mse_seq_len == 400 * 16 * 2048
+    assert c.convert.mse_steps * c.convert.mse_batch_size * c.convert.mse_seq_len == 100 * 8 * 2048
+  # The flip-flop probe of a trained run: its model, its parameters, flip-flop in bytes.
+  probe = convert_config.get_config(f"gpu,run=probe,init={wd}")
+  mcfg = config_checks.check(probe, workdir=str(tmp_path / "probe"), data_module=data,
+                             num_devices=1)
+  assert (mcfg.num_layers, mcfg.d_model, mcfg.encoding, mcfg.vocab_size) == (12, 768, "rope", 257)
+  assert (probe.data.task, probe.data.byte_tokens, probe.train.init_from) == ("flipflop", True, wd)
+  assert tuple(probe.eval.lengths) == (512, 2048) and "convert" not in probe
+  with pytest.raises(ValueError, match="run=probe needs init=WD"):
+    convert_config.get_config("gpu,run=probe")

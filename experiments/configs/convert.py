@@ -10,7 +10,7 @@ stage 1 (attention layers on the layer outputs' MSE), train.* for stage 2 (the w
 on the KL of the outputs); experiments/convert.py runs them.
 
 `arg` (comma-separated):
-  teacher=WD       the teacher's workdir (required unless run=teacher / run=scratch)
+  teacher=WD       the teacher's workdir (required unless run=teacher / scratch / probe)
   encoding=NAME    the student (default path; path_fox, fox, grape_a_q/k/qk, grape_m from a
                    rope teacher)
   teacher_step=N   convert the teacher's checkpoint at step N (default: its newest)
@@ -19,23 +19,31 @@ on the KL of the outputs); experiments/convert.py runs them.
   run=teacher      instead: the teacher's own training run, for experiments.main
   run=scratch      instead: model.encoding=encoding trained from scratch for as many tokens as
                    the teacher's training and the conversion together, for experiments.main
+  run=probe,init=WD
+                   instead: the state-tracking probe of a trained run WD (teacher, student or
+                   scratch), for experiments.main: WD's model fine-tuned from its parameters
+                   (train.init_from) on flip-flop in byte tokens (data.byte_tokens, the text
+                   task's vocabulary), its read errors at 1x and 4x the probe's length
 
-`gpu`: what conversion buys, on one GPU. A 12-layer llama-style RoPE teacher (d_model 768,
-12 heads x 64, ~125M parameters, bfloat16) trains on the byte-level text corpus at
-T = 2048 for 6000 steps of 32 rows (393M tokens), keeping its checkpoints at steps 3000 and
-6000. It is converted to path and to path_fox: stage 1 for 400 steps of 16 x 2048 (13M
-tokens, at 1e-3), stage 2 for 1500 steps of 32 x 2048 (98M tokens, at 3e-4). The comparison
-is at equal total tokens (393M + 111M = 7700 steps of 32 x 2048): the students, the teacher
-trained on (run=scratch,encoding=rope) and PaTH / PaTH-FoX from scratch (run=scratch,
-encoding=path), every run evaluated at 1x, 4x and 8x the training length (2048, 8192,
-16384). Converting the teacher's step-3000 checkpoint as well (teacher_step=3000) asks the
-paper's question whether a teacher trained longer is harder to convert ("ossification").
-Each command is one device call of its own; none of them has been run yet:
+`gpu`: what conversion buys, on one GPU, sized so that every run below fits one session's
+device time (about 25 minutes at the H200's measured 417k tokens/s for RoPE and 277k for PaTH
+on this model). A 12-layer llama-style RoPE teacher (d_model 768, 12 heads x 64, ~125M
+parameters, bfloat16) trains on the byte-level text corpus at T = 2048 for 1200 steps of 16
+rows (39M tokens), keeping its checkpoints at steps 600 and 1200. It is converted to path and
+to path_fox: stage 1 for 100 steps of 8 x 2048 (1.6M tokens, at 1e-3), stage 2 for 300 steps
+of 16 x 2048 (9.8M tokens, at 3e-4). The comparison is at equal total tokens (1550 steps of
+16 x 2048): the students, the teacher trained on (run=scratch,encoding=rope) and PaTH from
+scratch (run=scratch,encoding=path), every run evaluated at 1x, 4x and 8x the training length
+(2048, 8192, 16384), and each probed on flip-flop (run=probe: 300 steps of 32 x 512).
+Converting the teacher's step-600 checkpoint as well (teacher_step=600) asks the paper's
+question whether a teacher trained longer is harder to convert ("ossification"). Each
+command is one run; none of them has been run yet:
 
   python -m experiments.main --config=experiments/configs/convert.py:gpu,run=teacher --workdir=W/rope
   python -m experiments.convert --config=experiments/configs/convert.py:gpu,teacher=W/rope,encoding=path --workdir=W/path_converted
-  python -m experiments.convert --config=experiments/configs/convert.py:gpu,teacher=W/rope,encoding=path,teacher_step=3000 --workdir=W/path_converted_at_3000
+  python -m experiments.convert --config=experiments/configs/convert.py:gpu,teacher=W/rope,encoding=path,teacher_step=600 --workdir=W/path_converted_at_600
   python -m experiments.main --config=experiments/configs/convert.py:gpu,run=scratch,encoding=path --workdir=W/path_scratch
+  python -m experiments.main --config=experiments/configs/convert.py:gpu,run=probe,init=W/path_converted --workdir=W/probe_path_converted
 """
 from __future__ import annotations
 
@@ -52,18 +60,22 @@ CPU = dict(teacher=(500, 16, 64), mse=(100, 16, 64), kl=(200, 16, 64), teacher_l
            mse_lr=1e-3, kl_lr=3e-4)
 LOCAL = dict(teacher=(20, 4, 16), mse=(20, 4, 16), kl=(20, 4, 16), teacher_lr=3e-3,
              mse_lr=3e-3, kl_lr=1e-3)
-GPU = dict(teacher=(6000, 32, 2048), mse=(400, 16, 2048), kl=(1500, 32, 2048), teacher_lr=1e-3,
+GPU = dict(teacher=(1200, 16, 2048), mse=(100, 8, 2048), kl=(300, 16, 2048), teacher_lr=1e-3,
            mse_lr=1e-3, kl_lr=3e-4)
-RUNS = ("convert", "teacher", "scratch")
+# The flip-flop probe: (steps, batch, seq_len) and its learning rate.
+PROBE = dict(cpu=(100, 16, 64), local=(10, 4, 16), gpu=(300, 32, 512), lr=3e-4)
+RUNS = ("convert", "teacher", "scratch", "probe")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   a = base.parse_arg(arg, teacher="", encoding="path", teacher_step=0, runlocal=False,
-                     gpu=False, run="convert")
+                     gpu=False, run="convert", init="")
   base.check_local_or_gpu(a)
   if a.run not in RUNS:
     raise ValueError(f"config arg run={a.run!r} must be one of {RUNS}")
   size = GPU if a.gpu else LOCAL if a.runlocal else CPU
+  if a.run == "probe":
+    return _probe(a)
   if a.run != "convert":
     return _pretraining(a, size)
   if not a.teacher:
@@ -132,6 +144,29 @@ def _pretraining(a, size) -> ml_collections.ConfigDict:
   if a.gpu:
     c.model.update(num_layers=12, d_model=768, num_heads=12, head_dim=64, dtype="bfloat16")
     _gpu_eval(c)
+  return c
+
+
+def _probe(a) -> ml_collections.ConfigDict:
+  """WD's recorded run config (its model as it was) fine-tuned on flip-flop in byte tokens
+  from WD's parameters."""
+  if not a.init or not os.path.isdir(a.init):
+    raise ValueError(f"convert.py:run=probe needs init=WD, the workdir of a trained run "
+                     f"(got init={a.init!r})")
+  recorded = run_config.stored(a.init)
+  if recorded is None:
+    raise ValueError(f"init={a.init!r} holds no config.json; give the workdir of a run trained "
+                     f"by experiments.main or experiments.convert")
+  recorded = {k: v for k, v in recorded.items() if k != "convert"}   # a student's distillation
+  c = from_workdir.on_defaults(recorded)
+  steps, batch, seq_len = PROBE["gpu" if a.gpu else "local" if a.runlocal else "cpu"]
+  c.data = base.get_config().data
+  c.data.update(task="flipflop", byte_tokens=True, seq_len=seq_len)
+  c.train.update(steps=steps, batch_size=batch, learning_rate=PROBE["lr"],
+                 warmup_steps=steps // 10, checkpoint_every=steps, log_every=max(steps // 20, 1),
+                 init_from=a.init)
+  c.eval.update(lengths=(seq_len, 4 * seq_len), num_batches=2, batch_size=min(batch, 16))
+  c.sweep = ml_collections.ConfigDict(dict(encodings=()))
   return c
 
 
