@@ -234,7 +234,8 @@ class Attention(nnx.Module):
       cache["kv_shift"] = {"k": prev, "v": prev}
     return cache
 
-  def prefill(self, x_BPC, *, tokens_BT, positions_BT, segment_ids_BT, slots, cache):
+  def prefill(self, x_BPC, *, tokens_BT, positions_BT, segment_ids_BT, slots, cache,
+              layer_index=0):
     """The prompt's forward (as __call__ at evaluation) and the cache it leaves."""
     q, k, v = self._project(x_BPC)
     cache = dict(cache)
@@ -245,11 +246,11 @@ class Attention(nnx.Module):
     o, cache["enc"] = self.enc.prefill(
         _values(self.enc_params), cache["enc"], slots=slots, x=x_BPC, q=q, k=k, v=v,
         positions=positions_BT, segment_ids=segment_ids_BT, tokens=tokens_BT, rng=None,
-        train=False, implementation=self.cfg.implementation,
+        train=False, layer_index=layer_index, implementation=self.cfg.implementation,
         kernel_options=dict(self.cfg.kernel_options) or None)
     return self._out(o, x_BPC), cache
 
-  def decode(self, x_B1C, *, tokens_BT, slots, cache):
+  def decode(self, x_B1C, *, tokens_BT, slots, cache, layer_index=0):
     """One new token per row, written at slot slots.end: (output [B, 1, C], cache)."""
     q, k, v = self._project(x_B1C)
     cache = dict(cache)
@@ -257,22 +258,27 @@ class Attention(nnx.Module):
       k, v, cache["kv_shift"] = kv_shift_step(_values(self.kv_shift_params), cache["kv_shift"],
                                               x=x_B1C, k=k, v=v)
     o, cache["enc"] = self.enc.decode(_values(self.enc_params), cache["enc"], slots=slots,
-                                      x=x_B1C, q=q, k=k, v=v, tokens=tokens_BT)
+                                      x=x_B1C, q=q, k=k, v=v, tokens=tokens_BT,
+                                      layer_index=layer_index)
     return self._out(o, x_B1C), cache
 
-  def __call__(self, x_BTC, *, tokens_BT, positions_BT, segment_ids_BT, rngs, train):
+  def __call__(self, x_BTC, *, tokens_BT, positions_BT, segment_ids_BT, rngs, train,
+               layer_index=0):
+    """layer_index: this layer's place in the stack (an int, or a traced one under
+    scan_layers); encodings that draw fixed angles at evaluation (acc_rot_random) draw them
+    per layer from it, as the papers sample each layer independently."""
     cfg = self.cfg
     q, k, v = self._project(x_BTC)
     if cfg.kv_shift:
       k, v = kv_shift_apply(_values(self.kv_shift_params), x=x_BTC, k=k, v=v,
                             segment_ids=segment_ids_BT)
-    # Encodings that sample (acc_rot_random) draw a fresh key per layer and step in training.
-    # At evaluation rng is None and they use their fixed eval_seed, which is the same in every
-    # layer: layers then share one draw of angles (known gap; a per-layer eval key would fix it).
+    # Encodings that sample (acc_rot_random) draw a fresh key per layer and step in training;
+    # at evaluation rng is None and they draw from their eval_seed folded with layer_index.
     rng = rngs.encoding() if (train and rngs is not None) else None
     o = self.enc.apply(_values(self.enc_params), x=x_BTC, q=q, k=k, v=v,
                        positions=positions_BT, segment_ids=segment_ids_BT, tokens=tokens_BT,
-                       rng=rng, train=train, implementation=cfg.implementation,
+                       rng=rng, train=train, layer_index=layer_index,
+                       implementation=cfg.implementation,
                        kernel_options=dict(cfg.kernel_options) or None)
     return self._out(o, x_BTC)
 
@@ -423,8 +429,9 @@ class Transformer(nnx.Module):
     layer = dict(tokens_BT=tokens_BT, positions_BT=positions_BT, segment_ids_BT=segment_ids_BT)
     if self.cfg.scan_layers and len(self.blocks) > 1:
       return self._logits(self._scan_blocks(x, rngs=rngs, train=train, **layer))
-    for block in self.blocks:
-      x = self.shard(block(x, rngs=rngs, train=train, **layer), ("batch", "length", "embed"))
+    for i, block in enumerate(self.blocks):
+      x = self.shard(block(x, rngs=rngs, train=train, layer_index=i, **layer),
+                     ("batch", "length", "embed"))
     return self._logits(x)
 
   def _scan_blocks(self, x_BTC, *, rngs, train, **layer):
@@ -442,13 +449,14 @@ class Transformer(nnx.Module):
                                      for name, stream in rngs.items()}
 
     def body(x, per_layer):
-      state, layer_keys = per_layer
+      state, layer_keys, index = per_layer
       block = nnx.merge(graphdefs[0], state)
       layer_rngs = nnx.Rngs(**layer_keys) if rngs is not None else None
-      x = block(x, rngs=layer_rngs, train=train, **layer)
+      x = block(x, rngs=layer_rngs, train=train, layer_index=index, **layer)
       return self.shard(x, ("batch", "length", "embed")), None
 
-    x_BTC, _ = jax.lax.scan(body, x_BTC, (stacked, keys))
+    index = jnp.arange(len(self.blocks), dtype=jnp.int32)
+    x_BTC, _ = jax.lax.scan(body, x_BTC, (stacked, keys, index))
     return x_BTC
 
   def _embed(self, tokens):
@@ -492,8 +500,8 @@ class Transformer(nnx.Module):
                  slots=slots)
     x = self._embed(tokens_BP)
     layers = []
-    for block, c in zip(self.blocks, cache["layers"]):
-      x, c = block.cached(x, step=False, cache=c, **layer)
+    for i, (block, c) in enumerate(zip(self.blocks, cache["layers"])):
+      x, c = block.cached(x, step=False, cache=c, layer_index=i, **layer)
       layers.append(c)
     return self._logits(x), {"layers": tuple(layers), "start": slots.start, "end": slots.end}
 
@@ -503,8 +511,9 @@ class Transformer(nnx.Module):
     slots = kv_cache.Slots(cache["start"], cache["end"])
     x = self._embed(tokens_B[:, None])
     layers = []
-    for block, c in zip(self.blocks, cache["layers"]):
-      x, c = block.cached(x, step=True, cache=c, tokens_BT=tokens_B[:, None], slots=slots)
+    for i, (block, c) in enumerate(zip(self.blocks, cache["layers"])):
+      x, c = block.cached(x, step=True, cache=c, tokens_BT=tokens_B[:, None], slots=slots,
+                          layer_index=i)
       layers.append(c)
     return self._logits(x)[:, 0], {"layers": tuple(layers), "start": slots.start,
                                     "end": slots.end + 1}

@@ -121,9 +121,11 @@ def test_bad_model_config_raises(key):
 
 
 @pytest.mark.parametrize("encoding,kv_shift", [("rope", False), ("path", False),
-                                               ("acc_rot_learned", False), ("fox", True)])
+                                               ("acc_rot_learned", False), ("fox", True),
+                                               ("acc_rot_random", False)])
 def test_scanned_layers_match_the_loop(encoding, kv_shift, key):
-  """scan_layers=True is the same function of the same parameters, forward and gradients.
+  """scan_layers=True is the same function of the same parameters, forward and gradients
+  (acc_rot_random: each layer's evaluation angles from its index, traced under the scan).
 
   Gradients are compared per module (all of one module's parameters as one vector): float32
   bounds a gradient's error relative to the norm of what it sums, not per entry. PaTH's

@@ -181,6 +181,15 @@ def test_acc_rot_random_sampling_rules(key, name):
   np.testing.assert_array_equal(run(rng=None).q, e1.q)
   e3 = encodings.get(name, eval_seed=5).prepare({}, **{**layer, "train": False})
   assert float(jnp.abs(e3.q - e1.q).max()) > 1e-3
+  # Each layer its own evaluation draw (the paper samples layers independently); without an
+  # index, eval_seed's own key.
+  l0, l1 = run(train=False, layer_index=0), run(train=False, layer_index=1)
+  assert float(jnp.abs(l0.q - l1.q).max()) > 1e-3
+  np.testing.assert_array_equal(run(train=False, layer_index=1).q, l1.q)
+  freqs = rotations.rope_frequencies(D, base=10000.0)
+  steps = rotations.positional_step_angles(jax.random.key(0), POS, freqs, width=2.0)
+  want = rotations.rotate(layer["q"], rotations.accumulate_phases(steps, SEG)[:, :, None, :])
+  assert_rel_rms(e1.q, want, 1e-6, "q at evaluation, no layer index")
   # Shared across heads: every query head of a token turns by the same angles.
   ang = jnp.arctan2(a.q[..., 1::2], a.q[..., 0::2]) - jnp.arctan2(layer["q"][..., 1::2], layer["q"][..., 0::2])
   d = jnp.angle(jnp.exp(1j * (ang - ang[:, :, :1])))

@@ -173,9 +173,10 @@ _LE_COMMON = (
     "Block: our llama-style block (RMSNorm, SwiGLU, no dropout), where the accumulated-"
     "rotations paper uses pre-LayerNorm, GELU and dropout 0.1 (the model's `acc_rot` block, "
     "not used here).",
-    "acc_rot_random at evaluation: one fixed draw of step angles (eval_seed 0) shared by every "
-    "layer; the paper draws angles independently per layer (and per forward pass), as our "
-    "training does.",
+    "acc_rot_random at evaluation in these runs: one fixed draw of step angles (eval_seed 0) "
+    "shared by every layer; the paper draws angles independently per layer (and per forward "
+    "pass), as our training does, and as our evaluation does since the model passes each "
+    "layer its index (these runs predate it).",
     "One learning rate for every encoding (not tuned per encoding); cosine decay to 10% after "
     "a linear warmup, where the accumulated-rotations paper uses a stepped schedule without "
     "warmup over 200K steps of 16,384 tokens.")

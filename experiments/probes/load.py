@@ -47,16 +47,16 @@ def layer_inputs(model: model_lib.Transformer, tokens_BT) -> list[dict]:
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   layer = dict(tokens_BT=tokens_BT, positions_BT=pos, segment_ids_BT=None)
   x, out = model.embed(tokens_BT), []
-  for block in model.blocks:
+  for i, block in enumerate(model.blocks):
     attn, h = block.attn, block.attn_norm(x)
     q = attn.q_proj(h).reshape(B, T, cfg.num_heads, cfg.head_dim)
     k = attn.k_proj(h).reshape(B, T, cfg.kv_heads, cfg.head_dim)
     v = attn.v_proj(h).reshape(B, T, cfg.kv_heads, cfg.head_dim)
     params = model_lib._values(attn.enc_params)
     prep = attn.enc.prepare(params, x=h, q=q, k=k, v=v, positions=pos, segment_ids=None,
-                            tokens=tokens_BT, rng=None, train=False)
+                            tokens=tokens_BT, rng=None, train=False, layer_index=i)
     out.append({"prep": prep, "q": q, "k": k, "v": v, "enc": attn.enc, "params": params})
-    x = block(x, rngs=None, train=False, **layer)
+    x = block(x, rngs=None, train=False, layer_index=i, **layer)
   return out
 
 

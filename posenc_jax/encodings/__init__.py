@@ -164,7 +164,8 @@ _DECODERS: dict[str, _Decoder] = {}
 _FAMILY_DECODERS: dict[str, _Decoder] = {}
 
 # The per-layer keywords of `prepare`; everything else it receives is a hyperparameter.
-LAYER_ARGS = frozenset({"x", "q", "k", "v", "positions", "segment_ids", "tokens", "rng", "train"})
+LAYER_ARGS = frozenset({"x", "q", "k", "v", "positions", "segment_ids", "tokens", "rng", "train",
+                        "layer_index"})
 
 
 def resolve_hparams(name: str, hparams: dict, defaults: dict) -> dict:

@@ -20,11 +20,10 @@ docs/encodings.md#reference-implementations-and-the-switches-that-select-them):
   grape_m_ctx variant="paper" (softplus gate) | "official" (the official code's sigmoid(z/16))
 posenc_jax.encodings.from_hf_rope maps a transformers config to one of these.
 
-acc_rot_random draws its step angles from `rng` when train=True and from
-jax.random.key(eval_seed) otherwise, one draw per in-document position (so decoding token by
-token repeats the full forward's angles); the paper samples each layer independently, so a
-model should hand each layer its own rng (and its own eval_seed if evaluation must differ by
-layer).
+acc_rot_random draws its step angles from `rng` when train=True and otherwise from
+jax.random.key(eval_seed) folded with the layer's index (eval_key), one draw per in-document
+position (so decoding token by token repeats the full forward's angles); the paper samples
+each layer independently, and the model hands each layer its own rng and index.
 
 Shape letters: B batch, T time, C d_model, H query heads, K kv heads, D head dim, P = D/2.
 """
@@ -292,6 +291,15 @@ def _ctx_prepare(params, layer, *, base, variant):
 # Accumulated rotations (accumulated_rotations §5, App. C).
 
 
+def eval_key(eval_seed: int, layer: dict):
+  """acc_rot_random's key at evaluation: eval_seed folded with the layer's place in the stack
+  (layer["layer_index"], which models pass), so each layer draws its own angles as the paper
+  samples them; eval_seed alone where no index is given."""
+  key = jax.random.key(eval_seed)
+  index = layer.get("layer_index")
+  return key if index is None else jax.random.fold_in(key, index)
+
+
 def _random_prepare(values: bool):
   def prepare(params, layer, *, base, width, eval_seed):
     del params
@@ -302,7 +310,7 @@ def _random_prepare(values: bool):
       steps = rotations.random_step_angles(rng, q.shape[:2], freqs, width=width)   # [B, T, P]
     else:  # a fixed draw per in-document position: evaluations and decoding repeat it exactly
       pos = path_integral.segment_positions(layer.get("segment_ids"), *q.shape[:2])
-      steps = rotations.positional_step_angles(jax.random.key(eval_seed), pos, freqs, width=width)
+      steps = rotations.positional_step_angles(eval_key(eval_seed, layer), pos, freqs, width=width)
     phi = rotations.accumulate_phases(steps, layer.get("segment_ids"))
     return _rotated(layer, phi[:, :, None, :], values=values)
   return prepare

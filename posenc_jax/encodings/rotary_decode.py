@@ -14,7 +14,7 @@ Accumulated maps keep a running phase per row, O(H D) work per step beyond atten
   grape_m_ctx      Phi [B] = sum_{s<t} w_s (exclusive): token t turns by Phi theta, then
                    Phi += w_t.
   acc_rot_*(_v)    phi [B, P] = sum_{s<=t} delta_s: phi += delta_t, then token t turns by phi.
-                   acc_rot_random draws delta_t for position t from its eval_seed
+                   acc_rot_random draws delta_t for position t from its eval_seed and layer
                    (rotations.positional_step_angles), as its full forward does at evaluation.
 
 Cache: {"k": [B, K, S, D] transformed keys, "v": [B, K, S, Dv] values (pre-rotated by G_j^T
@@ -27,7 +27,6 @@ heads, K kv heads, D head dim, C d_model.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from posenc_jax import kv_cache
@@ -142,8 +141,8 @@ def _ctx_steps(params, layer, positions, hp):
 def _random_steps(params, layer, positions, hp):
   del params
   freqs = rotations.rope_frequencies(layer["q"].shape[-1], base=hp["base"])
-  return rotations.positional_step_angles(jax.random.key(hp["eval_seed"]), positions, freqs,
-                                          width=hp["width"])
+  return rotations.positional_step_angles(rotary.eval_key(hp["eval_seed"], layer), positions,
+                                          freqs, width=hp["width"])
 
 
 def _learned_steps(params, layer, positions, hp):
