@@ -94,6 +94,16 @@ def test_length_extrapolation_gpu_is_the_issue_scale():
   assert 40e6 <= params <= 125e6, params
 
 
+def test_length_extrapolation_acc_rot_table_is_the_papers_seven_rows_to_128x():
+  c = length_extrapolation.get_config("gpu,table=acc_rot,seeds=3")
+  assert c.sweep.encodings == length_extrapolation.ACC_ROT_TABLE and len(c.sweep.encodings) == 7
+  assert c.sweep.eval_lengths[-1] == 128 * 512 and tuple(c.sweep.seeds) == (0, 1, 2)
+  one = length_extrapolation.get_config("gpu,table=acc_rot,encodings=alibi")
+  assert one.sweep.encodings == ("alibi",) and one.sweep.eval_lengths == c.sweep.eval_lengths
+  with pytest.raises(ValueError, match="table='x' must be acc_rot"):
+    length_extrapolation.get_config("table=x")
+
+
 def test_gather_merges_side_by_side_sweeps_of_one_config(tmp_path):
   parts = [str(tmp_path / p) for p in ("a", "b")]
   a = dict(_summary("rope", 2.0), finished="2026-11-25 05:10 UTC", wall_time_s=120.0)

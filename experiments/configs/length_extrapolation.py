@@ -9,7 +9,11 @@ mixing_window), which read them from WORKDIR/<encoding>/seed0/.
       --workdir=workdirs/length_extrapolation --results=experiments/results/length_extrapolation
 
 `arg`: runlocal, gpu, encodings=A+B, seeds=N (default 1), steps=N, train_len=L (default 64;
-512 with gpu), lr=X (peak learning rate; default 3e-3, 1e-3 with gpu). TAPA's paper trains
+512 with gpu), lr=X (peak learning rate; default 3e-3, 1e-3 with gpu), factors=N (evaluate at
+L .. 2^(N-1) L; default 6, i.e. to 32x), table=acc_rot (the accumulated-rotations paper's
+Table 1: rope, rope_v, acc_rot_random(_v), acc_rot_learned(_v) and alibi, to 128x; with gpu,
+L = 512 and evaluation to 65,536, each encoding and seed its own invocation:
+`gpu,table=acc_rot,encodings=acc_rot_random,seeds=3`). TAPA's paper trains
 TAPA at a fifth of RoPE's rate (2e-5 against 1e-4). The GPU table's tapa row trained at gpu's
 shared 1e-3, where its gradient norm grows from step 75 and the run does not learn
 (length_extrapolation_gpu/NOTES.md); the run at that ratio, `encodings=tapa,lr=2e-4`, has its
@@ -35,6 +39,9 @@ from __future__ import annotations
 
 from experiments.configs import base
 
+# The accumulated-rotations paper's Table 1: six rotation variants and ALiBi, to 128x.
+ACC_ROT_TABLE = ("rope", "rope_v", "acc_rot_random", "acc_rot_random_v", "acc_rot_learned",
+                 "acc_rot_learned_v", "alibi")
 GPU_ENCODINGS = ("rope", "alibi", "fox", "path", "path_fox", "acc_rot_learned_v",
                  "acc_rot_random_v", "grape_ap", "tapa")
 ENCODINGS = ("rope", "rope_v", "acc_rot_random", "acc_rot_random_v", "acc_rot_learned",
@@ -44,7 +51,10 @@ ENCODINGS = ("rope", "rope_v", "acc_rot_random", "acc_rot_random_v", "acc_rot_le
 
 def get_config(arg: str | None = None):
   a = base.parse_arg(arg, runlocal=False, gpu=False, encodings="", seeds=1, steps=0,
-                     train_len=0, factors=6, lr=0.0)
+                     train_len=0, factors=0, lr=0.0, table="")
+  if a.table not in ("", "acc_rot"):
+    raise ValueError(f"length_extrapolation.py: table={a.table!r} must be acc_rot (or unset)")
+  factors = a.factors or (8 if a.table else 6)
   base.check_local_or_gpu(a)
   c = base.get_config()
   c.data.task = "text"
@@ -56,11 +66,11 @@ def get_config(arg: str | None = None):
   # Training evaluates only at L; afterwards every checkpoint is evaluated at 1x .. 32x L
   # (factors=6) on the same 32768 held-out tokens per length (experiments/probes/length_eval.py).
   c.eval.update(num_batches=2, batch_size=16)
-  c.sweep.eval_lengths = tuple(train_len * 2**i for i in range(a.factors))
+  c.sweep.eval_lengths = tuple(train_len * 2**i for i in range(factors))
   c.sweep.eval_tokens = 32768
   c.sweep.eval_batch_tokens = 8192
-  c.sweep.encodings = tuple((a.encodings or "+".join(GPU_ENCODINGS if a.gpu else ENCODINGS))
-                            .split("+"))
+  default = ACC_ROT_TABLE if a.table else GPU_ENCODINGS if a.gpu else ENCODINGS
+  c.sweep.encodings = tuple((a.encodings or "+".join(default)).split("+"))
   c.sweep.seeds = tuple(range(a.seeds))
   c.sweep.experiment = "length_extrapolation"
   if a.gpu:
