@@ -23,6 +23,7 @@ import sys
 import ml_collections
 
 from experiments import claims as results_claims
+from experiments import convert_pages
 from experiments import results_render
 from experiments import results_writers
 from experiments.probes import pages as probe_pages
@@ -35,7 +36,8 @@ TITLES = {"flipflop": "Flip-flop language modelling (PaTH Table 1)",
           "word_problem": "Word problems (PaTH Fig. 2 bottom)",
           "mqrar": "MQRAR-N-back (PaTH Fig. 2 top)",
           "distance_bias": "Distance bias (TAPA App. 15)",
-          "mixing_window": "Mixing window of accumulated transports (acc_rot §8.3)"}
+          "mixing_window": "Mixing window of accumulated transports (acc_rot §8.3)",
+          "convert": "Converting RoPE into PaTH by distillation (PaTH §4.3)"}
 
 
 class Folder:
@@ -97,6 +99,9 @@ def relative(path: str) -> str | None:
 
 
 def _section(folder: Folder, out_dir: str | None, *, img: str, notes: dict) -> list[str]:
+  if folder.kind == "convert":
+    return convert_pages.section(folder.config, folder.results, folder.provenance, out_dir,
+                                 img=img)
   if folder.kind in ("distance_bias", "mixing_window"):
     section = {"distance_bias": probe_pages.distance_bias_section,
                "mixing_window": probe_pages.mixing_window_section}[folder.kind]

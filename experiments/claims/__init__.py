@@ -28,6 +28,7 @@ PAGES = {
     "word_problem": syn.WORD_PROBLEM, "word_problem/generators_words16": syn.WORD_PROBLEM_CPU_GEN,
     "word_problem_gpu": syn.WORD_PROBLEM_GPU, **syn.A5_SUBPAGES,
     "distance_bias": lm.DISTANCE_BIAS, "mixing_window": lm.MIXING_WINDOW,
+    "convert": lm.CONVERT,
 }
 
 # Paper claims no folder tests yet: they belong in the index as much as the tested ones.

@@ -274,3 +274,51 @@ MIXING_WINDOW = Page(
     ("The paper poses the measurement as future work and gives no numbers; measured on the "
      "2-layer, 64-byte CPU models of ../length_extrapolation (seed 0), on 4 held-out rows of "
      "256 bytes (4x the training length).",))
+
+
+def _convert_claims(load) -> list[Verdict]:
+  r = load.results()
+  runs, L, L4 = r["runs"], str(r["lengths"][0]), str(r["lengths"][1])
+  loss = {n: runs[n]["loss"][L] for n in runs}
+  at4 = {n: runs[n]["loss"][L4] for n in runs}
+  conv, scratch, teacher = loss["path_converted"], loss["rope_scratch"], loss["teacher"]
+  early = loss["path_converted_early"]
+  tokens = f"{runs['path_converted']['tokens']:,}"
+  return [
+      Verdict("PaTH §4.3", "a pretrained RoPE model converted into PaTH by two-stage "
+              "distillation (attention-output MSE, then output KL) and trained on does as well "
+              "as its RoPE teacher or better (Tables 4-5: the student within a few points of "
+              "the teacher, and ahead of RoPE after continued pretraining)",
+              "reproduced" if conv <= scratch else "partly" if conv <= 1.02 * scratch
+              else "contradicted",
+              f"held-out loss at the training length, all at {tokens} tokens: converted PaTH "
+              f"{conv:.4f}, the teacher trained on (rope_scratch) {scratch:.4f}, PaTH from "
+              f"scratch {loss['path_scratch']:.4f}; the teacher itself {teacher:.4f} at "
+              f"{runs['teacher']['tokens']:,}. At {L4} tokens (4x) the converted PaTH "
+              f"extrapolates as PaTH does: {at4['path_converted']:.4f} against RoPE's "
+              f"{at4['rope_scratch']:.4f} (PaTH from scratch {at4['path_scratch']:.4f})", 1),
+      Verdict("PaTH §4.3", "conversion may work better before the teacher 'ossifies' "
+              "(the paper's remark after distilling an overtrained model)",
+              "reproduced" if early < conv else "contradicted",
+              f"at equal total tokens, converting the teacher's halfway checkpoint gives "
+              f"{early:.4f} at the training length and {at4['path_converted_early']:.4f} at "
+              f"4x, its final checkpoint {conv:.4f} and {at4['path_converted']:.4f}", 1)]
+
+
+CONVERT = Page(
+    "Converting RoPE into PaTH by distillation (PaTH §4.3)", _convert_claims,
+    ("Scale: a 2-layer d_model 64 llama-style RoPE teacher trained on 512,000 byte-level "
+     "tokens of Python source at length 64 on a CPU; the paper converts SmolLM2-1.7B and "
+     "Qwen2.5-7B-Instruct with 100M (stage 1) and 3B (stage 2) tokens of DCLM, then 21B tokens "
+     "of continued pretraining. configs/convert.py:gpu holds the 12-layer GPU version.",
+     "Stage 2 is also the continued training: no separate continued-pretraining phase.",
+     "Evaluation: held-out loss at 1x, 4x and 8x the training length, and a flip-flop probe "
+     "(each model fine-tuned on flip-flop in byte tokens from its parameters, 100 steps), "
+     "instead of the paper's benchmarks (MMLU, GSM-8K, HumanEval, RULER, ...).",
+     "'The teacher trained on' (rope_scratch) is a fresh RoPE run of the teacher's config for "
+     "the total tokens, not the teacher's checkpoint continued: its learning-rate schedule "
+     "spans the whole run.",
+     "Ossification: the early teacher is the same run's halfway checkpoint, not an "
+     "overtrained model; its conversion's stage 2 is longer by the teacher's second half, so "
+     "both conversions end at equal total tokens.",
+     "One seed."))

@@ -37,7 +37,8 @@ scratch (run=scratch,encoding=path), every run evaluated at 1x, 4x and 8x the tr
 (2048, 8192, 16384), and each probed on flip-flop (run=probe: 300 steps of 32 x 512).
 Converting the teacher's step-600 checkpoint as well (teacher_step=600) asks the paper's
 question whether a teacher trained longer is harder to convert ("ossification"). Each
-command is one run; none of them has been run yet:
+command is one run (experiments/convert_experiment.py runs them all, the early conversion's
+stage 2 lengthened to equal tokens); none of the GPU runs has been run yet:
 
   python -m experiments.main --config=experiments/configs/convert.py:gpu,run=teacher --workdir=W/rope
   python -m experiments.convert --config=experiments/configs/convert.py:gpu,teacher=W/rope,encoding=path --workdir=W/path_converted
@@ -104,7 +105,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.checkpoint_every = 0   # at the stages' ends only
     c.eval.update(num_batches=1, batch_size=4, lengths=())
   if a.gpu:
-    _gpu_eval(c)
+    _eval_lengths(c)
   return c
 
 
@@ -143,7 +144,8 @@ def _pretraining(a, size) -> ml_collections.ConfigDict:
     c.train.checkpoint_every = steps // 2
   if a.gpu:
     c.model.update(num_layers=12, d_model=768, num_heads=12, head_dim=64, dtype="bfloat16")
-    _gpu_eval(c)
+  if not a.runlocal:
+    _eval_lengths(c)
   return c
 
 
@@ -165,12 +167,13 @@ def _probe(a) -> ml_collections.ConfigDict:
   c.train.update(steps=steps, batch_size=batch, learning_rate=PROBE["lr"],
                  warmup_steps=steps // 10, checkpoint_every=steps, log_every=max(steps // 20, 1),
                  init_from=a.init)
-  c.eval.update(lengths=(seq_len, 4 * seq_len), num_batches=2, batch_size=min(batch, 16))
+  # 8 batches: the sparse set (98% distractors) has one read in about a hundred tokens
+  c.eval.update(lengths=(seq_len, 4 * seq_len), num_batches=8, batch_size=min(batch, 16))
   c.sweep = ml_collections.ConfigDict(dict(encodings=()))
   return c
 
 
-def _gpu_eval(c) -> None:
+def _eval_lengths(c) -> None:
   """1x, 4x and 8x the training length, 8 rows a batch."""
   n = c.data.seq_len
   c.eval.update(lengths=(n, 4 * n, 8 * n), num_batches=2, batch_size=8)

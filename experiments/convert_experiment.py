@@ -1,0 +1,142 @@
+r"""The conversion experiment of issue 52 (the PaTH paper's §4.3 at our scale), end to end.
+
+  python -m experiments.convert_experiment --size=cpu --workdir=workdirs/convert \
+      --results=experiments/results/convert [--students=path,path_fox]
+
+Every run is one of configs/convert.py's, at --size (cpu: its default size, runlocal, gpu):
+
+  teacher             a RoPE model trained on the byte-level text corpus (run=teacher)
+  <s>_converted       the teacher converted to student s by the two-stage distillation
+  path_converted_early
+                      the teacher's halfway checkpoint converted to path, its stage 2 longer
+                      by the teacher's second half, so that it ends at path_converted's
+                      total tokens ("ossification": is a teacher trained longer harder to
+                      convert?)
+  rope_scratch, path_scratch
+                      RoPE and PaTH trained from scratch for the teacher's tokens plus the
+                      conversion's (run=scratch): equal total tokens
+  probe_<run>         each run above fine-tuned on flip-flop in byte tokens from its
+                      parameters (run=probe): a state-tracking probe
+
+Runs already finished in --workdir are not run again (each resumes where it stopped), so the
+command can be repeated across device calls. --results gets results.json (held-out loss per
+run and evaluation length, the probe's read errors, tokens, device and wall time per run) and
+provenance.json; its README and plot are then written (experiments/convert_pages.py, through
+experiments.results_pages).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+_SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "runlocal", "gpu"], "configs/convert.py's size.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs train (one folder each).")
+_RESULTS = flags.DEFINE_string("results", None, "The results folder to write.")
+_STUDENTS = flags.DEFINE_list("students", ["path", "path_fox"], "Encodings to convert into.")
+
+EXPERIMENT = "convert"
+PROBE_SETS = ("id", "sparse", "dense")
+
+
+def plan(size: str, workdir: str, students) -> list[tuple[str, str, str]]:
+  """(run name, its configs/convert.py arg, module: "main" | "convert"), in the order they run
+  (a conversion after its teacher, a probe after its run)."""
+  prefix = "" if size == "cpu" else f"{size},"
+  teacher = os.path.join(workdir, "teacher")
+  runs = [("teacher", f"{prefix}run=teacher", "main")]
+  runs += [(f"{s}_converted", f"{prefix}teacher={teacher},encoding={s}", "convert")
+           for s in students]
+  runs += [("path_converted_early", f"{prefix}teacher={teacher},encoding=path,teacher_step="
+            f"{_sizes(size)['teacher'][0] // 2}", "convert"),
+           ("rope_scratch", f"{prefix}run=scratch,encoding=rope", "main"),
+           ("path_scratch", f"{prefix}run=scratch,encoding=path", "main")]
+  probes = [(f"probe_{name}", f"{prefix}run=probe,init={os.path.join(workdir, name)}", "main")
+            for name, _, _ in runs]
+  return runs + probes
+
+
+def _sizes(size: str) -> dict:
+  from experiments.configs import convert as convert_config
+  return {"cpu": convert_config.CPU, "runlocal": convert_config.LOCAL,
+          "gpu": convert_config.GPU}[size]
+
+
+def early_extra_steps(size: str) -> int:
+  """Stage-2 steps that give the early conversion the tokens of the teacher's second half, so
+  that both conversions end at the same total tokens: what the teacher trained on after its
+  halfway checkpoint, in stage-2 batches."""
+  z = _sizes(size)
+  (t_steps, t_batch, t_len), (_, kl_batch, kl_len) = z["teacher"], z["kl"]
+  return (t_steps - t_steps // 2) * t_batch * t_len // (kl_batch * kl_len)
+
+
+def run_all(size: str, workdir: str, students, *, log=print) -> dict[str, dict]:
+  """Trains every run of plan() not yet finished; returns {run name: its summary}."""
+  from experiments import cli_config
+  from experiments import convert
+  from experiments import data
+  from experiments import train
+  from experiments.configs import convert as convert_config
+  summaries = {}
+  for name, arg, module in plan(size, workdir, students):
+    wd = os.path.join(workdir, name)
+    started = time.perf_counter()
+    config = convert_config.get_config(arg)
+    if name == "path_converted_early":   # equal total tokens with the late conversion
+      config.train.steps += early_extra_steps(size)
+    runner = convert.run if module == "convert" else train.run
+    # One `error:` line for a config or workdir problem, as the other command lines.
+    summaries[name] = cli_config.finish_run(lambda: runner(config, wd, data_module=data), wd,
+                                            config_errors=(ValueError,))
+    log(f"{name}: done in {time.perf_counter() - started:.0f} s ({wd})")
+  return summaries
+
+
+def results(summaries: dict[str, dict]) -> dict:
+  """results.json: per run its encoding, tokens (a conversion's include its teacher's up to the
+  step it converted), the held-out loss per evaluation length, its probe's read error per set
+  and length, and where and how long it trained."""
+  teacher = summaries["teacher"]
+  runs = {}
+  for name, s in summaries.items():
+    if name.startswith("probe_"):
+      continue
+    step = s["teacher"]["step"] if "teacher" in s else None
+    tokens = s["tokens_seen"] + (teacher["tokens_seen"] * step // teacher["step"] if step else 0)
+    probe = summaries.get(f"probe_{name}", {})
+    runs[name] = {"encoding": s["encoding"], "tokens": int(tokens), "teacher_step": step,
+                  "loss": {str(r["length"]): float(r["loss"]) for r in s["eval"]},
+                  "probe_error": {f"{r['set']}@{r['length']}": float(r["error"])
+                                  for r in probe.get("eval", []) if r["set"] in PROBE_SETS},
+                  "device": s.get("device"), "finished": s.get("finished"),
+                  "wall_s": round(s.get("wall_time_s", 0) + probe.get("wall_time_s", 0))}
+  lengths = sorted({int(n) for r in runs.values() for n in r["loss"]})
+  return {"lengths": lengths, "runs": runs}
+
+
+def main(argv) -> None:
+  from experiments import cli_config
+  cli_config.start(argv)
+  if not _WORKDIR.value or not _RESULTS.value:
+    print("error: --workdir and --results are required", file=sys.stderr)
+    sys.exit(2)
+  from experiments import results_pages
+  from experiments import results_writers
+  from experiments.configs import convert as convert_config
+  started = time.perf_counter()
+  summaries = run_all(_SIZE.value, _WORKDIR.value, _STUDENTS.value)
+  teacher_arg = plan(_SIZE.value, _WORKDIR.value, _STUDENTS.value)[0][1]
+  prov = results_writers.provenance(sys.argv, time.perf_counter() - started,
+                                    module="experiments.convert_experiment")
+  results_writers.save_results(_RESULTS.value, EXPERIMENT, results(summaries),
+                               convert_config.get_config(teacher_arg), prov)
+  results_pages.write_page(_RESULTS.value)
+  print(f"results: {os.path.join(_RESULTS.value, 'README.md')}")
+
+
+if __name__ == "__main__":
+  app.run(main)

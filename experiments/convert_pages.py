@@ -1,0 +1,86 @@
+"""The README section and plot of a conversion experiment's results folder
+(experiments/convert_experiment.py writes results.json; experiments/results_pages.py calls
+`section`)."""
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from experiments import plot_style  # noqa: E402
+from experiments import report  # noqa: E402
+
+PLOT = "loss_vs_length.png"
+# How each kind of run is drawn (the colour is its encoding's).
+LINES = {"teacher": ":", "converted": "-", "converted_early": "-.", "scratch": "--"}
+SETS = ("id", "sparse", "dense")
+
+
+def kind(name: str) -> str:
+  """teacher | converted | converted_early | scratch, from a run's name."""
+  if name == "teacher":
+    return "teacher"
+  for k in ("converted_early", "converted", "scratch"):
+    if name.endswith(k):
+      return k
+  raise ValueError(f"run {name!r} is none of {tuple(LINES)}")
+
+
+def header(cfg, prov: dict) -> list[str]:
+  m, t, d = cfg.model, cfg.train, cfg.data
+  return [f"- command: `{prov['command']}`",
+          f"- teacher: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads x "
+          f"{m.head_dim}, block {m.block}, {m.dtype}; {t.steps} steps of {t.batch_size} x "
+          f"{d.seq_len} byte-level Python source tokens, AdamW lr {t.learning_rate}",
+          f"- machine: {prov['machine']}, jax {prov['jax']}; date {prov['date']}; wall time "
+          f"{prov['wall_time_s']} s"]
+
+
+def section(cfg, results: dict, prov: dict, out_dir: str | None, *, img: str = "") -> list[str]:
+  lengths = results["lengths"]
+  runs = results["runs"]
+  probe_cols = sorted({c for r in runs.values() for c in r["probe_error"]},
+                      key=lambda c: (int(c.split("@")[1]), SETS.index(c.split("@")[0])))
+  head = (["run", "encoding", "tokens"] + [f"loss @{n}" for n in lengths]
+          + [f"probe {c} error" for c in probe_cols])
+  rows = []
+  for name, r in runs.items():
+    rows.append([name, r["encoding"], f"{r['tokens']:,}"]
+                + [f"{r['loss'][str(n)]:.4f}" if str(n) in r["loss"] else "-" for n in lengths]
+                + [f"{100 * r['probe_error'][c]:.1f}%" if c in r["probe_error"] else "-"
+                   for c in probe_cols])
+  lines = header(cfg, prov) + [
+      "", "Held-out loss (nats per byte) at each evaluation length, and the read error of the "
+      "flip-flop probe (each run fine-tuned on flip-flop in byte tokens from its parameters) "
+      "at the probe's training length and 4x it. `tokens`: what the run trained on, a "
+      "conversion's teacher included.", "", report.markdown_table(head, rows), ""]
+  if out_dir is not None:
+    _plot(runs, lengths, os.path.join(out_dir, PLOT), cfg)
+  lines += [f"![held-out loss against evaluation length]({img}{PLOT})", ""]
+  lines += ["Where each run trained:", "", report.markdown_table(
+      ["run", "device", "finished", "wall s (with its probe)"],
+      [[n, r.get("device") or "?", r.get("finished") or "?", str(r.get("wall_s", "?"))]
+       for n, r in runs.items()]), ""]
+  return lines
+
+
+def _plot(runs: dict, lengths: list[int], path: str, cfg) -> None:
+  fig, ax = plt.subplots(figsize=(7, 4.2))
+  for name, r in runs.items():
+    xs = [n for n in lengths if str(n) in r["loss"]]
+    st = plot_style.encoding(r["encoding"])
+    ax.plot(xs, [r["loss"][str(n)] for n in xs], linestyle=LINES[kind(name)],
+            marker=st["marker"], markersize=4, color=st["color"], label=name)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("evaluation length (tokens)")
+  ax.set_ylabel("held-out loss (nats / byte)")
+  m = cfg.model
+  ax.set_title(f"RoPE -> PaTH conversion: {m.num_layers} x {m.d_model}, trained at "
+               f"{cfg.data.seq_len}")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

@@ -1,0 +1,99 @@
+"""experiments/convert_experiment.py (issue 52's experiment): its runs, its results.json, and
+the README section experiments/convert_pages.py draws from it."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from experiments import convert_experiment
+from experiments import convert_pages
+from experiments.configs import convert as convert_config
+
+
+def test_plan_runs_each_conversion_after_its_teacher_and_each_probe_after_its_run():
+  runs = convert_experiment.plan("gpu", "W", ["path", "path_fox"])
+  names = [n for n, _, _ in runs]
+  assert names[:6] == ["teacher", "path_converted", "path_fox_converted",
+                       "path_converted_early", "rope_scratch", "path_scratch"]
+  assert names[6:] == [f"probe_{n}" for n in names[:6]]
+  args = dict((n, a) for n, a, _ in runs)
+  assert args["path_converted_early"] == "gpu,teacher=W/teacher,encoding=path,teacher_step=600"
+  assert args["probe_path_scratch"] == "gpu,run=probe,init=W/path_scratch"
+  assert {m for n, _, m in runs[:6] if n.endswith(("converted", "early"))} == {"convert"}
+  for _, arg, _ in runs[:1] + runs[4:6]:   # the runs that need no teacher are valid configs
+    convert_config.get_config(arg)
+
+
+def _summary(encoding, tokens, losses, *, step=10, teacher_step=None, sets=None):
+  s = {"encoding": encoding, "tokens_seen": tokens, "step": step, "wall_time_s": 3.0,
+       "device": "cpu x1", "finished": "2026-11-29 08:00 UTC",
+       "eval": [{"set": sets or "valid", "length": n, "loss": x, "error": x / 10}
+                for n, x in losses.items()]}
+  if teacher_step is not None:
+    s["teacher"] = {"step": teacher_step}
+  return s
+
+
+def test_results_count_a_conversions_teacher_tokens_up_to_its_step():
+  summaries = {
+      "teacher": _summary("rope", 1000, {16: 2.0, 64: 3.0}, step=10),
+      "path_converted": _summary("path", 300, {16: 2.1, 64: 2.5}, teacher_step=10),
+      "path_converted_early": _summary("path", 300, {16: 2.4, 64: 2.6}, teacher_step=5),
+      "probe_path_converted": _summary("path", 50, {16: 0.5}, sets="id"),
+  }
+  got = convert_experiment.results(summaries)
+  assert got["lengths"] == [16, 64]
+  runs = got["runs"]
+  assert set(runs) == {"teacher", "path_converted", "path_converted_early"}
+  assert [runs[n]["tokens"] for n in runs] == [1000, 1300, 800]
+  assert runs["path_converted"]["loss"] == {"16": 2.1, "64": 2.5}
+  assert runs["path_converted"]["probe_error"] == {"id@16": 0.05}
+  assert runs["teacher"]["probe_error"] == {} and runs["path_converted"]["wall_s"] == 6
+
+
+def test_the_section_tables_every_run_and_draws_the_plot(tmp_path):
+  results = {"lengths": [16, 64], "runs": {
+      "teacher": {"encoding": "rope", "tokens": 1000, "loss": {"16": 2.0, "64": 3.0},
+                  "probe_error": {"id@16": 0.25}, "teacher_step": None},
+      "path_scratch": {"encoding": "path", "tokens": 1300, "loss": {"16": 1.9},
+                       "probe_error": {}, "teacher_step": None}}}
+  cfg = convert_config.get_config("runlocal,run=teacher")
+  prov = {"command": "python -m experiments.convert_experiment", "machine": "cpu",
+          "jax": "0", "date": "today", "wall_time_s": 1}
+  text = "\n".join(convert_pages.section(cfg, results, prov, str(tmp_path), img="x/"))
+  assert "| teacher " in text and "| 3.0000 " in text and "25.0%" in text
+  assert "| path_scratch " in text and "![held-out loss" in text and "(x/loss_vs_length.png)" in text
+  assert os.path.getsize(tmp_path / convert_pages.PLOT) > 1000
+  with pytest.raises(ValueError, match="none of"):
+    convert_pages.kind("student")
+
+
+@pytest.mark.slow
+def test_the_whole_experiment_runs_at_runlocal_size(tmp_path):
+  """Every run of the plan trains (seconds each), results.json holds them all, the README is
+  written; running it again trains nothing new."""
+  from experiments import results_pages
+  summaries = convert_experiment.run_all("runlocal", str(tmp_path / "w"), ["path"],
+                                         log=lambda _: None)
+  assert len(summaries) == 10
+  res = convert_experiment.results(summaries)
+  assert set(res["runs"]) == {"teacher", "path_converted", "path_converted_early",
+                              "rope_scratch", "path_scratch"}
+  assert all(len(r["probe_error"]) == 6 for r in res["runs"].values())
+  # The early conversion trains longer, to the late one's total tokens.
+  assert res["runs"]["path_converted_early"]["tokens"] == res["runs"]["path_converted"]["tokens"]
+  assert summaries["path_converted_early"]["step"] == summaries["path_converted"]["step"] + (
+      convert_experiment.early_extra_steps("runlocal"))
+  from experiments import results_writers
+  out = tmp_path / "r"
+  cfg = convert_config.get_config("runlocal,run=teacher")
+  results_writers.save_results(str(out), "convert", res, cfg, {
+      "command": "c", "machine": "m", "jax": "j", "date": "d", "wall_time_s": 0})
+  results_pages.write_page(str(out))
+  assert "path_converted_early" in (out / "README.md").read_text()
+  assert json.loads((out / "provenance.json").read_text())["experiment"] == "convert"
+  again = convert_experiment.run_all("runlocal", str(tmp_path / "w"), ["path"],
+                                     log=lambda _: None)
+  assert again["path_converted"]["step"] == summaries["path_converted"]["step"]
