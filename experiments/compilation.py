@@ -13,7 +13,10 @@ import warnings
 
 import jax
 
+# Programs that compile faster than this are not written to the cache (JAX's own default is
+# also 1 s); JAX's environment variable for it, where set, wins.
 MIN_COMPILE_SECONDS = 1.0
+MIN_COMPILE_SECONDS_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 
 # JAX's duration events for one jit compile, by the phase they time.
 _PHASES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
@@ -40,7 +43,8 @@ def enable_cache(path: str | None) -> str | None:
   warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
   path = os.path.abspath(os.path.expanduser(path or default_cache_dir()))
   jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+  if MIN_COMPILE_SECONDS_ENV not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
   return path
 
 

@@ -26,17 +26,10 @@ experiments.results_pages).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
-
-from absl import app
-from absl import flags
-
-_SIZE = flags.DEFINE_enum("size", "cpu", ["cpu", "runlocal", "gpu"], "configs/convert.py's size.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs train (one folder each).")
-_RESULTS = flags.DEFINE_string("results", None, "The results folder to write.")
-_STUDENTS = flags.DEFINE_list("students", ["path", "path_fox"], "Encodings to convert into.")
 
 EXPERIMENT = "convert"
 PROBE_SETS = ("id", "sparse", "dense")
@@ -118,25 +111,31 @@ def results(summaries: dict[str, dict]) -> dict:
   return {"lengths": lengths, "runs": runs}
 
 
-def main(argv) -> None:
-  from experiments import cli_config
-  cli_config.start(argv)
-  if not _WORKDIR.value or not _RESULTS.value:
-    print("error: --workdir and --results are required", file=sys.stderr)
-    sys.exit(2)
+def main(argv=None) -> None:
+  # argparse, not absl flags: importing this module (the tests do) defines no global flags.
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--size", choices=("cpu", "runlocal", "gpu"), default="cpu",
+                 help="configs/convert.py's size")
+  p.add_argument("--workdir", required=True, help="where the runs train (one folder each)")
+  p.add_argument("--results", required=True, help="the results folder to write")
+  p.add_argument("--students", default="path,path_fox", help="encodings to convert into")
+  args = p.parse_args(argv)
+  from absl import logging
   from experiments import results_pages
   from experiments import results_writers
   from experiments.configs import convert as convert_config
+  logging.set_verbosity(logging.WARNING)   # Orbax logs every save and restore at INFO
+  students = [s for s in args.students.split(",") if s]
   started = time.perf_counter()
-  summaries = run_all(_SIZE.value, _WORKDIR.value, _STUDENTS.value)
-  teacher_arg = plan(_SIZE.value, _WORKDIR.value, _STUDENTS.value)[0][1]
+  summaries = run_all(args.size, args.workdir, students)
+  teacher_arg = plan(args.size, args.workdir, students)[0][1]
   prov = results_writers.provenance(sys.argv, time.perf_counter() - started,
                                     module="experiments.convert_experiment")
-  results_writers.save_results(_RESULTS.value, EXPERIMENT, results(summaries),
+  results_writers.save_results(args.results, EXPERIMENT, results(summaries),
                                convert_config.get_config(teacher_arg), prov)
-  results_pages.write_page(_RESULTS.value)
-  print(f"results: {os.path.join(_RESULTS.value, 'README.md')}")
+  results_pages.write_page(args.results)
+  print(f"results: {os.path.join(args.results, 'README.md')}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  main()

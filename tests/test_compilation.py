@@ -34,7 +34,10 @@ def _train(workdir, cache_dir) -> str:
   args = ["--config=experiments/configs/quickstart.py:runlocal,encoding=rope",
           "--config.train.steps=2", "--config.train.log_every=1", "--config.eval.num_batches=0",
           f"--config.train.compile_cache_dir={cache_dir}", f"--workdir={workdir}"]
-  result = subprocess.run([sys.executable, "-m", "experiments.main", *args], cwd=REPO,
+  # Every program cached, however fast this machine compiles it (JAX's own variable, which
+  # compilation.enable_cache leaves as set): the default 1 s made the test depend on the load.
+  env = dict(os.environ, **{compilation.MIN_COMPILE_SECONDS_ENV: "0"})
+  result = subprocess.run([sys.executable, "-m", "experiments.main", *args], cwd=REPO, env=env,
                           text=True, capture_output=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stderr.replace("\r", "\n")
