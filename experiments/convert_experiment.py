@@ -18,7 +18,8 @@ Every run is one of configs/convert.py's, at --size (cpu: its default size, runl
   probe_<run>         each run above fine-tuned on flip-flop in byte tokens from its
                       parameters (run=probe): a state-tracking probe
 
-Runs already finished in --workdir are not run again (each resumes where it stopped), so the
+--seeds=N repeats all of it with seeds 0 .. N-1 (WORKDIR/seed<n>/, the teacher too). Runs
+already finished in --workdir are not run again (each resumes where it stopped), so the
 command can be repeated across device calls. --results gets results.json (held-out loss per
 run and evaluation length, the probe's read errors, tokens, device and wall time per run) and
 provenance.json; its README and plot are then written (experiments/convert_pages.py, through
@@ -67,8 +68,9 @@ def early_extra_steps(size: str) -> int:
   return (t_steps - t_steps // 2) * t_batch * t_len // (kl_batch * kl_len)
 
 
-def run_all(size: str, workdir: str, students, *, log=print) -> dict[str, dict]:
-  """Trains every run of plan() not yet finished; returns {run name: its summary}."""
+def run_all(size: str, workdir: str, students, *, seed: int = 0, log=print) -> dict[str, dict]:
+  """Trains every run of plan() not yet finished, each with train.seed = seed; returns {run
+  name: its summary}."""
   from experiments import cli_config
   from experiments import convert
   from experiments import data
@@ -79,6 +81,7 @@ def run_all(size: str, workdir: str, students, *, log=print) -> dict[str, dict]:
     wd = os.path.join(workdir, name)
     started = time.perf_counter()
     config = convert_config.get_config(arg)
+    config.train.seed = seed
     if name == "path_converted_early":   # equal total tokens with the late conversion
       config.train.steps += early_extra_steps(size)
     runner = convert.run if module == "convert" else train.run
@@ -89,26 +92,33 @@ def run_all(size: str, workdir: str, students, *, log=print) -> dict[str, dict]:
   return summaries
 
 
-def results(summaries: dict[str, dict]) -> dict:
-  """results.json: per run its encoding, tokens (a conversion's include its teacher's up to the
-  step it converted), the held-out loss per evaluation length, its probe's read error per set
-  and length, and where and how long it trained."""
-  teacher = summaries["teacher"]
+def results(per_seed: list[dict[str, dict]]) -> dict:
+  """results.json from run_all's summaries of each seed: per run its encoding, tokens (a
+  conversion's include its teacher's up to the step it converted), and per seed the held-out
+  loss at each evaluation length and its probe's read error per set and length; where and how
+  long it trained."""
   runs = {}
-  for name, s in summaries.items():
-    if name.startswith("probe_"):
-      continue
-    step = s["teacher"]["step"] if "teacher" in s else None
-    tokens = s["tokens_seen"] + (teacher["tokens_seen"] * step // teacher["step"] if step else 0)
-    probe = summaries.get(f"probe_{name}", {})
-    runs[name] = {"encoding": s["encoding"], "tokens": int(tokens), "teacher_step": step,
-                  "loss": {str(r["length"]): float(r["loss"]) for r in s["eval"]},
-                  "probe_error": {f"{r['set']}@{r['length']}": float(r["error"])
-                                  for r in probe.get("eval", []) if r["set"] in PROBE_SETS},
-                  "device": s.get("device"), "finished": s.get("finished"),
-                  "wall_s": round(s.get("wall_time_s", 0) + probe.get("wall_time_s", 0))}
+  for summaries in per_seed:
+    teacher = summaries["teacher"]
+    for name, s in summaries.items():
+      if name.startswith("probe_"):
+        continue
+      step = s["teacher"]["step"] if "teacher" in s else None
+      tokens = s["tokens_seen"] + (teacher["tokens_seen"] * step // teacher["step"] if step else 0)
+      probe = summaries.get(f"probe_{name}", {})
+      r = runs.setdefault(name, {"encoding": s["encoding"], "tokens": int(tokens),
+                                 "teacher_step": step, "loss": {}, "probe_error": {},
+                                 "device": s.get("device"), "finished": s.get("finished"),
+                                 "wall_s": 0})
+      for e in s["eval"]:
+        r["loss"].setdefault(str(e["length"]), []).append(float(e["loss"]))
+      for e in probe.get("eval", []):
+        if e["set"] in PROBE_SETS:
+          r["probe_error"].setdefault(f"{e['set']}@{e['length']}", []).append(float(e["error"]))
+      r["finished"] = max(r["finished"] or "", s.get("finished") or "") or None
+      r["wall_s"] += round(s.get("wall_time_s", 0) + probe.get("wall_time_s", 0))
   lengths = sorted({int(n) for r in runs.values() for n in r["loss"]})
-  return {"lengths": lengths, "runs": runs}
+  return {"lengths": lengths, "seeds": len(per_seed), "runs": runs}
 
 
 def main(argv=None) -> None:
@@ -119,6 +129,8 @@ def main(argv=None) -> None:
   p.add_argument("--workdir", required=True, help="where the runs train (one folder each)")
   p.add_argument("--results", required=True, help="the results folder to write")
   p.add_argument("--students", default="path,path_fox", help="encodings to convert into")
+  p.add_argument("--seeds", type=int, default=1,
+                 help="repeat the whole experiment with seeds 0 .. N-1 (WORKDIR/seed<n>/)")
   args = p.parse_args(argv)
   from absl import logging
   from experiments import results_pages
@@ -127,11 +139,12 @@ def main(argv=None) -> None:
   logging.set_verbosity(logging.WARNING)   # Orbax logs every save and restore at INFO
   students = [s for s in args.students.split(",") if s]
   started = time.perf_counter()
-  summaries = run_all(args.size, args.workdir, students)
+  per_seed = [run_all(args.size, os.path.join(args.workdir, f"seed{n}"), students, seed=n)
+              for n in range(args.seeds)]
   teacher_arg = plan(args.size, args.workdir, students)[0][1]
   prov = results_writers.provenance(sys.argv, time.perf_counter() - started,
                                     module="experiments.convert_experiment")
-  results_writers.save_results(args.results, EXPERIMENT, results(summaries),
+  results_writers.save_results(args.results, EXPERIMENT, results(per_seed),
                                convert_config.get_config(teacher_arg), prov)
   results_pages.write_page(args.results)
   print(f"results: {os.path.join(args.results, 'README.md')}")

@@ -10,8 +10,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from experiments import plot_style  # noqa: E402
 from experiments import report  # noqa: E402
+from experiments import results_render  # noqa: E402
 
 PLOT = "loss_vs_length.png"
 # How each kind of run is drawn (the colour is its encoding's).
@@ -49,14 +52,18 @@ def section(cfg, results: dict, prov: dict, out_dir: str | None, *, img: str = "
   rows = []
   for name, r in runs.items():
     rows.append([name, r["encoding"], f"{r['tokens']:,}"]
-                + [f"{r['loss'][str(n)]:.4f}" if str(n) in r["loss"] else "-" for n in lengths]
-                + [f"{100 * r['probe_error'][c]:.1f}%" if c in r["probe_error"] else "-"
-                   for c in probe_cols])
+                + [results_render.seeds_cell(r["loss"][str(n)], ".4f") if str(n) in r["loss"]
+                   else "-" for n in lengths]
+                + [results_render.seeds_cell(r["probe_error"][c], ".1f", scale=100, unit="%")
+                   if c in r["probe_error"] else "-" for c in probe_cols])
+  n = results.get("seeds", 1)
   lines = header(cfg, prov) + [
-      "", "Held-out loss (nats per byte) at each evaluation length, and the read error of the "
+      f"- seeds: {n} (the whole experiment, teacher included, once per seed)", "",
+      "Held-out loss (nats per byte) at each evaluation length, and the read error of the "
       "flip-flop probe (each run fine-tuned on flip-flop in byte tokens from its parameters) "
-      "at the probe's training length and 4x it. `tokens`: what the run trained on, a "
-      "conversion's teacher included.", "", report.markdown_table(head, rows), ""]
+      "at the probe's training length and 4x it; with several seeds, mean ± half the spread "
+      "(each seed's value). `tokens`: what the run trained on, a conversion's teacher "
+      "included.", "", report.markdown_table(head, rows), ""]
   if out_dir is not None:
     _plot(runs, lengths, os.path.join(out_dir, PLOT), cfg)
   lines += [f"![held-out loss against evaluation length]({img}{PLOT})", ""]
@@ -71,15 +78,19 @@ def _plot(runs: dict, lengths: list[int], path: str, cfg) -> None:
   fig, ax = plt.subplots(figsize=(7, 4.2))
   for name, r in runs.items():
     xs = [n for n in lengths if str(n) in r["loss"]]
+    per = [r["loss"][str(n)] for n in xs]
     st = plot_style.encoding(r["encoding"])
-    ax.plot(xs, [r["loss"][str(n)] for n in xs], linestyle=LINES[kind(name)],
+    ax.plot(xs, [np.mean(v) for v in per], linestyle=LINES[kind(name)],
             marker=st["marker"], markersize=4, color=st["color"], label=name)
+    if max(len(v) for v in per) > 1:   # every seed inside the band
+      ax.fill_between(xs, [min(v) for v in per], [max(v) for v in per], color=st["color"],
+                      alpha=0.12, lw=0)
   ax.set_xscale("log", base=2)
   ax.set_xlabel("evaluation length (tokens)")
   ax.set_ylabel("held-out loss (nats / byte)")
   m = cfg.model
   ax.set_title(f"RoPE -> PaTH conversion: {m.num_layers} x {m.d_model}, trained at "
-               f"{cfg.data.seq_len}")
+               f"{cfg.data.seq_len} (band: min-max over seeds)")
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

@@ -36,34 +36,36 @@ def _summary(encoding, tokens, losses, *, step=10, teacher_step=None, sets=None)
   return s
 
 
-def test_results_count_a_conversions_teacher_tokens_up_to_its_step():
-  summaries = {
-      "teacher": _summary("rope", 1000, {16: 2.0, 64: 3.0}, step=10),
-      "path_converted": _summary("path", 300, {16: 2.1, 64: 2.5}, teacher_step=10),
-      "path_converted_early": _summary("path", 300, {16: 2.4, 64: 2.6}, teacher_step=5),
-      "probe_path_converted": _summary("path", 50, {16: 0.5}, sets="id"),
-  }
-  got = convert_experiment.results(summaries)
-  assert got["lengths"] == [16, 64]
+def test_results_count_a_conversions_teacher_tokens_up_to_its_step_and_list_every_seed():
+  def seed(d):
+    return {
+        "teacher": _summary("rope", 1000, {16: 2.0 + d, 64: 3.0}, step=10),
+        "path_converted": _summary("path", 300, {16: 2.1 + d, 64: 2.5}, teacher_step=10),
+        "path_converted_early": _summary("path", 300, {16: 2.4, 64: 2.6}, teacher_step=5),
+        "probe_path_converted": _summary("path", 50, {16: 0.5 + d}, sets="id"),
+    }
+  got = convert_experiment.results([seed(0.0), seed(0.5)])
+  assert got["lengths"] == [16, 64] and got["seeds"] == 2
   runs = got["runs"]
   assert set(runs) == {"teacher", "path_converted", "path_converted_early"}
   assert [runs[n]["tokens"] for n in runs] == [1000, 1300, 800]
-  assert runs["path_converted"]["loss"] == {"16": 2.1, "64": 2.5}
-  assert runs["path_converted"]["probe_error"] == {"id@16": 0.05}
-  assert runs["teacher"]["probe_error"] == {} and runs["path_converted"]["wall_s"] == 6
+  assert runs["path_converted"]["loss"] == {"16": [2.1, 2.6], "64": [2.5, 2.5]}
+  assert runs["path_converted"]["probe_error"] == {"id@16": [0.05, 0.1]}
+  assert runs["teacher"]["probe_error"] == {} and runs["path_converted"]["wall_s"] == 12
 
 
 def test_the_section_tables_every_run_and_draws_the_plot(tmp_path):
   results = {"lengths": [16, 64], "runs": {
-      "teacher": {"encoding": "rope", "tokens": 1000, "loss": {"16": 2.0, "64": 3.0},
-                  "probe_error": {"id@16": 0.25}, "teacher_step": None},
-      "path_scratch": {"encoding": "path", "tokens": 1300, "loss": {"16": 1.9},
-                       "probe_error": {}, "teacher_step": None}}}
+      "teacher": {"encoding": "rope", "tokens": 1000, "loss": {"16": [2.0, 2.2], "64": [3.0, 3.0]},
+                  "probe_error": {"id@16": [0.25, 0.25]}, "teacher_step": None},
+      "path_scratch": {"encoding": "path", "tokens": 1300, "loss": {"16": [1.9, 1.9]},
+                       "probe_error": {}, "teacher_step": None}}, "seeds": 2}
   cfg = convert_config.get_config("runlocal,run=teacher")
   prov = {"command": "python -m experiments.convert_experiment", "machine": "cpu",
           "jax": "0", "date": "today", "wall_time_s": 1}
   text = "\n".join(convert_pages.section(cfg, results, prov, str(tmp_path), img="x/"))
-  assert "| teacher " in text and "| 3.0000 " in text and "25.0%" in text
+  assert "| teacher " in text and "2.1000 ± 0.1000 (2.0000, 2.2000)" in text
+  assert "3.0000 (both seeds)" in text and "25.0% (both seeds)" in text and "seeds: 2" in text
   assert "| path_scratch " in text and "![held-out loss" in text and "(x/loss_vs_length.png)" in text
   assert os.path.getsize(tmp_path / convert_pages.PLOT) > 1000
   with pytest.raises(ValueError, match="none of"):
@@ -78,7 +80,7 @@ def test_the_whole_experiment_runs_at_runlocal_size(tmp_path):
   summaries = convert_experiment.run_all("runlocal", str(tmp_path / "w"), ["path"],
                                          log=lambda _: None)
   assert len(summaries) == 10
-  res = convert_experiment.results(summaries)
+  res = convert_experiment.results([summaries])
   assert set(res["runs"]) == {"teacher", "path_converted", "path_converted_early",
                               "rope_scratch", "path_scratch"}
   assert all(len(r["probe_error"]) == 6 for r in res["runs"].values())

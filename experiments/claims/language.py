@@ -279,10 +279,14 @@ MIXING_WINDOW = Page(
 def _convert_claims(load) -> list[Verdict]:
   r = load.results()
   runs, L, L4 = r["runs"], str(r["lengths"][0]), str(r["lengths"][1])
-  loss = {n: runs[n]["loss"][L] for n in runs}
-  at4 = {n: runs[n]["loss"][L4] for n in runs}
-  conv, scratch, teacher = loss["path_converted"], loss["rope_scratch"], loss["teacher"]
-  early = loss["path_converted_early"]
+  mean = {n: sum(runs[n]["loss"][L]) / len(runs[n]["loss"][L]) for n in runs}
+  cell = {n: seeds(runs[n]["loss"][L], ".4f") for n in runs}
+  at4 = {n: seeds(runs[n]["loss"][L4], ".4f") for n in runs}
+  conv, scratch = mean["path_converted"], mean["rope_scratch"]
+  # Per seed: does the early conversion beat the late one (same seed's teacher)?
+  early_wins = sum(e < c for e, c in zip(runs["path_converted_early"]["loss"][L],
+                                         runs["path_converted"]["loss"][L]))
+  n = r.get("seeds", 1)
   tokens = f"{runs['path_converted']['tokens']:,}"
   return [
       Verdict("PaTH §4.3", "a pretrained RoPE model converted into PaTH by two-stage "
@@ -292,17 +296,19 @@ def _convert_claims(load) -> list[Verdict]:
               "reproduced" if conv <= scratch else "partly" if conv <= 1.02 * scratch
               else "contradicted",
               f"held-out loss at the training length, all at {tokens} tokens: converted PaTH "
-              f"{conv:.4f}, the teacher trained on (rope_scratch) {scratch:.4f}, PaTH from "
-              f"scratch {loss['path_scratch']:.4f}; the teacher itself {teacher:.4f} at "
-              f"{runs['teacher']['tokens']:,}. At {L4} tokens (4x) the converted PaTH "
-              f"extrapolates as PaTH does: {at4['path_converted']:.4f} against RoPE's "
-              f"{at4['rope_scratch']:.4f} (PaTH from scratch {at4['path_scratch']:.4f})", 1),
+              f"{cell['path_converted']}, the teacher trained on (rope_scratch) "
+              f"{cell['rope_scratch']}, PaTH from scratch {cell['path_scratch']}; the teacher "
+              f"itself {cell['teacher']} at {runs['teacher']['tokens']:,}. At {L4} tokens (4x) "
+              f"the converted PaTH extrapolates as PaTH does: {at4['path_converted']} against "
+              f"RoPE's {at4['rope_scratch']} (PaTH from scratch {at4['path_scratch']})", n),
       Verdict("PaTH §4.3", "conversion may work better before the teacher 'ossifies' "
               "(the paper's remark after distilling an overtrained model)",
-              "reproduced" if early < conv else "contradicted",
+              "reproduced" if early_wins == n else "partly" if early_wins else "contradicted",
               f"at equal total tokens, converting the teacher's halfway checkpoint gives "
-              f"{early:.4f} at the training length and {at4['path_converted_early']:.4f} at "
-              f"4x, its final checkpoint {conv:.4f} and {at4['path_converted']:.4f}", 1)]
+              f"{cell['path_converted_early']} at the training length and "
+              f"{at4['path_converted_early']} at 4x, its final checkpoint "
+              f"{cell['path_converted']} and {at4['path_converted']}; the early one is lower "
+              f"in {early_wins} of {n} seeds", n)]
 
 
 CONVERT = Page(
@@ -320,5 +326,4 @@ CONVERT = Page(
      "spans the whole run.",
      "Ossification: the early teacher is the same run's halfway checkpoint, not an "
      "overtrained model; its conversion's stage 2 is longer by the teacher's second half, so "
-     "both conversions end at equal total tokens.",
-     "One seed."))
+     "both conversions end at equal total tokens."))
