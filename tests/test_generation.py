@@ -7,11 +7,6 @@ own state is exercised.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +19,7 @@ from posenc_jax import kv_cache
 from posenc_jax import model as model_lib
 from posenc_jax import sampling
 from tests.util import assert_rel_rms
+from tests.util import fresh_process_json
 
 STANDALONE = [n for n in encodings.NAMES if n not in encodings.MODIFIERS]
 V, B, P, T = 13, 3, 6, 11
@@ -243,11 +239,7 @@ def test_the_decode_loop_updates_its_cache_in_place(encoding):
   option is what does it). Same tokens either way. In a subprocess with XLA's default flags:
   the CPU code generation conftest picks for speed (--xla_cpu_use_fusion_emitters=false)
   copies the cache whatever copy insertion does."""
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-  run = subprocess.run([sys.executable, "-c", _IN_PLACE_PROBE, encoding], env=env,
-                       capture_output=True, text=True, check=False)
-  assert run.returncode == 0, run.stderr[-2000:]
-  out = json.loads(run.stdout.strip().splitlines()[-1])
+  out = fresh_process_json(_IN_PLACE_PROBE, encoding, XLA_FLAGS="", JAX_PLATFORMS="cpu")
   temps, cache_bytes = out["temps"], out["cache"]
   assert out["tokens"][0] == out["tokens"][1]
   assert temps[0] < cache_bytes / 4 < temps[1], (temps, cache_bytes)

@@ -2,17 +2,11 @@
 the first trace of a function that calls them (see its docstring for why)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import jax.numpy as jnp
 import pytest
 
 from posenc_jax import attention
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.util import fresh_process_json
 
 
 @pytest.mark.parametrize("family,implementation,dtype,backend,want", [
@@ -56,9 +50,5 @@ def test_a_model_imports_the_kernels_when_built_and_traces_once(implementation, 
   """In a fresh process (pytest has imported the kernels already): building a model that will
   run a kernel imports kernels_pallas, so its jitted forward is traced once, not again at its
   second call (under jax 0.11 the lazy import inside the first trace made it trace twice)."""
-  run = subprocess.run([sys.executable, "-c", _PROBE, implementation], cwd=ROOT,
-                       capture_output=True, text=True, check=False,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert run.returncode == 0, run.stderr[-3000:]
-  out = json.loads(run.stdout.strip().splitlines()[-1])
+  out = fresh_process_json(_PROBE, implementation, JAX_PLATFORMS="cpu")
   assert out == dict(before=False, built=loads, traces=1), out

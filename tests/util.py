@@ -92,3 +92,18 @@ def fake_devices_env(devices: int, *, pythonpath: str | None = None) -> dict:
   if pythonpath is not None:
     env["PYTHONPATH"] = pythonpath + os.pathsep + os.environ.get("PYTHONPATH", "")
   return env
+
+
+def fresh_process_json(script: str, *args: str, **env):
+  """Runs `script` (python -c) with `args` in a new interpreter, from the repository's root,
+  with os.environ updated by `env`; returns the JSON its last stdout line prints. For what a
+  pytest process cannot show: a first import, or XLA flags other than the session's."""
+  import json
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  run = subprocess.run([sys.executable, "-c", script, *args], cwd=root, capture_output=True,
+                       text=True, check=False, env=dict(os.environ, **env))
+  assert run.returncode == 0, run.stderr[-3000:]
+  return json.loads(run.stdout.strip().splitlines()[-1])
+

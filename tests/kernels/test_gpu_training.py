@@ -2,16 +2,12 @@
 step with the PaTH kernels (.ci/gpu runs it first: the longest start first)."""
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.util import fresh_process_json
 
 # (encoding, head_dim, model.kernel_options, lines of the plan each layer runs). The 12-layer
 # llama-style model: d_model 768, 12 heads x 64 or 6 x 128; batch 8 x 2048 packed tokens.
@@ -148,9 +144,6 @@ def test_the_train_step_compiles_once(encoding):
   here pytest has imported the kernels long before."""
   script = ("import json, sys; from tests.kernels.test_gpu_training import _first_steps; "
             "print(json.dumps(_first_steps(sys.argv[1])))")
-  run = subprocess.run([sys.executable, "-c", script, encoding], cwd=ROOT, capture_output=True,
-                       text=True, check=False, env=dict(os.environ, JAX_PLATFORMS="cuda"))
-  assert run.returncode == 0, run.stderr[-3000:]
-  per_step, losses = json.loads(run.stdout.strip().splitlines()[-1])
+  per_step, losses = fresh_process_json(script, encoding, JAX_PLATFORMS="cuda")
   assert per_step == [1, 0, 0], per_step
   assert all(map(math.isfinite, losses)), losses
