@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+from experiments.configs import convert as convert_config
+
 EXPERIMENT = "convert"
 PROBE_SETS = ("id", "sparse", "dense")
 
@@ -45,7 +47,7 @@ def plan(size: str, workdir: str, students) -> list[tuple[str, str, str]]:
   runs += [(f"{s}_converted", f"{prefix}teacher={teacher},encoding={s}", "convert")
            for s in students]
   runs += [("path_converted_early", f"{prefix}teacher={teacher},encoding=path,teacher_step="
-            f"{_sizes(size)['teacher'][0] // 2}", "convert"),
+            f"{convert_config.SIZES[size]['teacher'][0] // 2}", "convert"),
            ("rope_scratch", f"{prefix}run=scratch,encoding=rope", "main"),
            ("path_scratch", f"{prefix}run=scratch,encoding=path", "main")]
   probes = [(f"probe_{name}", f"{prefix}run=probe,init={os.path.join(workdir, name)}", "main")
@@ -53,17 +55,11 @@ def plan(size: str, workdir: str, students) -> list[tuple[str, str, str]]:
   return runs + probes
 
 
-def _sizes(size: str) -> dict:
-  from experiments.configs import convert as convert_config
-  return {"cpu": convert_config.CPU, "runlocal": convert_config.LOCAL,
-          "gpu": convert_config.GPU}[size]
-
-
 def early_extra_steps(size: str) -> int:
   """Stage-2 steps that give the early conversion the tokens of the teacher's second half, so
   that both conversions end at the same total tokens: what the teacher trained on after its
   halfway checkpoint, in stage-2 batches."""
-  z = _sizes(size)
+  z = convert_config.SIZES[size]
   (t_steps, t_batch, t_len), (_, kl_batch, kl_len) = z["teacher"], z["kl"]
   return (t_steps - t_steps // 2) * t_batch * t_len // (kl_batch * kl_len)
 
@@ -75,7 +71,6 @@ def run_all(size: str, workdir: str, students, *, seed: int = 0, log=print) -> d
   from experiments import convert
   from experiments import data
   from experiments import train
-  from experiments.configs import convert as convert_config
   summaries = {}
   for name, arg, module in plan(size, workdir, students):
     wd = os.path.join(workdir, name)
@@ -135,7 +130,6 @@ def main(argv=None) -> None:
   from absl import logging
   from experiments import results_pages
   from experiments import results_writers
-  from experiments.configs import convert as convert_config
   logging.set_verbosity(logging.WARNING)   # Orbax logs every save and restore at INFO
   students = [s for s in args.students.split(",") if s]
   started = time.perf_counter()

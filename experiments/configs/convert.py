@@ -52,6 +52,7 @@ import os
 
 import ml_collections
 
+from experiments import data
 from experiments import run_config
 from experiments.configs import base
 from experiments.configs import from_workdir
@@ -63,8 +64,9 @@ LOCAL = dict(teacher=(20, 4, 16), mse=(20, 4, 16), kl=(20, 4, 16), teacher_lr=3e
              mse_lr=3e-3, kl_lr=1e-3)
 GPU = dict(teacher=(1200, 16, 2048), mse=(100, 8, 2048), kl=(300, 16, 2048), teacher_lr=1e-3,
            mse_lr=1e-3, kl_lr=3e-4)
+SIZES = {"cpu": CPU, "runlocal": LOCAL, "gpu": GPU}   # by the arg that picks them (cpu: none)
 # The flip-flop probe: (steps, batch, seq_len) and its learning rate.
-PROBE = dict(cpu=(100, 16, 64), local=(10, 4, 16), gpu=(300, 32, 512), lr=3e-4)
+PROBE = dict(cpu=(100, 16, 64), runlocal=(10, 4, 16), gpu=(300, 32, 512), lr=3e-4)
 RUNS = ("convert", "teacher", "scratch", "probe")
 
 
@@ -74,7 +76,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   base.check_local_or_gpu(a)
   if a.run not in RUNS:
     raise ValueError(f"config arg run={a.run!r} must be one of {RUNS}")
-  size = GPU if a.gpu else LOCAL if a.runlocal else CPU
+  size = SIZES[size_name(a)]
   if a.run == "probe":
     return _probe(a)
   if a.run != "convert":
@@ -107,6 +109,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if a.gpu:
     _eval_lengths(c)
   return c
+
+
+def size_name(a) -> str:
+  """The key of SIZES (and PROBE) that the parsed arg picks."""
+  return "gpu" if a.gpu else "runlocal" if a.runlocal else "cpu"
 
 
 def _teacher_run_config(teacher: str) -> ml_collections.ConfigDict:
@@ -161,8 +168,8 @@ def _probe(a) -> ml_collections.ConfigDict:
                      f"by experiments.main or experiments.convert")
   recorded = {k: v for k, v in recorded.items() if k != "convert"}   # a student's distillation
   c = from_workdir.on_defaults(recorded)
-  steps, batch, seq_len = PROBE["gpu" if a.gpu else "local" if a.runlocal else "cpu"]
-  c.data = base.get_config().data
+  steps, batch, seq_len = PROBE[size_name(a)]
+  c.data = data.default_data_config()
   c.data.update(task="flipflop", byte_tokens=True, seq_len=seq_len)
   c.train.update(steps=steps, batch_size=batch, learning_rate=PROBE["lr"],
                  warmup_steps=steps // 10, checkpoint_every=steps, log_every=max(steps // 20, 1),
