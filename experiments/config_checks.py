@@ -166,11 +166,18 @@ def check_mesh(config, num_devices: int) -> tuple[int, int, int]:
   return data_n, fsdp_n, context_n
 
 
-def check_workdir(workdir: str, mcfg: model_lib.ModelConfig) -> None:
-  stored = checkpoint.stored_model_config(workdir)
+def _stored_model_mismatch(workdir: str, mcfg: model_lib.ModelConfig, *, ignore=()):
+  """(whether workdir holds a checkpoint, the first model field in which it differs from mcfg
+  or None), leaving out the fields `ignore` names."""
+  stored = checkpoint.stored_model_config(workdir) if os.path.isdir(workdir) else None
   if stored is None:
-    return
-  diff = checkpoint.config_mismatch(stored, stored_form(mcfg))
+    return False, None
+  keep = lambda d: {k: v for k, v in d.items() if k not in ignore}  # noqa: E731
+  return True, checkpoint.config_mismatch(keep(stored), keep(stored_form(mcfg)))
+
+
+def check_workdir(workdir: str, mcfg: model_lib.ModelConfig) -> None:
+  _, diff = _stored_model_mismatch(workdir, mcfg)
   if diff:
     raise ValueError(f"--workdir={workdir} holds a checkpoint of a different model ({diff}); "
                      f"use a new --workdir or restore the config")
@@ -182,13 +189,10 @@ def check_init_from(config, mcfg: model_lib.ModelConfig) -> None:
   source = config.train.get("init_from") or ""
   if not source:
     return
-  stored = checkpoint.stored_model_config(source) if os.path.isdir(source) else None
-  if stored is None:
+  found, diff = _stored_model_mismatch(source, mcfg, ignore=("dtype", "dropout"))
+  if not found:
     raise ValueError(f"train.init_from={source!r} holds no checkpoint; give the workdir of a "
                      f"trained run")
-  free = ("dtype", "dropout")
-  diff = checkpoint.config_mismatch({k: v for k, v in stored.items() if k not in free},
-                                    {k: v for k, v in stored_form(mcfg).items() if k not in free})
   if diff:
     raise ValueError(f"train.init_from={source!r} holds a different model ({diff}): its "
                      f"parameters cannot start this run")
