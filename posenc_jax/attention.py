@@ -80,6 +80,9 @@ PALLAS_MAX_HEAD_DIM = 128
 
 FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa", "stick_breaking")
 _KERNEL_FAMILIES = ("path", "forgetting")
+# Families with a Triton kernel only (kernels_pallas.tapa_attention, grape_ap_attention): the GPU
+# runs it; the TPU has no form of it and runs the blockwise jnp.
+_TRITON_FAMILIES = {"tapa": "TAPA", "path_integral": "GRAPE-AP"}
 # kernels_pallas.path_attention.plan.GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM (the kernels are imported
 # lazily; tests/kernels/test_plan.py checks the two agree)
 GPU_FLOAT32_PATH_MAX_HEAD_DIM = 64
@@ -226,6 +229,8 @@ def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim
     return Choice("pallas", reason)
   if family == "softmax" and backend == "gpu":
     return softmax_gpu_path(dtype, head_dim, Dv, has_segments=has_segments, T=T)
+  if family in _TRITON_FAMILIES and backend == "gpu":
+    return Choice("pallas", f"gpu: the Triton {_TRITON_FAMILIES[family]} kernel")
   return Choice("chunked", f"{backend}: blockwise jnp for {family}, never a T x T array per head")
 
 

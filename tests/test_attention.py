@@ -69,9 +69,9 @@ def test_softmax_gpu_path_long_segments_fall_back_to_cudnn(monkeypatch):
     ("softmax", "gpu", 2048, "cudnn"), ("softmax", "gpu", 32768, "pallas"),
     ("softmax", "tpu", 512, "chunked"),
     ("path", "gpu", 512, "pallas"), ("forgetting", "tpu", 8192, "pallas"),
-    # No kernel: blockwise at every T on an accelerator, never the dense reference.
-    ("tapa", "gpu", 512, "chunked"), ("tapa", "tpu", 8192, "chunked"),
-    ("path_integral", "gpu", 16, "chunked"), ("path_integral", "tpu", 2048, "chunked"),
+    # Triton kernels on the GPU; the TPU has none: blockwise, never the dense reference.
+    ("tapa", "gpu", 512, "pallas"), ("tapa", "tpu", 8192, "chunked"),
+    ("path_integral", "gpu", 16, "pallas"), ("path_integral", "tpu", 2048, "chunked"),
     ("stick_breaking", "cpu", 256, "reference"), ("stick_breaking", "cpu", 512, "chunked"),
     ("stick_breaking", "gpu", 64, "chunked"),
 ])
@@ -109,17 +109,42 @@ def test_auto_implementation_unknown_family_raises():
     attention.auto_implementation("rope", T=16, dtype=F32, head_dim=8)
 
 
-def test_none_on_an_accelerator_runs_the_blockwise_tapa(monkeypatch, key):
-  """implementation=None dispatches by auto_implementation: chunked TAPA at T <= 2048 on a GPU."""
+def test_none_on_a_tpu_runs_the_blockwise_tapa(monkeypatch, key):
+  """implementation=None dispatches by auto_implementation: chunked TAPA on a TPU (no kernel)."""
   from posenc_jax import tapa
   ran = []
   chunked = tapa.tapa_attention_chunked
   monkeypatch.setattr(tapa, "tapa_attention_chunked", lambda *a, **kw: ran.append(1) or chunked(*a, **kw))
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   q, k, v = (jax.random.normal(k_, (1, 16, 2, 8)) for k_ in jax.random.split(key, 3))
   o = attention.tapa_attention(q, k, v)
   assert ran == [1]
   assert_rel_rms(o, attention.tapa_attention(q, k, v, implementation="reference"), 1e-5)
+
+
+@pytest.mark.parametrize("family", ["tapa", "path_integral"])
+def test_none_on_a_gpu_runs_the_triton_kernel(monkeypatch, key, family):
+  """implementation=None on a GPU calls the family's Triton kernel (seen called; run here by
+  the interpreter, as the GPU would run it)."""
+  import kernels_pallas
+  name = {"tapa": "tapa_attention", "path_integral": "grape_ap_attention"}[family]
+  real = getattr(kernels_pallas, name)
+  ran = []
+  monkeypatch.setattr(kernels_pallas, name,
+                      lambda *a, **kw: ran.append(1) or real(*a, **{**kw, "interpret": True}))
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  ks = jax.random.split(key, 4)
+  q, k, v = (jax.random.normal(k_, (1, 16, 2, 8)) for k_ in ks[:3])
+  if family == "tapa":
+    fn = lambda impl: attention.tapa_attention(q, k, v, implementation=impl)  # noqa: E731
+  else:
+    p = jax.random.normal(ks[3], (1, 16, 2, 4))
+    alpha = jnp.array([0.5, 1.0])
+    fn = lambda impl: attention.path_integral_attention(q, k, v, p, alpha,  # noqa: E731
+                                                        implementation=impl)
+  o = fn(None)
+  assert ran == [1]
+  assert_rel_rms(o, fn("reference"), 1e-4)
 
 
 def _inputs(key, *, B=2, T=37, H=4, K=2, D=12, Dv=8, dtype=F32):

@@ -8,8 +8,8 @@ end and the channel widths to powers of two >= 16 (zeros change no product). The
 core sees the padded operands, so autodiff of the pads and slices carries the cotangents back
 to the caller's shapes and dtypes.
 
-Memory: besides o and lse the forward keeps C, and the dq launch writes Pre, each T x NK
-float32 per head (NK: the key-tile count, padded to a power of two).
+Memory: besides o and lse the forward keeps C, and the dq launch writes Pre, each NK x T
+float32 per head (NK: the key-tile count, padded to a power of two), stored [B, NK, T, H].
 """
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def grape_ap_attention(q, k, v, pq, r, alpha, *, scale: float, segment_ids=None,
   f32 = launch.float32_precision(backend)
   st = kernels.Static(scale=float(scale), probe_dim=int(P), block_q=bq, block_k=bk,
                       precision=f32 if jnp.dtype(dtype).itemsize == 4 else None,
-                      f32_precision=f32)
+                      f32_precision=f32, fast=backend == "gpu",
+                      passes=3 if jnp.dtype(dtype).itemsize == 4 else 2)
   o = _attention_once((st, backend), pad(q.astype(dtype)), pad(k), pad(v.astype(dtype)),
                       pad(pq), pad(r), al, seg)
   return o[:, :T, :, :Dv].astype(v.dtype)
@@ -101,8 +102,10 @@ def _query_major(st, q, k, v, pq, r, al, seg):
   tile = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0))  # noqa: E731
   kv = lambda d: pl.BlockSpec((None, T, None, d), lambda i, h, b: (b, 0, h // G, 0))  # noqa
   rows = pl.BlockSpec((None, bq, None), lambda i, h, b: (b, i, h))
+  nk = _key_tiles(st, T)
+  columns = pl.BlockSpec((None, nk, bq, None), lambda i, h, b: (b, 0, i, h))
   return dict(
-      tile=tile, rows=rows,
+      tile=tile, rows=rows, columns=columns,
       inputs=[(q, tile(q.shape[3])), (k, kv(k.shape[3])), (v, kv(v.shape[3])),
               (pq, tile(pq.shape[3])),
               (r, pl.BlockSpec((None, T, None, r.shape[3]), lambda i, h, b: (b, 0, h, 0))),
@@ -117,7 +120,7 @@ def _forward(cfg, q, k, v, pq, r, al, seg):
   nk = _key_tiles(st, T)
   m = _query_major(st, q, k, v, pq, r, al, seg)
   outs = [(_f32(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])), (_f32(B, T, H), m["rows"]),
-          (_f32(B, T, H, nk), m["tile"](nk))]
+          (_f32(B, nk, T, H), m["columns"])]
   return _call(backend, kernels.forward_kernel, (T // st.block_q, H, B), m["inputs"], outs, st)
 
 
@@ -137,16 +140,16 @@ def _attention_bwd(cfg, res, do):
   B, T, H, _ = q.shape
   K = k.shape[2]
   G = H // K
-  nk = c.shape[-1]
+  nk = c.shape[1]
   delta = jnp.sum(do * o, axis=-1)
   do = do.astype(v.dtype)
 
   # dq, d pq, d alpha rows and Pre: one program per (query tile, head, batch)
   m = _query_major(st, q, k, v, pq, r, al, seg)
   inputs = m["inputs"] + [(do, m["tile"](do.shape[3])), (lse, m["rows"]), (delta, m["rows"]),
-                          (c, m["tile"](nk))]
+                          (c, m["columns"])]
   outs = [(_f32(*q.shape), m["tile"](q.shape[3])), (_f32(*pq.shape), m["tile"](pq.shape[3])),
-          (_f32(B, T, H), m["rows"]), (_f32(B, T, H, nk), m["tile"](nk))]
+          (_f32(B, T, H), m["rows"]), (_f32(B, nk, T, H), m["columns"])]
   dq, dpq, dal, pre = _call(backend, kernels.dq_kernel, (T // st.block_q, H, B), inputs, outs,
                             st)
 
@@ -156,12 +159,14 @@ def _attention_bwd(cfg, res, do):
   ktile = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0))  # noqa
   gtile = lambda d: pl.BlockSpec((None, bk, G, d), lambda j, h, b: (b, j, h, 0))  # noqa: E731
   group_rows = pl.BlockSpec((None, T, G), lambda j, h, b: (b, 0, h))
+  # C and Pre at this key tile, for the group's heads
+  column = pl.BlockSpec((None, None, T, G), lambda j, h, b: (b, j, 0, h))
   inputs = [(q, group(q.shape[3])), (k, ktile(k.shape[3])), (v, ktile(v.shape[3])),
             (pq, group(pq.shape[3])), (r, gtile(r.shape[3])), (al, group_rows),
             (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
             (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
             (do, group(do.shape[3])), (lse, group_rows), (delta, group_rows),
-            (c, group(nk)), (pre, group(nk))]
+            (c, column), (pre, column)]
   outs = [(_f32(*k.shape), ktile(k.shape[3])), (_f32(*v.shape), ktile(v.shape[3])),
           (_f32(*r.shape), gtile(r.shape[3]))]
   dk, dv, dr = _call(backend, kernels.dkv_kernel, (T // bk, K, B), inputs, outs, st)

@@ -12,8 +12,9 @@ beyond the tile is a per-row carry. The forward walks the key tiles right to lef
 the carry at entering each tile, C[i, kt] = sum_{l >= (kt + 1) bk, l <= i} w_il; the dq kernel
 records Pre[i, kt] = sum_{j < kt bk} ds_ij, the part of d w_il = sum_{j < l} ds_ij that lies
 left of tile kt. The dk/dv kernel, which sees one key tile against all later queries, reads both
-instead of re-walking the tiles. Both are kept as [bq, NK] register tiles (NK: the key-tile
-count, padded to a power of two) and stored once, so no body indexes a ref by a loop counter.
+instead of re-walking the tiles. Both are stored key-tile-major ([NK, T] per head, NK: the
+key-tile count padded to a power of two), so each kernel reads or writes one row vector of
+them a tile.
 
 Refs are time-major, cut by api.py's BlockSpecs. Positions are the time indices: the caller
 pads T at the end, and a padded query (sliced off, zero cotangent) or key (later than every
@@ -23,11 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kernels_pallas.path_attention import special
 from kernels_pallas.path_attention.tiles import NEG_INF, dot
 
 
@@ -39,32 +40,38 @@ class Static:
   block_q: int
   block_k: int
   precision: object     # of the q.k and v / dO products (None: the inputs' own)
-  f32_precision: object  # of the probe and triangular products (float32 operands)
+  f32_precision: object  # of the probe products (float32 operands)
+  passes: int           # bf16 terms of a float32 operand of the triangular products
+  fast: bool            # the GPU's approximate ex2, lg2, rcp (special.py); False in the
+                        # interpreter
 
 
 def _row_greater(n: int):
-  """[n, n] float32 [row > col]: (x @ it)_j = sum_{l > j} x_l, (it @ y)_l = sum_{j < l} y_j."""
+  """[n, n] bf16 [row > col]: (x @ it)_j = sum_{l > j} x_l, (it @ y)_l = sum_{j < l} y_j."""
   r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
   c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return (r > c).astype(jnp.float32)
+  return (r > c).astype(jnp.bfloat16)
 
 
 def _row_less(n: int):
-  """[n, n] float32 [row < col]: (x @ it)_l = sum_{j < l} x_j, (it @ y)_j = sum_{l > j} y_l."""
+  """[n, n] bf16 [row < col]: (x @ it)_l = sum_{j < l} x_j, (it @ y)_j = sum_{l > j} y_l."""
   r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
   c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return (r < c).astype(jnp.float32)
+  return (r < c).astype(jnp.bfloat16)
 
 
-def _column(x, kt):
-  """x[:, kt] of a [rows, NK] tile, kt traced."""
-  sel = lax.broadcasted_iota(jnp.int32, x.shape, 1) == kt
-  return jnp.sum(jnp.where(sel, x, 0.0), axis=1)
-
-
-def _set_column(x, kt, col):
-  sel = lax.broadcasted_iota(jnp.int32, x.shape, 1) == kt
-  return jnp.where(sel, col[:, None], x)
+def _tri_dot(st: Static, x, tri, *, tri_left: bool):
+  """x @ tri (tri @ x with tri_left) of float32 x and a 0/1 matrix tri, as bf16 products: tri
+  is exact in bf16, so splitting x alone into st.passes bf16 terms (x = h_1 + h_2 + ...,
+  each the rounding of what the earlier ones left) keeps ~8 bits per term; two terms match a
+  three-pass TF32 product here at a third of its tensor-core time."""
+  acc = None
+  for _ in range(st.passes):
+    h = x.astype(jnp.bfloat16)
+    x = x - h.astype(jnp.float32)
+    d = dot(tri, h) if tri_left else dot(h, tri)
+    acc = d if acc is None else acc + d
+  return acc
 
 
 def _visible(dist, seg_r, seg_c):
@@ -74,18 +81,23 @@ def _visible(dist, seg_r, seg_c):
   return ok
 
 
-def _potentials(st: Static, a, b, alpha, on_path, alpha_rows: bool):
-  """(z / P, w) of a tile: z = a . b (query probes x rotated probes, or the transpose),
-  w = alpha log_sigmoid(z / P) where on_path (l <= i), else 0."""
+def _potentials(st: Static, a, b, alpha, on_path, alpha_rows: bool, *, grad: bool = False):
+  """(w, log_sigmoid(x), sigmoid(-x)) of a tile: x = a . b / P (query probes x rotated probes,
+  or the transpose), w = alpha log_sigmoid(x) where on_path (l <= i), else 0; the last two only
+  with grad (the backward's d w / d x)."""
   x = dot(a, b, tb=True, precision=st.f32_precision) / st.probe_dim
   al = alpha[:, None] if alpha_rows else alpha[None, :]
-  return x, jnp.where(on_path, al * jax.nn.log_sigmoid(x), 0.0)
+  if grad:
+    ls, sn = special.log_sigmoid_and_sigmoid_neg(x, fast=st.fast)
+  else:
+    ls, sn = special.log_sigmoid(x, fast=st.fast), None
+  return jnp.where(on_path, al * ls, 0.0), ls, sn
 
 
 def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
                    o_ref, lse_ref, c_ref, *, st: Static):
   """q [bq, D], k [T, D], v [T, Dv], pq [bq, P], r [T, P], alpha [bq], (sq [bq], sk [T])
-  -> o [bq, Dv], lse [bq], C [bq, NK] float32."""
+  -> o [bq, Dv], lse [bq], C [NK, bq] float32."""
   bq, bk = st.block_q, st.block_k
   q0 = pl.program_id(0) * bq
   q = q_ref[...]
@@ -97,14 +109,14 @@ def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
   greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
 
   def body(t, state):
-    m_i, l_i, acc, carry, cs = state
+    m_i, l_i, acc, carry = state
     kt = n - 1 - t
     k0 = pl.multiple_of(kt * bk, bk)
     rows = pl.ds(k0, bk)
     dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
-    _, w = _potentials(st, pq, r_ref[rows, :], alpha, dist >= 0, True)
-    cs = _set_column(cs, kt, carry)
-    bias = carry[:, None] + dot(w, greater, precision=st.f32_precision)
+    w, _, _ = _potentials(st, pq, r_ref[rows, :], alpha, dist >= 0, True)
+    c_ref[kt, :] = carry
+    bias = carry[:, None] + _tri_dot(st, w, greater, tri_left=False)
     s = st.scale * dot(q, k_ref[rows, :], tb=True, precision=st.precision) + bias
     ok = _visible(dist, sq, None if sk_ref is None else sk_ref[rows])
     s = jnp.where(ok, s, NEG_INF)
@@ -113,22 +125,20 @@ def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
     p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
     v = v_ref[rows, :]
     acc = corr[:, None] * acc + dot(p.astype(v.dtype), v, precision=st.precision)
-    return m_new, corr * l_i + jnp.sum(p, axis=1), acc, carry + jnp.sum(w, axis=1), cs
+    return m_new, corr * l_i + jnp.sum(p, axis=1), acc, carry + jnp.sum(w, axis=1)
 
   init = (jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros(c_ref.shape, jnp.float32))
-  m_i, l_i, acc, _, cs = lax.fori_loop(0, n, body, init)
+          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.zeros((bq,), jnp.float32))
+  m_i, l_i, acc, _ = lax.fori_loop(0, n, body, init)
   # every row sees its own key, so l_i >= 1
   o_ref[...] = acc / l_i[:, None]
   lse_ref[...] = m_i + jnp.log(l_i)
-  c_ref[...] = cs
 
 
 def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref, lse_ref,
               delta_ref, c_ref, dq_ref, dpq_ref, dal_ref, pre_ref, *, st: Static):
   """One query tile against the key tiles up to the diagonal, left to right: -> dq [bq, D],
-  dpq [bq, P], dalpha [bq] (this row's share), Pre [bq, NK], float32."""
+  dpq [bq, P], dalpha [bq] (this row's share), Pre [NK, bq], float32."""
   bq, bk = st.block_q, st.block_k
   q0 = pl.program_id(0) * bq
   q = q_ref[...]
@@ -138,48 +148,46 @@ def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref
   do = do_ref[...]
   lse = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
-  cs = c_ref[...]
   qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
   n = pl.cdiv(q0 + bq, bk)
   greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
   less = _row_less(bk)         # (ds @ less)_il = sum_{j < l} ds_ij
 
   def body(kt, state):
-    dq, dpq, dal, pre, pres = state
+    dq, dpq, dal, pre = state
     k0 = pl.multiple_of(kt * bk, bk)
     rows = pl.ds(k0, bk)
     dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
     r = r_ref[rows, :]
     on_path = dist >= 0
-    x, w = _potentials(st, pq, r, alpha, on_path, True)
-    bias = _column(cs, kt)[:, None] + dot(w, greater, precision=st.f32_precision)
+    w, ls, sn = _potentials(st, pq, r, alpha, on_path, True, grad=True)
+    bias = c_ref[kt, :][:, None] + _tri_dot(st, w, greater, tri_left=False)
     k = k_ref[rows, :]
     s = st.scale * dot(q, k, tb=True, precision=st.precision) + bias
     ok = _visible(dist, sq, None if sk_ref is None else sk_ref[rows])
     p = jnp.where(ok, jnp.exp(s - lse), 0.0)
     ds = p * (dot(do, v_ref[rows, :], tb=True, precision=st.precision) - delta)
     dq = dq + dot(ds.astype(k.dtype), k, precision=st.precision)
-    pres = _set_column(pres, kt, pre)
-    dpsi = jnp.where(on_path, pre[:, None] + dot(ds, less, precision=st.f32_precision), 0.0)
-    dz = dpsi * alpha[:, None] * jax.nn.sigmoid(-x) / st.probe_dim
+    pre_ref[kt, :] = pre
+    dpsi = jnp.where(on_path, pre[:, None] + _tri_dot(st, ds, less, tri_left=False), 0.0)
+    dz = dpsi * alpha[:, None] * sn / st.probe_dim
     dpq = dpq + dot(dz, r, precision=st.f32_precision)
-    dal = dal + jnp.sum(dpsi * jax.nn.log_sigmoid(x), axis=1)   # dpsi is 0 off the path
-    return dq, dpq, dal, pre + jnp.sum(ds, axis=1), pres
+    dal = dal + jnp.sum(dpsi * ls, axis=1)   # dpsi is 0 off the path
+    return dq, dpq, dal, pre + jnp.sum(ds, axis=1)
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(pq.shape, jnp.float32),
-          jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros(pre_ref.shape, jnp.float32))
-  dq, dpq, dal, _, pres = lax.fori_loop(0, n, body, init)
+          jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32))
+  dq, dpq, dal, _ = lax.fori_loop(0, n, body, init)
   dq_ref[...] = st.scale * dq
   dpq_ref[...] = dpq
   dal_ref[...] = dal
-  pre_ref[...] = pres
 
 
 def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref, lse_ref,
                delta_ref, c_ref, pre_ref, dk_ref, dv_ref, dr_ref, *, st: Static):
   """One key tile against its group's G query heads, the query tiles from the diagonal on.
-  q [T, G, D], pq [T, G, P], alpha, lse, delta [T, G], do [T, G, Dv], C, Pre [T, G, NK];
+  q [T, G, D], pq [T, G, P], alpha, lse, delta, and C, Pre at this key tile [T, G],
+  do [T, G, Dv];
   k [bk, D], v [bk, Dv], r [bk, G, P], (sq [T], sk [bk]) -> dk [bk, D], dv [bk, Dv] (summed
   over the group), dr [bk, G, P], float32.
 
@@ -210,10 +218,10 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
       on_path = dist >= 0
       pq = pq_ref[rows, g, :]
       alpha = al_ref[rows, g]
-      x, w = _potentials(st, r, pq, alpha, on_path, False)             # [keys l, queries i]
-      c = _column(c_ref[rows, g, :], kt)
-      pre = _column(pre_ref[rows, g, :], kt)
-      bias = c[None, :] + dot(less, w, precision=st.f32_precision)
+      w, ls, sn = _potentials(st, r, pq, alpha, on_path, False, grad=True)             # [keys l, queries i]
+      c = c_ref[rows, g]
+      pre = pre_ref[rows, g]
+      bias = c[None, :] + _tri_dot(st, w, less, tri_left=True)
       q = q_ref[rows, g, :]
       s = st.scale * dot(k, q, tb=True, precision=st.precision) + bias
       ok = _visible(dist, sk, None if sq_ref is None else sq_ref[rows])
@@ -222,8 +230,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
       dv = dv + dot(p.astype(do.dtype), do, precision=st.precision)
       ds = p * (dot(v, do, tb=True, precision=st.precision) - delta_ref[rows, g][None, :])
       dk = dk + dot(ds.astype(q.dtype), q, precision=st.precision)
-      dpsi = jnp.where(on_path, pre[None, :] + dot(greater, ds, precision=st.f32_precision), 0.0)
-      dz = dpsi * alpha[None, :] * jax.nn.sigmoid(-x) / st.probe_dim
+      dpsi = jnp.where(on_path, pre[None, :] + _tri_dot(st, ds, greater, tri_left=True), 0.0)
+      dz = dpsi * alpha[None, :] * sn / st.probe_dim
       dr = dr + dot(dz, pq, precision=st.f32_precision)
       return dk, dv, dr
 

@@ -85,7 +85,7 @@ def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = 
   precision = launch.float32_precision(backend) if jnp.dtype(dtype).itemsize == 4 else None
   st = kernels.Static(alpha=float(alpha), a_scale=1.0 / math.sqrt(A), p_scale=1.0 / math.sqrt(P),
                       linear_phase=bool(linear_phase), block_q=bq, block_k=bk,
-                      precision=precision, v_precision=precision)
+                      precision=precision, v_precision=precision, fast=backend == "gpu")
   o = _attention_once((st, backend), qa, ka, qp, kp, qs, ks, vp, seg)
   return o[:, :T, :, :Dv].astype(v.dtype)
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kernels_pallas.path_attention import special
 from kernels_pallas.path_attention.tiles import NEG_INF, dot
 
 TWO_PI = 2.0 * math.pi
@@ -45,14 +46,16 @@ class Static:
   block_k: int
   precision: object     # of the q.k products (None: the inputs' own)
   v_precision: object   # of the products with v and dO
+  fast: bool            # the GPU's approximate cos, sin, ex2, lg2 (special.py); False in the
+                        # interpreter
 
 
-def _distance_power(dist, alpha: float):
+def _distance_power(dist, alpha: float, fast: bool):
   """|i - j|^alpha of the (non-negative on visible entries) distances, 0^alpha = [alpha == 0]."""
   d = dist.astype(jnp.float32)
   if alpha == 0.0:
     return jnp.ones_like(d)
-  return jnp.where(d > 0, jnp.exp(alpha * jnp.log(jnp.maximum(d, 1.0))), 0.0)
+  return jnp.where(d > 0, special.power(jnp.maximum(d, 1.0), alpha, fast=fast), 0.0)
 
 
 def _parts(st: Static, ra, ca, rp, cp, rs, cs, dist):
@@ -63,7 +66,7 @@ def _parts(st: Static, ra, ca, rp, cp, rs, cs, dist):
     ph = st.p_scale * (rs[:, None] + cs[None, :])
   else:
     ph = st.p_scale * dot(rp, cp, tb=True, precision=st.precision)
-  w = TWO_PI * _distance_power(dist, st.alpha)
+  w = TWO_PI * _distance_power(dist, st.alpha, st.fast)
   return amp, w * ph, w
 
 
@@ -100,7 +103,7 @@ def forward_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref
     amp, theta, _ = _parts(st, qa, ka_ref[rows, :], qp, _read(kp_ref, (rows, slice(None))),
                            qs, _read(ks_ref, rows), dist)
     ok = _visible(dist, sq, _read(sk_ref, rows))
-    s = jnp.where(ok, amp * jnp.cos(theta), NEG_INF)
+    s = jnp.where(ok, amp * special.cos(theta, fast=st.fast), NEG_INF)
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     corr = jnp.exp(m_i - m_new)
     p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)   # a row masked so far: s == m_new
@@ -141,7 +144,7 @@ def dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_
     kp = _read(kp_ref, (rows, slice(None)))
     amp, theta, w = _parts(st, qa, ka, qp, kp, qs, _read(ks_ref, rows), dist)
     ok = _visible(dist, sq, _read(sk_ref, rows))
-    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    cos, sin = special.cos_sin(theta, fast=st.fast)
     p = jnp.where(ok, jnp.exp(amp * cos - lse), 0.0)
     ds = p * (dot(do, v_ref[rows, :], tb=True, precision=st.v_precision) - delta)
     dqa = dqa + dot((ds * cos).astype(ka.dtype), ka, precision=st.precision)
@@ -200,7 +203,7 @@ def dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk
       amp, theta, w = _parts(st, ka, qa, kp, qp, ks, qs, dist)
       sq = _read(sq_ref, rows)
       ok = _visible(dist, sk, sq)
-      cos, sin = jnp.cos(theta), jnp.sin(theta)
+      cos, sin = special.cos_sin(theta, fast=st.fast)
       p = jnp.where(ok, jnp.exp(amp * cos - lse_ref[rows, g][None, :]), 0.0)
       do = do_ref[rows, g, :]
       dv = dv + dot(p.astype(do.dtype), do, precision=st.v_precision)
