@@ -23,7 +23,7 @@ def _inputs(key, B=2, T=37, H=4, K=2, D=8, scale=1.0):
           jax.random.normal(kv, (B, T, K, D)))
 
 
-def _loop_oracle(q, k, v, *, alpha, theta, linear_phase, segment_ids):
+def _loop_oracle(q, k, v, *, alpha, theta, linear_phase, segment_ids, phase_scale=1.0):
   """The formula of docs/encodings/tapa.md#tapa written out per (b, h, i, j) in float64 numpy."""
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   B, T, H, D = q.shape
@@ -43,6 +43,7 @@ def _loop_oracle(q, k, v, *, alpha, theta, linear_phase, segment_ids):
             ph = (q[b, i, h, A:].sum() + kh[j, A:].sum()) / math.sqrt(D - A)
           else:
             ph = q[b, i, h, A:] @ kh[j, A:] / math.sqrt(D - A)
+          ph *= phase_scale
           dpow = float(abs(i - j)) ** alpha if i != j else float(alpha == 0)
           logits.append(amp * math.cos(2 * math.pi * dpow * ph))
         w = np.exp(np.array(logits) - max(logits))
@@ -56,6 +57,21 @@ def test_reference_matches_loop_oracle(key, linear_phase):
   seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
   kw = dict(alpha=0.1, theta=0.5, linear_phase=linear_phase, segment_ids=seg)
   assert_rel_rms(tapa.tapa_attention_reference(q, k, v, **kw), _loop_oracle(q, k, v, **kw), 1e-5)
+
+
+@pytest.mark.parametrize("name", ["tapa", "tapa_linear"])
+def test_phase_scale_multiplies_the_phase(key, name):
+  """The encoding's phase_scale=s: its prepared q, k on the reference give the loop oracle with
+  phi multiplied by s (q_P scaled for the quadratic phase, q_P and k_P for the linear)."""
+  from posenc_jax import encodings
+  q, k, v = _inputs(key, B=1, T=9, H=2, K=1, D=6)
+  seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+  prep = encodings.get(name).prepare({}, q=q, k=k, v=v, phase_scale=0.3)
+  assert set(prep.inputs) == {"alpha", "theta", "linear_phase"}
+  got = tapa.tapa_attention_reference(prep.q, prep.k, prep.v, segment_ids=seg, **prep.inputs)
+  want = _loop_oracle(q, k, v, alpha=0.1, theta=0.5, linear_phase=name == "tapa_linear",
+                      segment_ids=seg, phase_scale=0.3)
+  assert_rel_rms(got, want, 1e-5)
 
 
 def test_uneven_split_and_large_alpha(key):

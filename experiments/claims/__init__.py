@@ -22,6 +22,8 @@ PAGES = {
     "flipflop": syn.FLIPFLOP, "flipflop_gpu": syn.FLIPFLOP_GPU,
     "length_extrapolation": lm.LENGTH, "length_extrapolation_gpu": lm.LENGTH_GPU,
     "length_extrapolation_gpu/tapa_lr2e-4": lm.TAPA_LR,
+    "length_extrapolation_gpu/tapa_stable": lm.TAPA_STABLE,
+    "length_extrapolation_gpu/nope": lm.NOPE_GPU,
     "mqrar": syn.MQRAR, "mqrar_gpu": syn.MQRAR_GPU,
     "mqrar_gpu/rope_n1_seeds": syn.ROPE_N1_SEEDS, "mqrar_gpu/rope_n1_lr3e-4": syn.ROPE_N1_LR3E4,
     "mqrar_gpu/rope_n1_lr3e-3": syn.ROPE_N1_LR3E3,
@@ -45,8 +47,6 @@ UNTESTED = (
     Verdict("GRAPE Tables 1-2", "GRAPE-M matches RoPE and GRAPE-A/AP lead in language "
             "modelling (downstream accuracy)", "untested",
             "GRAPE-M was not run in language modelling; no downstream evaluation"),
-    Verdict("TAPA Table 3", "quadratic phase beats linear phase at every length", "untested",
-            "tapa_linear was not run"),
 )
 
 INDEX_INTRO = """# Paper claims and what this repository measured

@@ -17,7 +17,11 @@ L = 512 and evaluation to 65,536, each encoding and seed its own invocation:
 TAPA at a fifth of RoPE's rate (2e-5 against 1e-4). The GPU table's tapa row trained at gpu's
 shared 1e-3, where its gradient norm grows from step 75 and the run does not learn
 (length_extrapolation_gpu/NOTES.md); the run at that ratio, `encodings=tapa,lr=2e-4`, has its
-own results directory (length_extrapolation_gpu/tapa_lr2e-4/) and did not learn either.
+own results directory (length_extrapolation_gpu/tapa_lr2e-4/) and did not learn either. TAPA's
+phase starts random and moves too fast; with the paper's recipe and the phase started small it
+trains (length_extrapolation_gpu/tapa_stable/, NOTES.md there):
+`gpu,encodings=tapa,lr=2e-4,seeds=3 --config.model.encoding_kwargs.phase_scale=0.1
+--config.train.warmup_steps=300 --config.train.weight_decay=0.0`.
 
 `gpu` (one GPU; issue 15's scale): a 6-layer llama-style model (d_model 768, 12 heads x 64,
 ~43M parameters) in bfloat16, trained at L = 512 on batches of 64 rows (32,768 tokens a step)

@@ -2,16 +2,21 @@
 
 No positional transform of q, k or v: the distance enters the logits inside
 `posenc_jax.tapa` as cos(2 pi |i - j|^alpha phi(q_P, k_P)). Hyperparameters alpha = 0.1,
-theta = 0.5 (the paper's), keyword-only.
+theta = 0.5 (the paper's), keyword-only. phase_scale (default 1, the paper's form) multiplies
+phi by scaling the phase channels (q_P for the quadratic phase; q_P and k_P for the linear): not
+in the paper, a diagnostic of the phase's random start (at 1 and our initialisation phi spreads
+over several radians from step 0).
 """
 from __future__ import annotations
+
+import jax.numpy as jnp
 
 from posenc_jax.encodings import Prepared
 from posenc_jax.encodings import register
 from posenc_jax.encodings import resolve_hparams
 from posenc_jax.encodings import split_layer_args
 
-HPARAMS = {"alpha": 0.1, "theta": 0.5}
+HPARAMS = {"alpha": 0.1, "theta": 0.5, "phase_scale": 1.0}
 
 
 def _check_dims(name, *, theta):
@@ -25,6 +30,13 @@ def _check_dims(name, *, theta):
 
 
 
+def _scale_phase(x_BTHD, theta, scale):
+  """x with its phase channels (the last D - round(theta D)) multiplied by scale."""
+  A = int(round(theta * x_BTHD.shape[-1]))
+  factor = jnp.where(jnp.arange(x_BTHD.shape[-1]) < A, 1.0, scale).astype(x_BTHD.dtype)
+  return x_BTHD * factor
+
+
 def _add(name: str, linear_phase: bool):
   def init(key, dims, **hp):
     del key
@@ -35,7 +47,12 @@ def _add(name: str, linear_phase: bool):
     del params
     layer, hp = split_layer_args(kw)
     hp = resolve_hparams(name, hp, HPARAMS)
-    return Prepared("tapa", layer["q"], layer["k"], layer["v"],
+    q, k = layer["q"], layer["k"]
+    if hp["phase_scale"] != 1.0:
+      q = _scale_phase(q, hp["theta"], hp["phase_scale"])
+      if linear_phase:
+        k = _scale_phase(k, hp["theta"], hp["phase_scale"])
+    return Prepared("tapa", q, k, layer["v"],
                     {"alpha": hp["alpha"], "theta": hp["theta"], "linear_phase": linear_phase})
 
   register(name, family="tapa", init=init, prepare=prepare,
