@@ -21,7 +21,8 @@ device: the blockwise jnp form, there is no kernel; packed documents with --docs
 on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward only where causal);
 cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask; tapa, tapa_linear (TAPA on its
 Pallas kernel, alpha 0.1, theta 0.5) and tapa_auto, tapa_linear_auto (what implementation=None
-runs). Each --options string (kp.BlockSizes fields, "key=value,..."; repeat the flag to compare
+runs); grape_ap (GRAPE-AP on its Pallas kernel through attention.path_integral_attention, the
+model's 16-channel RMS-normalised probes, differentiated too). Each --options string (kp.BlockSizes fields, "key=value,..."; repeat the flag to compare
 several, "" the defaults) runs every one of our variants (path, path_fox, fox) once, as
 "path[span=8]" etc.; each such row holds the plan it ran (str(kp.explain(...))), which is also
 printed.
@@ -59,7 +60,7 @@ from posenc_jax import householder  # noqa: E402
 OURS = ("path", "path_fox", "fox")
 # TAPA on its Pallas kernel (quadratic and linear phase) and as implementation=None runs it
 TAPA = ("tapa", "tapa_linear", "tapa_auto", "tapa_linear_auto")
-VARIANTS = OURS + TAPA + ("sba", "cudnn", "jax_mha", "jax_mgpu", "cudnn_nc", "jax_mha_nc",
+VARIANTS = OURS + TAPA + ("grape_ap", "sba", "cudnn", "jax_mha", "jax_mgpu", "cudnn_nc", "jax_mha_nc",
                           "jax_mgpu_nc")
 # jax's Mosaic GPU flash attention's tiles, tried in this order until one fits shared memory
 # (its backward needs all four backward blocks; jax 0.10-0.11 have no causal backward)
@@ -247,6 +248,17 @@ def _tapa(name, segs, q, v):
   return fn, label
 
 
+def _grape_ap(segs, q):
+  """GRAPE-AP on its kernel as the model calls it: (function of q, k, v, p; p [B, T, H, 16])."""
+  B, T, H, _ = q.shape
+  p = jax.random.normal(jax.random.key(11), (B, T, H, 16), jnp.float32)
+  p = p * jax.lax.rsqrt(jnp.mean(p * p, axis=-1, keepdims=True) + 1e-6)
+  alpha = jnp.linspace(0.25, 1.0, H, dtype=jnp.float32)
+  fn = lambda q, k, v, p: attention.path_integral_attention(  # noqa: E731
+      q, k, v, p, alpha, segment_ids=segs, implementation="pallas")
+  return fn, p
+
+
 def _time(fn, args, do) -> dict:
   """Forward and forward+backward: wall and device ms, compiled GiB."""
   fwd = jax.jit(fn)
@@ -297,6 +309,9 @@ def part_jax(cases, variants, options=("",), dtype="bfloat16", docs=0):
           elif name in TAPA:
             fn, plan = _tapa(name, segs, q, v)
             res[key] = {"plan": plan, **_time(fn, (q, k, v), do)}
+          elif name == "grape_ap":
+            fn, p = _grape_ap(segs, q)
+            res[key] = {"plan": "pallas", **_time(fn, (q, k, v, p), do)}
           elif name == "sba":
             fn, plan = _sba(segs, q, v)
             _print_plan(f"{key} at case {label}", plan)
