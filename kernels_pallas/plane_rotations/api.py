@@ -28,6 +28,7 @@ WARPS = 4
 @dataclasses.dataclass(frozen=True)
 class _Config:
   apply: Callable
+  apply_vjp: Callable | None
   num_planes: int
   block_t: int
   backend: str
@@ -35,14 +36,16 @@ class _Config:
 
 
 
-def plane_rotations(x, a, b, positions, w, *, apply: Callable, block_t=None,
-                    interpret: bool = False):
+def plane_rotations(x, a, b, positions, w, *, apply: Callable, apply_vjp: Callable | None = None,
+                    block_t=None, interpret: bool = False):
   """y_t = G_{N-1} ... G_0 x_t, G_n = apply(., a_n, b_n, positions_t * w_n), per token and head.
 
   x [B, T, H, D]; a, b [H, N, D]; positions [B, T]; w [H, N]. `apply(y [R, D], a [1, D],
   b [1, D], phase [R]) -> [R, D]` is a rotation by `phase` in a plane that a and b span, so
   that apply at -phase inverts it (posenc_jax.grape_m.rank2_apply), and is written in jnp ops
-  that Triton lowers. Returns y [B, T, H, D] in x's dtype, computed in float32; differentiable
+  that Triton lowers. `apply_vjp(x [R, D], a, b [1, D], phase [R], g [R, D]) -> (gx, ga, gb,
+  gphase)`, if given, is apply's VJP written out for the backward kernel (autodiff of apply
+  otherwise; posenc_jax.grape_m.rank2_apply_rows_vjp). Returns y [B, T, H, D] in x's dtype, computed in float32; differentiable
   in x, a, b and w. interpret=True runs the Pallas interpreter (CPU); otherwise Triton (GPU).
   """
   B, T, H, D = x.shape
@@ -65,7 +68,7 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, block_t=None,
   bp = pad_axis(pad_axis(b.astype(f32), 1, Np), 2, Dp)
   wp = pad_axis(w.astype(f32), 1, Np)
   pos = pad_axis(positions.astype(f32), 1, Tp)
-  cfg = _Config(apply=apply, num_planes=N, block_t=bt,
+  cfg = _Config(apply=apply, apply_vjp=apply_vjp, num_planes=N, block_t=bt,
                 backend="interpret" if interpret else "gpu")
   return _rotate_once(cfg, xp, ap, bp, pos, wp)[:, :T, :, :D].astype(x.dtype)
 
@@ -112,7 +115,8 @@ def _rotate_bwd(cfg, res, g):
   per_tile = pl.BlockSpec((None, None, None, Np, Dp), lambda i, h, b: (b, i, h, 0, 0))
   per_tile_w = pl.BlockSpec((None, None, None, Np), lambda i, h, b: (b, i, h, 0))
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-  body = functools.partial(kernels.backward_kernel, apply=cfg.apply, num_planes=cfg.num_planes)
+  body = functools.partial(kernels.backward_kernel, apply=cfg.apply, apply_vjp=cfg.apply_vjp,
+                           num_planes=cfg.num_planes)
   dx, da, db, dw = launch.call(
       body, s["grid"], [s["tile"], s["tile"], plane, plane, s["pos"], plane_w],
       [s["tile"], per_tile, per_tile, per_tile_w],

@@ -30,9 +30,11 @@ def forward_kernel(x_ref, a_ref, b_ref, pos_ref, w_ref, y_ref, *, apply, num_pla
 
 
 def backward_kernel(y_ref, g_ref, a_ref, b_ref, pos_ref, w_ref, dx_ref, da_ref, db_ref, dw_ref,
-                    *, apply, num_planes: int):
+                    *, apply, apply_vjp, num_planes: int):
   """y [bt, D] (the forward's float32 output), g [bt, D] its cotangent -> dx [bt, D], and this
-  tile's parts of da, db [Np, D] and dw [Np] (rows past N are left unwritten)."""
+  tile's parts of da, db [Np, D] and dw [Np] (rows past N are left unwritten). apply_vjp(x, a,
+  b, phase, g) -> (gx, ga, gb, gphase) is apply's VJP written out, or None for autodiff of
+  apply."""
   pos = pos_ref[...].astype(jnp.float32)
 
   def body(i, carry):
@@ -41,8 +43,11 @@ def backward_kernel(y_ref, g_ref, a_ref, b_ref, pos_ref, w_ref, dx_ref, da_ref, 
     a, b, w = _plane(a_ref, b_ref, w_ref, n)
     phase = pos * w
     x = apply(y, a, b, -phase)        # the plane's input, rebuilt by the inverse rotation
-    _, vjp = jax.vjp(apply, x, a, b, phase)
-    gx, ga, gb, gphase = vjp(g)
+    if apply_vjp is None:
+      _, vjp = jax.vjp(apply, x, a, b, phase)
+      gx, ga, gb, gphase = vjp(g)
+    else:
+      gx, ga, gb, gphase = apply_vjp(x, a, b, phase, g)
     da_ref[pl.ds(n, 1), :] = ga
     db_ref[pl.ds(n, 1), :] = gb
     dw_ref[pl.ds(n, 1)] = jnp.sum(gphase * pos, keepdims=True)

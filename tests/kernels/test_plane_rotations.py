@@ -4,7 +4,7 @@ probe w.r.t. x, a, b and the frequencies w.
 
 Interpreter (CPU): general planes (not orthogonal, not unit: the inverse rotation still undoes
 each one), T 37 over 16-token tiles (a padded tail), head_dim 24 and 5 planes (both padded),
-float32 and bf16 x. Through the model: grape_m_rank2 with planes="pallas" against "scan", the
+float32 and bf16 x, the backward's VJP by autodiff and written out. Through the model: grape_m_rank2 with planes="pallas" against "scan", the
 logits and every gradient. Lowering: forward and gradient lower through Triton for "cuda".
 """
 from __future__ import annotations
@@ -41,8 +41,9 @@ def _inputs(key, *, B=2, T=37, H=3, N=5, D=24, dtype=F32):
   return (x, a, b, w), pos, probe
 
 
+@pytest.mark.parametrize("vjp", [None, grape_m.rank2_apply_rows_vjp], ids=["autodiff", "written"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-def test_kernel_matches_the_plane_scan(key, dtype):
+def test_kernel_matches_the_plane_scan(key, dtype, vjp):
   (x, a, b, w), pos, probe = _inputs(key, dtype=dtype)
 
   def oracle(x, a, b, w):
@@ -52,7 +53,8 @@ def test_kernel_matches_the_plane_scan(key, dtype):
     return jnp.sum(jnp.sin(y.astype(F32)) * probe), y
 
   def kernel(x, a, b, w):
-    y = plane_rotations(x, a, b, pos, w, apply=grape_m.rank2_apply, block_t=16, interpret=True)
+    y = plane_rotations(x, a, b, pos, w, apply=grape_m.rank2_apply, apply_vjp=vjp, block_t=16,
+                        interpret=True)
     return jnp.sum(jnp.sin(y.astype(F32)) * probe), y
 
   grads = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))  # noqa
@@ -106,7 +108,8 @@ def test_kernel_lowers_for_cuda():
             SD((B, T), jnp.int32), SD((H, N), F32)]
 
   def f(x, a, b, pos, w):
-    return plane_rotations(x, a, b, pos, w, apply=grape_m.rank2_apply)
+    return plane_rotations(x, a, b, pos, w, apply=grape_m.rank2_apply,
+                           apply_vjp=grape_m.rank2_apply_rows_vjp)
 
   grad = jax.grad(lambda *z: jnp.sum(f(*z).astype(F32)), argnums=(0, 1, 2, 4))
   for fn, want in ((f, {"forward_kernel"}), (grad, {"forward_kernel", "backward_kernel"})):
