@@ -30,20 +30,23 @@ def _ptx(op: str, x):
   return y
 
 
+def _reduced(x):
+  """x - 2 pi round(x / 2 pi), in [-pi, pi]: cos.approx / sin.approx's error grows outside it.
+  Its rounding is that of x itself (a few ulps of |x|)."""
+  return x - TWO_PI * jnp.floor(x * (1.0 / TWO_PI) + 0.5)
+
+
 def cos_sin(x, *, fast: bool):
-  """(cos x, sin x) of float32 x. fast: reduce to [-pi, pi] (x - 2 pi round(x / 2 pi); the
-  instructions' error grows outside it), then cos.approx / sin.approx."""
+  """(cos x, sin x) of float32 x."""
   if not fast:
     return jnp.cos(x), jnp.sin(x)
-  r = x - TWO_PI * jnp.floor(x * (1.0 / TWO_PI) + 0.5)
+  r = _reduced(x)
   return _ptx("cos.approx.ftz", r), _ptx("sin.approx.ftz", r)
 
 
 def cos(x, *, fast: bool):
-  if not fast:
-    return jnp.cos(x)
-  r = x - TWO_PI * jnp.floor(x * (1.0 / TWO_PI) + 0.5)
-  return _ptx("cos.approx.ftz", r)
+  """cos x of float32 x."""
+  return _ptx("cos.approx.ftz", _reduced(x)) if fast else jnp.cos(x)
 
 
 def power(x, alpha: float, *, fast: bool):
