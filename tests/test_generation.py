@@ -61,8 +61,19 @@ def _prompt_batch(tokens_BT, lengths, padding):
 @pytest.mark.parametrize("name,padding,kv_shift", CASES)
 def test_prefill_then_decode_matches_full_forward(name, padding, kv_shift, key):
   """Ragged prompts (one of length 1), then teacher-forced decoding of the true next tokens."""
+  _check_decode(key, name, padding, kv_shift)
+
+
+@pytest.mark.parametrize("name", ["tapa", "tapa_linear"])
+def test_tapa_phase_scale_decodes_as_the_forward(name, key):
+  """phase_scale scales the phase channels where the encoding prepares q and k (the linear
+  phase's k too), so the cached keys carry it: decoding still equals the forward."""
+  _check_decode(key, name, "left", False, encoding_kwargs={"phase_scale": 0.3})
+
+
+def _check_decode(key, name, padding, kv_shift, **model_kw):
   k_model, k_tok, k_len = jax.random.split(key, 3)
-  model = perturbed_model(k_model, name, kv_shift=kv_shift, num_layers=1)
+  model = perturbed_model(k_model, name, kv_shift=kv_shift, num_layers=1, **model_kw)
   tokens = jax.random.randint(k_tok, (B, T), 0, V)
   lengths = np.asarray(jax.random.randint(k_len, (B,), 1, P + 1)).copy()
   lengths[0] = 1
