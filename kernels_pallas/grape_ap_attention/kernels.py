@@ -63,8 +63,9 @@ def _row_less(n: int):
 def _tri_dot(st: Static, x, tri, *, tri_left: bool):
   """x @ tri (tri @ x with tri_left) of float32 x and a 0/1 matrix tri, as bf16 products: tri
   is exact in bf16, so splitting x alone into st.passes bf16 terms (x = h_1 + h_2 + ...,
-  each the rounding of what the earlier ones left) keeps ~8 bits per term; two terms match a
-  three-pass TF32 product here at a third of its tensor-core time."""
+  each the rounding of what the earlier ones left) keeps ~8 bits per term. Two terms (bf16
+  inputs: ~16 bits, finer than the bf16 logits the sums are added to) cost a third of a
+  three-pass TF32 product's tensor-core time; three (float32 inputs) keep float32's 24."""
   acc = None
   for _ in range(st.passes):
     h = x.astype(jnp.bfloat16)
