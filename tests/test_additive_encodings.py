@@ -6,6 +6,7 @@ import pytest
 
 from posenc_jax import encodings
 from posenc_jax import grape_a
+from posenc_jax import masking
 from posenc_jax import path_integral
 from posenc_jax import unipotent
 from posenc_jax.encodings import additive
@@ -223,3 +224,106 @@ def test_grape_a_positions_restart_per_segment(key):
   single = _jit_apply(enc, params, {**alone, "segment_ids": None}, "reference")[0]
   assert_rel_rms(packed, single, 1e-5, "packed vs alone")
   assert path_integral.segment_positions(SEG, B, T)[0, 12] == 0
+
+
+def _fox_inputs(key, *, B=2, T=29, H=4, K=2, D=12, strong=False):
+  ks = jax.random.split(key, 5)
+  q = jax.random.normal(ks[0], (B, T, H, D))
+  k = jax.random.normal(ks[1], (B, T, K, D))
+  v = jax.random.normal(ks[2], (B, T, K, D))
+  # log f spread over three decades (strong: up to -5 a token, |c| in the hundreds)
+  lf = -jnp.exp(jax.random.uniform(ks[3], (B, T, H), minval=-6.0,
+                                   maxval=np.log(5.0) if strong else -1.0))
+  seg = jnp.stack([(jnp.arange(T) >= T // 3).astype(jnp.int32), jnp.zeros(T, jnp.int32)])
+  return q, k, v, lf, seg[:B], jax.random.normal(ks[4], (B, T, H, D))
+
+
+def test_forgetting_augment_is_fox(key):
+  """softmax over the augmented q, k (GQA, two documents, Da = 16 from D = 12) equals the FoX
+  oracle in float32: the output and the gradients w.r.t. q, k, v and log_forget (the key
+  channel carries d c_j back through the pieces and the cumsum)."""
+  q, k, v, lf, seg, ct = _fox_inputs(key)
+  scale = 12 ** -0.5
+
+  def lifted(q, k, v, lf):
+    qa, ka, va = unipotent.forgetting_augment(q, k, v, lf, segment_ids=seg, scale=scale)
+    assert qa.shape[-1] == 16 and ka.shape[2] == 4
+    return masking.dense_attention(masking.dot_logits(qa, ka, scale), va,
+                                   masking.causal_dense_mask(q.shape[1], seg))
+
+  def oracle(q, k, v, lf):
+    return unipotent.forgetting_attention_reference(q, k, v, lf, segment_ids=seg, scale=scale)
+
+  loss = lambda o: jnp.sum(o * ct)  # noqa: E731
+  got, got_g = value_and_grads(lifted, loss, (0, 1, 2, 3))(q, k, v, lf)
+  want, want_g = in_float64(value_and_grads(oracle, loss, (0, 1, 2, 3)), q, k, v, lf)
+  assert_rel_rms(got, want, 1e-5, "o")
+  assert_trees_rel_rms(got_g, want_g, 1e-5, "grads")
+
+
+def test_forgetting_augment_bias_is_exact_from_bfloat16(key):
+  """bf16 q, k (products exact, float32 accumulation, as on cuDNN's tensor cores) with a strong
+  gate: the lifted logits differ from scale q.k + c_i - c_j only by the dropped row constant
+  c_i, to float32 rounding of |c| (a single bf16 channel would be off by |c| 2^-9)."""
+  q, k, v, lf, _, _ = _fox_inputs(key, B=1, T=600, H=2, K=2, D=8, strong=True)
+  q, k = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+  scale = 8 ** -0.5
+  qa, ka, _ = unipotent.forgetting_augment(q, k, v, lf, scale=scale)
+  assert qa.dtype == ka.dtype == jnp.bfloat16
+  f32 = lambda x: np.asarray(x, np.float64)  # noqa: E731 (exact products and sums)
+  got = scale * np.einsum("bihc,bjhc->bhij", f32(qa), f32(ka))
+  c = np.cumsum(np.asarray(lf, np.float64), axis=1).transpose(0, 2, 1)        # [B, H, T]
+  want = scale * np.einsum("bihd,bjhd->bhij", f32(q), f32(k)) - c[:, :, None, :]
+  assert np.abs(c).max() > 300
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-7 * np.abs(c).max())
+
+
+def test_forgetting_cudnn_runs_the_lift_on_softmax(key, monkeypatch):
+  """implementation="cudnn" hands the augmented q, k, v to cuDNN's softmax path (here replaced
+  by XLA's, which this host runs) and gives FoX; on a CPU the explicit choice raises."""
+  from posenc_jax import attention
+  q, k, v, lf, seg, _ = _fox_inputs(key)
+  with pytest.raises(ValueError, match="needs a CUDA GPU"):
+    attention.forgetting_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                                   v.astype(jnp.bfloat16), lf, segment_ids=seg,
+                                   implementation="cudnn")
+  seen = []
+
+  def fake_cudnn(q, k, v, segment_ids, scale):
+    seen.append(q.shape[-1])
+    return attention.softmax_attention(q, k, v, segment_ids=segment_ids, scale=scale,
+                                       implementation="xla")
+
+  monkeypatch.setattr(attention, "_cudnn_attention", fake_cudnn)
+  got = attention.forgetting_attention(q, k, v, lf, segment_ids=seg, implementation="cudnn")
+  want = attention.forgetting_attention(q, k, v, lf, segment_ids=seg, implementation="reference")
+  assert seen == [16]
+  assert_rel_rms(got, want, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_forgetting_on_cudnn_on_the_gpu(key):
+  """FoX through the lift on cuDNN at a training size (bf16, T 2048, 12 heads of 64, three
+  documents) against the chunked oracle in float32 on the same bf16 values: the output and the
+  gradients of q, k, v and log_forget, at the bf16 kernel tolerance."""
+  from posenc_jax import attention
+  B, T, H, D = 2, 2048, 12, 64
+  ks = jax.random.split(key, 5)
+  q, k, v = (jax.random.normal(x, (B, T, H, D), jnp.bfloat16) for x in ks[:3])
+  lf = jnp.log(jax.random.uniform(ks[3], (B, T, H), minval=0.9, maxval=1.0))
+  ct = jax.random.normal(ks[4], (B, T, H, D))
+  seg = jnp.cumsum(jnp.zeros((B, T), jnp.int32).at[:, jnp.array([300, 1100])].set(1), axis=1)
+  loss = lambda o: jnp.sum(o.astype(jnp.float32) * ct)  # noqa: E731
+
+  def run(impl, *a):
+    return attention.forgetting_attention(*a, segment_ids=seg, implementation=impl)
+
+  got, got_g = value_and_grads(lambda *a: run("cudnn", *a), loss, (0, 1, 2, 3))(q, k, v, lf)
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  with jax.default_matmul_precision("highest"):
+    want, want_g = value_and_grads(lambda q, k, v, lf: run("chunked", f32(q), f32(k), f32(v), lf),
+                                   loss, (0, 1, 2, 3))(q, k, v, lf)
+  assert_rel_rms(f32(got), want, 1e-2, "o")
+  for name, g, w in zip(("dq", "dk", "dv", "dlog_forget"), got_g, want_g):
+    assert_rel_rms(f32(g), w, 1e-2, name)
