@@ -63,12 +63,23 @@ def basis_rotate(x_BTHD, angles_BTHP, basis_HDD):
 _SERIES_Z2 = 1e-2
 
 
+def _guarded(z2):
+  """(small, safe z^2, z, sin(z)/z) with the series branch's z^2 < _SERIES_Z2 replaced by 1:
+  the unused branch must stay finite under grad too."""
+  small = z2 < _SERIES_Z2
+  safe = jnp.where(small, 1.0, z2)
+  z = jnp.sqrt(safe)
+  return small, safe, z, jnp.sin(z) / z
+
+
+def _sinc_value(z2, small, s):
+  return jnp.where(small, 1.0 - z2 / 6.0 + z2 * z2 / 120.0, s)
+
+
 def sinc(z2):
   """sin(z)/z as a function of z^2 (even in z, so no sqrt of 0 and finite gradients at 0)."""
-  small = z2 < _SERIES_Z2
-  safe = jnp.where(small, 1.0, z2)   # the unused branch must stay finite under grad too
-  z = jnp.sqrt(safe)
-  return jnp.where(small, 1.0 - z2 / 6.0 + z2 * z2 / 120.0, jnp.sin(z) / z)
+  small, _, _, s = _guarded(z2)
+  return _sinc_value(z2, small, s)
 
 
 def rodrigues_coefficients(phase, s2):
@@ -104,11 +115,8 @@ def rank2_apply(x, a, b, phase):
 
 def _sinc_and_slope(z2):
   """(sinc, d sinc / d z2) as functions of z2 = z^2, with sinc's series below _SERIES_Z2."""
-  small = z2 < _SERIES_Z2
-  safe = jnp.where(small, 1.0, z2)
-  z = jnp.sqrt(safe)
-  s = jnp.sin(z) / z
-  return (jnp.where(small, 1.0 - z2 / 6.0 + z2 * z2 / 120.0, s),
+  small, safe, z, s = _guarded(z2)
+  return (_sinc_value(z2, small, s),
           jnp.where(small, -1.0 / 6.0 + z2 / 60.0, (jnp.cos(z) - s) / (2.0 * safe)))
 
 

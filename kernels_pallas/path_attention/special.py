@@ -56,12 +56,19 @@ def power(x, alpha: float, *, fast: bool):
   return _ptx("ex2.approx.ftz", alpha * _ptx("lg2.approx.ftz", x))
 
 
-def log_sigmoid(x, *, fast: bool):
-  """log sigmoid(x) = min(x, 0) - log(1 + e^-|x|) of float32 x."""
-  if not fast:
-    return jax.nn.log_sigmoid(x)
-  e = _ptx("ex2.approx.ftz", -LOG2E * jnp.abs(x))
+def _exp_neg_abs(x):
+  """e^-|x| (in (0, 1]: no overflow on either side)."""
+  return _ptx("ex2.approx.ftz", -LOG2E * jnp.abs(x))
+
+
+def _log_sigmoid_from(x, e):
+  """log sigmoid(x) = min(x, 0) - log(1 + e^-|x|), given e = e^-|x|."""
   return jnp.minimum(x, 0.0) - LN2 * _ptx("lg2.approx.ftz", 1.0 + e)
+
+
+def log_sigmoid(x, *, fast: bool):
+  """log sigmoid(x) of float32 x."""
+  return _log_sigmoid_from(x, _exp_neg_abs(x)) if fast else jax.nn.log_sigmoid(x)
 
 
 def log_sigmoid_and_sigmoid_neg(x, *, fast: bool):
@@ -69,7 +76,6 @@ def log_sigmoid_and_sigmoid_neg(x, *, fast: bool):
   of log sigmoid (d/dx log sigmoid(x) = sigmoid(-x))."""
   if not fast:
     return jax.nn.log_sigmoid(x), jax.nn.sigmoid(-x)
-  e = _ptx("ex2.approx.ftz", -LOG2E * jnp.abs(x))
+  e = _exp_neg_abs(x)
   r = _ptx("rcp.approx.ftz", 1.0 + e)   # 1 / (1 + e^-|x|) = sigmoid(|x|)
-  return (jnp.minimum(x, 0.0) - LN2 * _ptx("lg2.approx.ftz", 1.0 + e),
-          jnp.where(x >= 0, e * r, r))
+  return _log_sigmoid_from(x, e), jnp.where(x >= 0, e * r, r)
