@@ -237,10 +237,8 @@ def _tapa_stable_claims(load) -> list[Verdict]:
   rope = _at(load, "..", "rope")
   tapa32, lin32, rope32 = (_at(load, ".", "tapa", 32), _at(load, ".", "tapa_linear", 32),
                            _at(load, "..", "rope", 32))
-  lengths = sorted(int(x) for x in load.results()["encodings"]["tapa"])
-  mean = lambda v: sum(v) / len(v)  # noqa: E731
-  quad_wins = [L for L in lengths
-               if mean(_per(load.results(), "tapa", L)) < mean(_per(load.results(), "tapa_linear", L))]
+  enc = load.results()["encodings"]   # per length: the seeds' means
+  quad_wins = sorted(int(L) for L in enc["tapa"] if enc["tapa"][L] < enc["tapa_linear"][L])
   return [
       Verdict("TAPA Tables 1-2", "TAPA degrades gracefully far past its training length "
               "(RoPE collapses)", "partly",
@@ -268,8 +266,8 @@ TAPA_STABLE = Page(
      "why and what each change did alone).",
      "Scale: 19.7M tokens; the paper trains 7B-architecture models on 420B tokens at 8K.",
      "NoPE, the floor TAPA reduces to without its phase term, is ../nope/ (3 seeds, the "
-     "shared recipe).") + _LE_COMMON[:2],
-    index=True)
+     "shared recipe).") + _LE_COMMON[:2])
+
 
 def _nope_claims(load) -> list[Verdict]:
   return [Verdict(
