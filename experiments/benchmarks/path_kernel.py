@@ -22,8 +22,9 @@ on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward only where
 cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask; tapa, tapa_linear (TAPA on its
 Pallas kernel, alpha 0.1, theta 0.5) and tapa_auto, tapa_linear_auto (what implementation=None
 runs); grape_ap (GRAPE-AP on its Pallas kernel through attention.path_integral_attention, the
-model's 16-channel RMS-normalised probes, differentiated too). Each --options string (kp.BlockSizes fields, "key=value,..."; repeat the flag to compare
-several, "" the defaults) runs every one of our variants (path, path_fox, fox) once, as
+model's 16-channel RMS-normalised probes, differentiated too). Each --options string
+(kp.BlockSizes fields, "key=value,..."; repeat the flag to compare several, "" the defaults)
+runs every one of our variants (path, path_fox, fox) once, as
 "path[span=8]" etc.; each such row holds the plan it ran (str(kp.explain(...))), which is also
 printed.
 
@@ -60,8 +61,8 @@ from posenc_jax import householder  # noqa: E402
 OURS = ("path", "path_fox", "fox")
 # TAPA on its Pallas kernel (quadratic and linear phase) and as implementation=None runs it
 TAPA = ("tapa", "tapa_linear", "tapa_auto", "tapa_linear_auto")
-VARIANTS = OURS + TAPA + ("grape_ap", "sba", "cudnn", "jax_mha", "jax_mgpu", "cudnn_nc", "jax_mha_nc",
-                          "jax_mgpu_nc")
+VARIANTS = OURS + TAPA + ("grape_ap", "sba", "cudnn", "jax_mha", "jax_mgpu", "cudnn_nc",
+                          "jax_mha_nc", "jax_mgpu_nc")
 # jax's Mosaic GPU flash attention's tiles, tried in this order until one fits shared memory
 # (its backward needs all four backward blocks; jax 0.10-0.11 have no causal backward)
 MGPU_TILES = ((64, 128, 64, 128, 64, 128), (64, 64, 64, 64, 64, 64))
