@@ -46,7 +46,8 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, apply_vjp: Callab
   that Triton lowers. `apply_vjp(x [R, D], a, b [1, D], phase [R], g [R, D]) -> (gx, ga, gb,
   gphase)`, if given, is apply's VJP written out for the backward kernel (autodiff of apply
   otherwise; posenc_jax.grape_m.rank2_apply_rows_vjp). Returns y [B, T, H, D] in x's dtype,
-  computed in float32; differentiable in x, a, b and w. interpret=True runs the Pallas interpreter (CPU); otherwise Triton (GPU).
+  computed in float32; differentiable in x, a, b and w. interpret=True runs the Pallas
+  interpreter (CPU); otherwise Triton (GPU).
   """
   B, T, H, D = x.shape
   if a.ndim != 3 or a.shape[0] != H or a.shape[2] != D or b.shape != a.shape:
