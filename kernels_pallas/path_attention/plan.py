@@ -304,7 +304,10 @@ def resolve(spec: Spec, options: BlockSizes, *, scale: float, device: Device | N
   dq_pairs = spec.transport
   if backward == "walk":
     units = n // 2 if dq_pairs else n
-    lanes = auto_lanes(spec.batch * spec.kv_heads, units, device.sms)
+    # Without transport a lane keeps no D x D buffer: one program per query chunk, as in a
+    # flash-attention dq launch. (B K programs of the sweep leave SMs idle at B 4, K 12.)
+    lanes = (auto_lanes(spec.batch * spec.kv_heads, units, device.sms) if spec.transport
+             else units)
 
   prepass = prepass_form(spec, options.prepass)
   products_halves = spec.itemsize == 2 and backend in ("gpu", "interpret")

@@ -126,7 +126,7 @@ def test_plan_text_of_the_walks_and_fox():
   assert "backward:  walk: dq/dP on 2 lanes a kv head, then dk/dv" in str(walk)
   fox = _plan(2, 300, 4, 64, K=2, fox=True, gate=True)
   assert str(fox).startswith("FoX on gpu") and "pre-pass" not in str(fox)
-  assert "backward:  walk: dq/dP on 4 lanes a kv head" in str(fox)   # 5 chunks, not pairs
+  assert "backward:  walk: dq/dP on 5 lanes a kv head" in str(fox)   # a lane a chunk
   old = plan_lib.resolve(walk.spec, kp.BlockSizes(), scale=0.125, device=_ampere())
   assert "(A100, sm_80, 108 SMs)" in str(old).splitlines()[0]
 
@@ -177,10 +177,11 @@ def test_auto_lanes_fill_the_last_wave():
   assert plan_lib.auto_lanes(64, 128, 132) == 2   # 2 and 4 lanes tie, fewer wins
   assert plan_lib.auto_lanes(4, 3, 132) == 3      # capped by the units a head has
   assert plan_lib.auto_lanes(4, 16, 132) == 4     # and by max_lanes
-  # the walk's units are query-chunk pairs with transport, chunks without (FoX)
+  # the walk's units are query-chunk pairs with transport; without (FoX) a lane a chunk
   assert _plan(16, 2048, 12, 64, block_sizes=dict(span=0)).lanes == 2
   assert _plan(2, 300, 2, 64, K=1, block_sizes=dict(span=0)).lanes == 2   # 5 chunks: 2 pairs
-  assert _plan(2, 300, 2, 64, K=1, fox=True).lanes == 4
+  assert _plan(2, 300, 2, 64, K=1, fox=True).lanes == 5
+  assert _plan(4, 8192, 12, 64, fox=True).lanes == 128
 
 
 @pytest.mark.parametrize("requested,backend,dtype,G,D,expected", [
