@@ -220,6 +220,8 @@ def index_text() -> str:
       rows.append((v.paper, v.claim, f"**{v.verdict}**", f"{v.evidence} ({seeds})",
                    f"[{rel}]({rel}/README.md)"))
   rows += [(u.paper, u.claim, "**untested**", u.evidence, "-") for u in results_claims.UNTESTED]
+  rows += [(v.paper, v.claim, f"**{v.verdict}**", v.evidence, f"`{where}`")
+           for v, where in results_claims.ELSEWHERE]
   order = results_claims.PAPER_ORDER
   rows.sort(key=lambda r: order.index(r[0].split(" ")[0]) if r[0] != "-" else -1)
   table = ["| paper | claim | verdict | measured here | folder |", "|---|---|---|---|---|"]

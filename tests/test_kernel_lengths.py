@@ -37,3 +37,31 @@ def test_unknown_variant_is_one_error_line(capsys):
   with pytest.raises(SystemExit):
     kernel_lengths.main(["--variants", "path,flash"])
   assert "--variants flash" in capsys.readouterr().err
+
+
+def test_each_length_is_written_as_it_finishes_and_merged_by_T(tmp_path, monkeypatch):
+  """A run adds its lengths to the rows already in --out, replacing those of the same T, and
+  has written every finished length when a later one fails (a run cut short keeps them)."""
+  import json
+
+  import pytest
+
+  old = _rows()
+  (tmp_path / kernel_lengths.ROWS).write_text(json.dumps(old))
+  calls = []
+
+  def fake_run(lengths, **kw):
+    (t,) = lengths
+    calls.append(t)
+    if t == 16384:
+      raise RuntimeError("out of time")
+    return [dict(old[1], T=t, case=f"32x{t}x32x64", marker=t)]
+
+  monkeypatch.setattr(kernel_lengths, "run", fake_run)
+  with pytest.raises(RuntimeError):
+    kernel_lengths.main(["--lengths", "4096,8192,16384", "--out", str(tmp_path)])
+  assert calls == [4096, 8192, 16384]
+  rows = json.loads((tmp_path / kernel_lengths.ROWS).read_text())
+  assert [r["T"] for r in rows] == [2048, 4096, 8192]
+  assert rows[0] == old[1]                                  # untouched
+  assert rows[1]["marker"] == 4096 and rows[2]["marker"] == 8192   # replaced, then added

@@ -10,7 +10,10 @@ figure (kernel_lengths.png), time on a log scale against log2 T:
       --out $OUT
   python -m experiments.benchmarks.kernel_lengths --render-only --out DIR   # from its json
 
-Not yet measured on a GPU; its table and figure will be docs/benchmarks/kernel_lengths.md.
+Each length's row is written to the json as it finishes, and a run adds its lengths to the rows
+already there (replacing those of the same T), so a long sweep can be split across calls.
+
+Its current table and figure: docs/benchmarks/kernel_lengths.md.
 """
 from __future__ import annotations
 
@@ -105,14 +108,19 @@ def main(argv=None) -> None:
   if bad:
     p.error(f"--variants {','.join(bad)}: not one of {','.join(VARIANTS)}")
   rows_path = os.path.join(a.out, ROWS)
-  if a.render_only:
+  rows = []
+  if os.path.exists(rows_path):
     with open(rows_path) as f:
       rows = json.load(f)
-  else:
-    rows = run([int(t) for t in a.lengths.split(",")], batch=a.batch, heads=a.heads,
-               head_dim=a.head_dim, variants=variants)
-    with open(rows_path, "w") as f:
-      json.dump(rows, f, indent=1)
+  if not a.render_only:
+    os.makedirs(a.out, exist_ok=True)
+    # One length at a time, each written as it finishes, so a run cut short by the caller's
+    # time limit keeps what it measured; a length already in the file is measured again.
+    for t in (int(t) for t in a.lengths.split(",")):
+      new = run([t], batch=a.batch, heads=a.heads, head_dim=a.head_dim, variants=variants)
+      rows = [r for r in rows if r["T"] != t] + new
+      with open(rows_path, "w") as f:
+        json.dump(sorted(rows, key=lambda r: r["T"]), f, indent=1)
   render(rows, a.out)
   print(table(rows), file=sys.stdout)
 

@@ -440,6 +440,7 @@ def main(argv=None):
     rows = part_jax(a.cases, a.variants, a.options, a.dtype, docs=a.docs)
   else:
     rows = part_fla(a.cases, gate="path_fox" in a.variants)
+  os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, f"path_kernel_{a.part}.json"), "w") as f:
     json.dump(rows, f, indent=1)
   if a.part in ("jax", "fla"):

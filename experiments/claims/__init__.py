@@ -20,10 +20,12 @@ from experiments.claims.base import Verdict
 # fails tests/test_results_pages.py: every result states its verdicts and deviations.
 PAGES = {
     "flipflop": syn.FLIPFLOP, "flipflop_gpu": syn.FLIPFLOP_GPU,
+    "flipflop_gpu/sba": syn.SBA_FLIPFLOP_GPU,
     "length_extrapolation": lm.LENGTH, "length_extrapolation_gpu": lm.LENGTH_GPU,
     "length_extrapolation_gpu/tapa_lr2e-4": lm.TAPA_LR,
     "length_extrapolation_gpu/tapa_stable": lm.TAPA_STABLE,
     "length_extrapolation_gpu/nope": lm.NOPE_GPU,
+    "length_extrapolation_gpu/grape_m": lm.GRAPE_M_LM,
     "mqrar": syn.MQRAR, "mqrar_gpu": syn.MQRAR_GPU,
     "mqrar_gpu/rope_n1_seeds": syn.ROPE_N1_SEEDS, "mqrar_gpu/rope_n1_lr3e-4": syn.ROPE_N1_LR3E4,
     "mqrar_gpu/rope_n1_lr3e-3": syn.ROPE_N1_LR3E3,
@@ -38,15 +40,25 @@ UNTESTED = (
     Verdict("acc_rot Table 1", "the full table at 128x (65K/512), all six rotation rows and "
             "ALiBi at GPU scale", "untested",
             "the GPU sweep evaluates to 32x and ran only the Q/K/V rotations"),
-    Verdict("PaTH Table 1 / Fig. 2", "SBA (stick-breaking attention) as a baseline", "untested",
-            "SBA is an encoding here ('sba', in the flip-flop, MQRAR and A5 GPU configs) "
-            "but the committed runs predate it"),
-    Verdict("PaTH Fig. 1", "PaTH's kernel speed against RoPE and FoX kernels across lengths",
-            "untested", "no such plot; kernel timings against FLA and cuDNN are in "
-            "docs/benchmarks/path_kernel.md"),
-    Verdict("GRAPE Tables 1-2", "GRAPE-M matches RoPE and GRAPE-A/AP lead in language "
-            "modelling (downstream accuracy)", "untested",
-            "GRAPE-M was not run in language modelling; no downstream evaluation"),
+    Verdict("PaTH Fig. 2", "SBA (stick-breaking attention) struggles in MQRAR-N-back and the "
+            "A5 word problem, where PaTH succeeds", "untested",
+            "SBA is in the MQRAR and A5 GPU configs, but those runs have not been made; it is "
+            "measured in flip-flop (flipflop_gpu/sba/)"),
+    Verdict("GRAPE Tables 1-2", "GRAPE-A and GRAPE-AP lead in language modelling (downstream "
+            "accuracy)", "untested",
+            "no downstream evaluation; GRAPE-M against RoPE is in "
+            "length_extrapolation_gpu/grape_m/"),
+)
+
+# Claims measured by a benchmark rather than a result folder: (verdict, the page with it).
+ELSEWHERE = (
+    (Verdict("PaTH Fig. 1", "PaTH's kernel is modestly slower than RoPE's flash attention and "
+             "faster than FoX's kernel (B 32, 32 heads x 64, across lengths)", "partly",
+             "H200, forward+backward: PaTH / RoPE on cuDNN 3.84x at T 1024, 2.90x at 4096, "
+             "2.43x at 8192; PaTH / our FoX kernel 2.53x, 1.59x, 1.25x: slower than our FoX "
+             "at every length, by a shrinking margin (the paper's FoX kernel not run); 16384 "
+             "not measured", 0),
+     "docs/benchmarks/kernel_lengths.md"),
 )
 
 INDEX_INTRO = """# Paper claims and what this repository measured

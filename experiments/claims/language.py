@@ -287,6 +287,35 @@ NOPE_GPU = Page(
      "(../tapa_stable/), which is NoPE when its phase term is constant.",), index=False)
 
 
+def _grape_m_claims(load) -> list[Verdict]:
+  g, r = _at(load, ".", "grape_m"), _at(load, ".", "rope")
+  g32, r32 = _at(load, ".", "grape_m", 32), _at(load, ".", "rope", 32)
+  overlap = min(g) <= max(r) and min(r) <= max(g)
+  return [Verdict(
+      "GRAPE Tables 1-2", "GRAPE-M (learned commuting rank-2 planes) trains as well as RoPE "
+      "in language modelling (the paper's 0-shot averages, non-contextual: 51.79 against "
+      "RoPE's 51.73 at medium size, 54.81 against 55.76 at large)", "reproduced" if overlap else "contradicted",
+      f"perplexity at 1x: GRAPE-M {seeds(g)}, RoPE {seeds(r)}, "
+      + ("the seeds overlap" if overlap else "the seeds do not overlap")
+      + f"; at 32x GRAPE-M {seeds(g32)}, RoPE {seeds(r32)}: it extrapolates as RoPE does "
+      "(neither paper claims otherwise)", load.seeds())]
+
+
+GRAPE_M_LM = Page(
+    "GRAPE-M against RoPE in the GPU length-extrapolation setting",
+    _grape_m_claims,
+    ("As in ../README.md (6 layers x 768, 600 steps at 512, the shared recipe, lr 1e-3), "
+     "3 seeds each of GRAPE-M (`grape_m`: non-contextual, a learned basis of head_dim / 2 "
+     "commuting planes started at RoPE's) and RoPE, trained side by side on one GPU.",
+     "The GRAPE paper compares them by downstream accuracy after 50B tokens (its Tables 1-2) "
+     "with 355M-770M models on FineWeb-Edu; here, perplexity per byte on held-out Python "
+     "source after 19.7M tokens. No downstream evaluation.",
+     "RoPE's 3 seeds here are new runs; ../ holds one RoPE seed of the same config from "
+     "before fields with neutral defaults were added to the config (context axis 1, "
+     "divergence checks), which changed its fingerprint, so the tables are not merged.")
+    + _LE_COMMON[:2])
+
+
 # --- probes ------------------------------------------------------------------------
 
 
