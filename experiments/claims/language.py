@@ -294,7 +294,8 @@ def _grape_m_claims(load) -> list[Verdict]:
   return [Verdict(
       "GRAPE Tables 1-2", "GRAPE-M (learned commuting rank-2 planes) trains as well as RoPE "
       "in language modelling (the paper's 0-shot averages, non-contextual: 51.79 against "
-      "RoPE's 51.73 at medium size, 54.81 against 55.76 at large)", "reproduced" if overlap else "contradicted",
+      "RoPE's 51.73 at medium size, 54.81 against 55.76 at large)",
+      "reproduced" if overlap else "contradicted",
       f"perplexity at 1x: GRAPE-M {seeds(g)}, RoPE {seeds(r)}, "
       + ("the seeds overlap" if overlap else "the seeds do not overlap")
       + f"; at 32x GRAPE-M {seeds(g32)}, RoPE {seeds(r32)}: it extrapolates as RoPE does "
