@@ -406,15 +406,12 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale=None,
 
   ALiBi is the constant gate log_forget[:, :, h] = -slope_h.
   q [B, T, H, D]; k, v [B, T, K, D]; log_forget [B, T, H] <= 0 -> o [B, T, H, D].
-  implementation "cudnn": the gate's key term as three extra q / k channels
-  (unipotent.forgetting_augment) on cuDNN's softmax attention, at head dim D + 3 rounded up to
-  a multiple of 8 (bf16 / fp16 inputs, a GPU).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_shape("log_forget", log_forget, (B, T, H), "BTH")
   _checks.check_range("log_forget", log_forget, -float("inf"), 0.0)
   _checks.check_segment_ids(segment_ids, B, T)
-  impl = _pick(implementation, "forgetting", ("reference", "chunked", "pallas", "cudnn"), q, v,
+  impl = _pick(implementation, "forgetting", ("reference", "chunked", "pallas"), q, v,
                segment_ids, kernel_options=True)
   scale = _scale(scale, D)
   if context_parallel.context_size() > 1:
@@ -422,10 +419,6 @@ def forgetting_attention(q, k, v, log_forget, *, segment_ids=None, scale=None,
         q, k, v, log_forget, segment_ids=segment_ids, scale=scale,
         kernel=impl.startswith("pallas"),
         kernel_options=_checks.kernel_block_sizes(impl, kernel_options))
-  if impl == "cudnn":
-    q_aug, k_aug, v_aug = unipotent.forgetting_augment(q, k, v, log_forget,
-                                                       segment_ids=segment_ids, scale=scale)
-    return _cudnn_attention(q_aug, k_aug, v_aug, segment_ids, scale)
   if impl.startswith("pallas"):
     import kernels_pallas
     return kernels_pallas.forgetting_attention(q, k, v, log_forget, scale=scale,

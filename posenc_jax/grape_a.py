@@ -96,7 +96,7 @@ def grape_a_attention_reference(q, k, v, *, omega, lam_q, lam_k, segment_ids=Non
   return masking.dense_attention(logits, v, masking.causal_dense_mask(T, segment_ids))
 
 
-def bf16_pieces(x, n: int):
+def _bf16_pieces(x, n: int):
   """x ~= sum of n float32 arrays, each exactly representable in bfloat16 (8 bits each)."""
   pieces = []
   for _ in range(n):
@@ -150,18 +150,18 @@ def grape_a_augment(q, k, v, *, omega, lam_q, lam_k, segment_ids=None, scale, at
   om = omega.astype(jnp.float32)[None, None, :]
   q_ch, k_ch = [], []
   if lam_q is not None:                    # (omega a_i / s) * j, split exactly
-    for w in bf16_pieces(om * lam_q / s, g):
+    for w in _bf16_pieces(om * lam_q / s, g):
       for jp in pos_pieces:
         q_ch.append(w)
         k_ch.append(jnp.broadcast_to(jp, (B, T, H)))
   if lam_k is not None:                    # (omega c_j / s) * (-i) + (omega c_j j / s) * 1
-    c_pieces = bf16_pieces(om * lam_k / s, g)
+    c_pieces = _bf16_pieces(om * lam_k / s, g)
     c_used = sum(c_pieces)                 # the gate as the channels carry it (exact sum)
     for c in c_pieces:
       for ip in pos_pieces:
         q_ch.append(jnp.broadcast_to(-ip, (B, T, H)))
         k_ch.append(c)
-    for x in bf16_pieces(c_used * pos[:, :, None].astype(jnp.float32), min(g + n_pos, 3)):
+    for x in _bf16_pieces(c_used * pos[:, :, None].astype(jnp.float32), min(g + n_pos, 3)):
       q_ch.append(jnp.ones((B, T, H), jnp.float32))
       k_ch.append(x)
   pad = [jnp.zeros((B, T, H), jnp.float32)] * (Da - D - len(q_ch))

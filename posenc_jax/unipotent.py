@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax import blockwise
-from posenc_jax import grape_a
 from posenc_jax import masking
 from posenc_jax.grape_a import grape_a_attention_reference  # noqa: F401  (re-export)
 from posenc_jax.grape_a import grape_a_augment  # noqa: F401
@@ -71,35 +70,6 @@ def forgetting_attention_reference(q, k, v, log_forget, *, segment_ids=None, sca
   T = q.shape[1]
   logits = masking.dot_logits(q, k, scale) + forgetting_bias(log_forget, segment_ids)
   return masking.dense_attention(logits, v, masking.causal_dense_mask(T, segment_ids))
-
-
-# bf16 pieces of the key channel -c_j / scale: 3 x 8 bits carry its float32 value exactly
-FORGET_PIECES = 3
-
-
-def forgetting_augment(q, k, v, log_forget, *, segment_ids=None, scale):
-  """FoX (and ALiBi) as plain softmax attention: (q_aug, k_aug, v_aug) with
-  softmax_j(scale q_aug_i . k_aug_j) == softmax_j(scale q_i . k_j + c_i - c_j) on visible pairs,
-  c the within-segment inclusive cumsum of log_forget (forgetting_bias).
-
-  c_i is the same for every key of row i and softmax drops it; -c_j rides in extra channels:
-  q gets ones, k gets -c_j / scale split into FORGET_PIECES pieces exact in bfloat16, so a
-  kernel that rounds its inputs to bf16 and accumulates in float32 (cuDNN, tensor cores) adds
-  it exactly. The head dim grows to D + 3, padded with zero channels to a multiple of
-  grape_a.LANE. The key channel is per query head, so under GQA k and v repeat to H heads.
-  q [B, T, H, D]; k, v [B, T, K, D]; log_forget [B, T, H] -> q_aug, k_aug [B, T, H, Da], v
-  [B, T, H, Dv], in the inputs' dtypes (run with the same `scale`).
-  """
-  B, T, H, D = q.shape
-  c = masking.segment_cumsum(log_forget.astype(jnp.float32), segment_ids)      # [B, T, H]
-  pieces = grape_a.bf16_pieces(-c / scale, FORGET_PIECES)
-  Da = -(-(D + FORGET_PIECES) // grape_a.LANE) * grape_a.LANE
-  zeros = [jnp.zeros((B, T, H), jnp.float32)] * (Da - D - FORGET_PIECES)
-  q_ext = jnp.stack([jnp.ones((B, T, H), jnp.float32)] * FORGET_PIECES + zeros, -1)
-  k_ext = jnp.stack(pieces + zeros, -1)
-  q_aug = jnp.concatenate([q, q_ext.astype(q.dtype)], -1)
-  k_aug = jnp.concatenate([masking.repeat_kv(k, H), k_ext.astype(k.dtype)], -1)
-  return q_aug, k_aug, masking.repeat_kv(v, H)
 
 
 def forgetting_attention_chunked(q, k, v, log_forget, *, segment_ids=None, scale,
