@@ -110,12 +110,10 @@ def run(c) -> tuple[dict, dict]:
       pairs.setdefault(f"random_rho{rho}", {})[name] = (
           enc, params, *random_pairs(c.num_pairs, c.head_dim, rho, c.seed))
   if c.source_workdir:
-    src_mod = __import__(f"experiments.configs.{c.source_config}", fromlist=["get_config"])
     for name in c.encodings:
-      scfg = src_mod.get_config(c.source_arg)
-      with scfg.unlocked():
-        scfg.model.encoding = name
-      trainer, params = load.restore(scfg, os.path.join(c.source_workdir, name, "seed0"))
+      run_dir = os.path.join(c.source_workdir, name, "seed0")
+      scfg = load.source_run(c.source_config, c.source_arg, name, run_dir)
+      trainer, params = load.restore(scfg, run_dir)
       tokens = load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch)
       layers = load.layer_inputs(trainer.model(params), jnp.asarray(tokens))
       for li, layer in enumerate(layers):

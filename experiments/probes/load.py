@@ -22,6 +22,28 @@ from experiments import train
 from posenc_jax import model as model_lib
 
 
+def source_run(config_module: str, config_arg: str, encoding: str, workdir: str):
+  """The config a probe rebuilds a trained run from: the run's own config.json when its
+  workdir has one (so command-line overrides it trained with, such as an encoding's
+  hyperparameters, are kept), else `config_module`'s config for `config_arg` with its encoding
+  set to `encoding` (workdirs from before runs recorded their config)."""
+  from experiments import run_config
+  from experiments.configs import from_workdir
+
+  recorded = run_config.stored(workdir)
+  if recorded is not None:
+    config = from_workdir.on_defaults(recorded)
+    if config.model.encoding != encoding:
+      raise ValueError(f"{workdir}/{run_config.CONFIG} trained encoding "
+                       f"{config.model.encoding!r}, not {encoding!r}")
+    return config
+  module = __import__(f"experiments.configs.{config_module}", fromlist=["get_config"])
+  config = module.get_config(config_arg)
+  with config.unlocked():
+    config.model.encoding = encoding
+  return config
+
+
 def restore(config, workdir: str):
   """(trainer, params) of the newest intact checkpoint in workdir, trained from `config`
   (damaged newer steps passed over with a warning line each, as training does)."""

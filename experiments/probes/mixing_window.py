@@ -147,14 +147,12 @@ def layer_stats(layer: dict, radii: list[int]) -> dict:
 def run(c) -> dict:
   from experiments.probes import load
 
-  src_mod = __import__(f"experiments.configs.{c.source_config}", fromlist=["get_config"])
   radii = sorted({r for r in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if r < c.text_len})
   results = {}
   for name in c.encodings:
-    scfg = src_mod.get_config(c.source_arg)
-    with scfg.unlocked():
-      scfg.model.encoding = name
-    trainer, params = load.restore(scfg, os.path.join(c.source_workdir, name, "seed0"))
+    run_dir = os.path.join(c.source_workdir, name, "seed0")
+    scfg = load.source_run(c.source_config, c.source_arg, name, run_dir)
+    trainer, params = load.restore(scfg, run_dir)
     tokens = jnp.asarray(load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch))
     layers = load.layer_inputs(trainer.model(params), tokens)
     per_layer = []
