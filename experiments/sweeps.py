@@ -30,10 +30,14 @@ time and tokens seen. The results directory keeps its summaries.json: a later in
 the same config (say, other encodings in another device call) adds its runs to the same
 table instead of replacing it.
 
-Sweeps of one config may also run side by side (small models leave most of a GPU idle), each
-with its own workdir and --results directory; `--gather=DIR,...` then merges their runs into
-one --results directory without training, and its README gives the span from the first run's
-start to the last one's finish as the wall time.
+Small models leave most of a GPU idle: `--side_by_side=N` trains the sweep's unfinished runs
+in N processes at once (each its share, round robin; logs in DIR/side_by_side.<i>.log), then
+writes --results from all of them. Sweeps run separately (other machines, other calls) can
+also be merged: each with its own workdir and --results directory, `--gather=DIR,...` then
+merges their runs into one --results directory without training, and its README gives the
+span from the first run's start to the last one's finish as the wall time. With
+sweep.eval_tokens, each run's length evaluation is kept in RUN/length_eval.json and reused by
+later invocations while its lengths, token counts and checkpoint step are unchanged.
 """
 from __future__ import annotations
 
@@ -110,8 +114,11 @@ def config_fingerprint(config) -> str:
   return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_sweep(config, workdir: str, *, log=print) -> list[dict]:
-  """Trains every run of the sweep (skipping finished ones); returns their summaries."""
+def run_sweep(config, workdir: str, *, log=print, only=None) -> list[dict]:
+  """Trains every run of the sweep (skipping finished ones); returns their summaries.
+
+  only: indices into plan_runs' list, for one worker of --side_by_side: it trains (and
+  evaluates) those runs and leaves DIR/summaries.json to the parent."""
   import jax
 
   from experiments import config_checks
@@ -119,6 +126,8 @@ def run_sweep(config, workdir: str, *, log=print) -> list[dict]:
   from experiments import train
 
   runs = plan_runs(config, workdir)
+  if only is not None:
+    runs = [r for i, r in enumerate(runs) if i in set(only)]
   checked = [config_checks.check(r["config"], workdir=r["workdir"], data_module=data,
                                  num_devices=jax.device_count()) for r in runs]
   summaries, interrupted = [], False
@@ -135,19 +144,115 @@ def run_sweep(config, workdir: str, *, log=print) -> list[dict]:
         interrupted = True
         break
     if config.sweep.get("eval_tokens"):  # equal-token evaluation at every length
-      from experiments.probes import length_eval
-      summary["eval"] = length_eval.evaluate_lengths(
-          r["config"], r["workdir"], lengths=tuple(config.sweep.eval_lengths),
-          tokens=config.sweep.eval_tokens, batch_tokens=config.sweep.eval_batch_tokens)
+      summary["eval"] = _length_eval(config, r, step=summary.get("step"))
     summary.update(seed=r["seed"], axis_value=r["axis_value"], workdir=r["workdir"])
     log(f"{r['workdir']}: final loss {summary['final_loss']:.4f} "
         f"({summary['wall_time_s']:.0f} s)")
     summaries.append(summary)
-  with open(os.path.join(workdir, "summaries.json"), "w") as f:
-    json.dump(summaries, f, indent=1)
+  if only is None:
+    with open(os.path.join(workdir, "summaries.json"), "w") as f:
+      json.dump(summaries, f, indent=1)
   if interrupted:
     raise Interrupted(summaries)
   return summaries
+
+
+LENGTH_EVAL = "length_eval.json"
+
+
+def _length_eval(config, run: dict, *, step) -> dict:
+  """The run's perplexity at every sweep.eval_lengths (experiments/probes/length_eval.py),
+  kept in RUN/length_eval.json with what it was computed from, so a later invocation (a
+  gather, the parent of --side_by_side, more encodings into the same results) reuses it
+  unless the lengths, token counts or checkpoint step differ."""
+  from experiments.probes import length_eval
+
+  key = {"lengths": list(config.sweep.eval_lengths), "tokens": config.sweep.eval_tokens,
+         "batch_tokens": config.sweep.eval_batch_tokens, "step": step}
+  path = os.path.join(run["workdir"], LENGTH_EVAL)
+  try:
+    with open(path) as f:
+      cached = json.load(f)
+    if cached.get("key") == key:
+      return cached["eval"]
+  except (OSError, ValueError):
+    pass  # missing or unreadable: evaluate again
+  result = length_eval.evaluate_lengths(
+      run["config"], run["workdir"], lengths=tuple(config.sweep.eval_lengths),
+      tokens=config.sweep.eval_tokens, batch_tokens=config.sweep.eval_batch_tokens)
+  tmp = path + ".tmp"
+  os.makedirs(run["workdir"], exist_ok=True)
+  with open(tmp, "w") as f:
+    json.dump({"key": key, "eval": result}, f)
+  os.replace(tmp, path)
+  return result
+
+
+class SideBySideError(RuntimeError):
+  """A --side_by_side worker exited with an error (its log names why)."""
+
+
+def side_by_side(argv: list[str], runs: list[dict], workers: int, workdir: str, *,
+                 log=print) -> None:
+  """Trains the unfinished runs in `workers` processes at once on this machine's devices
+  (small models leave most of a GPU idle), each a `python -m experiments.sweeps` with the same
+  arguments and --run_indices (its share, round robin); returns when all have finished.
+  Each worker's output goes to WORKDIR/side_by_side.<i>.log. Unless set already, each gets
+  XLA_PYTHON_CLIENT_MEM_FRACTION = 0.9 / workers. SideBySideError naming the logs of the
+  workers that failed; SIGTERM / Ctrl-C stop every worker (their runs resume from checkpoints)."""
+  import signal
+  import subprocess
+
+  pending = [i for i, r in enumerate(runs)
+             if not os.path.exists(os.path.join(r["workdir"], "summary.json"))]
+  if not pending:
+    return
+  groups = [pending[i::workers] for i in range(min(workers, len(pending)))]
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / len(groups):.3f}")
+  base_argv = _without(argv[1:], ("side_by_side", "results"))
+  os.makedirs(workdir, exist_ok=True)
+  procs = []
+  for i, group in enumerate(groups):
+    log_path = os.path.join(workdir, f"side_by_side.{i}.log")
+    cmd = [sys.executable, "-m", "experiments.sweeps", *base_argv,
+           f"--run_indices={','.join(map(str, group))}"]
+    with open(log_path, "w") as out:
+      procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env),
+                    log_path, group))
+    log(f"worker {i}: runs {', '.join(runs[j]['workdir'] for j in group)} (log {log_path})")
+
+  def stop(signum, frame):
+    for p, _, _ in procs:
+      p.send_signal(signal.SIGTERM)
+    for p, _, _ in procs:
+      p.wait()
+    raise SystemExit(143)
+
+  previous = signal.signal(signal.SIGTERM, stop)
+  try:
+    failed = [(log_path, p.wait()) for p, log_path, _ in procs]
+  except KeyboardInterrupt:
+    stop(signal.SIGINT, None)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  failed = [(path, rc) for path, rc in failed if rc != 0]
+  if failed:
+    raise SideBySideError("side-by-side workers failed: " + "; ".join(
+        f"{path} (exit {rc})" for path, rc in failed) + "; the same command resumes them")
+
+
+def _without(args: list[str], names: tuple[str, ...]) -> list[str]:
+  """args without the flags `names` (--name=value, or --name value)."""
+  out, skip = [], False
+  for a in args:
+    if skip:
+      skip = False
+    elif a in tuple(f"--{n}" for n in names):
+      skip = True
+    elif not a.startswith(tuple(f"--{n}=" for n in names)):
+      out.append(a)
+  return out
 
 
 class Interrupted(SystemExit):
@@ -209,8 +314,13 @@ def main(argv) -> None:
     if _RESULTS.value and experiment not in results_writers.AGGREGATE:
       raise ValueError(f"config.sweep.experiment={experiment!r} must be one of "
                        f"{tuple(results_writers.AGGREGATE)} to write --results")
-    summaries = run_sweep(config, workdir)
-  except ValueError as e:
+    if _SIDE_BY_SIDE.value > 1 and not _RUN_INDICES.value:
+      side_by_side(sys.argv, plan_runs(config, workdir), _SIDE_BY_SIDE.value, workdir)
+    only = [int(i) for i in _RUN_INDICES.value] if _RUN_INDICES.value else None
+    summaries = run_sweep(config, workdir, only=only)
+    if only is not None:  # a worker of --side_by_side: its parent writes the results
+      return
+  except (ValueError, SideBySideError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   except Interrupted as e:  # write what finished, then exit as interrupted
@@ -232,5 +342,10 @@ if __name__ == "__main__":
   _GATHER = flags.DEFINE_list(
       "gather", [], "Results directories of sweeps of this config that ran side by side: "
       "merge their runs into --results instead of training (no --workdir needed).")
+  _SIDE_BY_SIDE = flags.DEFINE_integer(
+      "side_by_side", 1, "Train the sweep's unfinished runs in this many processes at once on "
+      "this machine (each its share of the runs), then write --results from all of them.")
+  _RUN_INDICES = flags.DEFINE_list("run_indices", [], "(internal: one side-by-side worker's "
+                                   "runs, indices into the sweep's plan)")
   flags.mark_flags_as_required(["config"])
   app.run(main, flags_parser=cli_config.parse_flags)

@@ -172,3 +172,98 @@ def test_sweeps_cli_names_an_unknown_field(tmp_path):
   assert proc.stderr.strip().splitlines()[-1].startswith(
       "error: config.model has no field foo; fields: block, d_model,"), proc.stderr[-2000:]
   assert not (tmp_path / "w").exists()
+
+
+def _sweeps_cli(*args, cwd=None):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run([sys.executable, "-m", "experiments.sweeps", *args], cwd=cwd or root,
+                        capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_side_by_side_trains_the_same_runs_as_one_process(tmp_path):
+  """--side_by_side=2 over a 2-encoding x 2-seed flip-flop sweep: two workers, each its share,
+  then one results table whose final losses equal those of the same sweep in one process."""
+  cfg = "--config=experiments/configs/flipflop.py:runlocal,encodings=rope+alibi,seeds=2,steps=4"
+  seq = _sweeps_cli(cfg, f"--workdir={tmp_path / 'seq'}", f"--results={tmp_path / 'rs'}")
+  assert seq.returncode == 0, seq.stderr[-2000:]
+  par = _sweeps_cli(cfg, f"--workdir={tmp_path / 'par'}", "--side_by_side=2",
+                    "--results", str(tmp_path / "rp"))
+  assert par.returncode == 0, par.stderr[-2000:]
+  logs = sorted(p.name for p in (tmp_path / "par").iterdir() if p.name.endswith(".log"))
+  assert logs == ["side_by_side.0.log", "side_by_side.1.log"]
+  loss = lambda d: sorted((s["encoding"], s["seed"], s["final_loss"])  # noqa: E731
+                          for s in json.load(open(d / results_writers.SUMMARIES)))
+  assert loss(tmp_path / "rp") == loss(tmp_path / "rs")
+  # Every run finished: the same command again trains nothing and starts no worker.
+  again = _sweeps_cli(cfg, f"--workdir={tmp_path / 'par'}", "--side_by_side=2",
+                      f"--results={tmp_path / 'rp'}")
+  assert again.returncode == 0 and "worker 0" not in again.stdout + again.stderr
+
+
+def test_a_failed_side_by_side_worker_is_one_error_naming_its_log(tmp_path, monkeypatch):
+  import subprocess as sp
+
+  class Failing:
+    def __init__(self, cmd, **kw):
+      self.cmd = cmd
+
+    def wait(self):
+      return 0 if "--run_indices=0" in self.cmd else 3
+
+  monkeypatch.setattr(sp, "Popen", Failing)
+  from experiments.configs import flipflop
+  config = flipflop.get_config("runlocal,encodings=rope+path,seeds=1")
+  runs = sweeps.plan_runs(config, str(tmp_path))
+  argv = ["sweeps.py", "--config=x", "--side_by_side=2", "--results", "R", "--workdir=W"]
+  with pytest.raises(sweeps.SideBySideError, match=r"side_by_side\.1\.log \(exit 3\)"):
+    sweeps.side_by_side(argv, runs, 2, str(tmp_path), log=lambda *_: None)
+
+
+def test_side_by_side_workers_get_their_share_and_no_results_flag(tmp_path, monkeypatch):
+  import subprocess as sp
+
+  seen = []
+
+  class Ok:
+    def __init__(self, cmd, env=None, **kw):
+      seen.append((cmd, env["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+
+    def wait(self):
+      return 0
+
+  monkeypatch.setattr(sp, "Popen", Ok)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  from experiments.configs import flipflop
+  config = flipflop.get_config("runlocal,encodings=rope+path+alibi,seeds=1")
+  runs = sweeps.plan_runs(config, str(tmp_path))
+  os.makedirs(runs[1]["workdir"])
+  open(os.path.join(runs[1]["workdir"], "summary.json"), "w").write("{}")   # finished
+  argv = ["sweeps.py", "--config=x", "--side_by_side=2", "--results", "R", "--workdir=W"]
+  sweeps.side_by_side(argv, runs, 2, str(tmp_path), log=lambda *_: None)
+  assert [c[-1] for c, _ in seen] == ["--run_indices=0", "--run_indices=2"]
+  assert all("--results" not in c and "R" not in c and "--side_by_side=2" not in c
+             for c, _ in seen)
+  assert {m for _, m in seen} == {"0.450"}
+
+
+def test_length_evaluation_is_kept_and_reused(tmp_path, monkeypatch):
+  from experiments import train
+  from experiments.probes import length_eval
+
+  calls = []
+  monkeypatch.setattr(train, "run", lambda config, workdir, **_: dict(
+      _summary(config.model.encoding, 1.0), interrupted=False, step=6))
+  monkeypatch.setattr(length_eval, "evaluate_lengths",
+                      lambda config, workdir, **kw: calls.append(workdir) or {"16": 3.0})
+  config = length_extrapolation.get_config("runlocal,encodings=rope")
+  first = sweeps.run_sweep(config, str(tmp_path), log=lambda *_: None)
+  run_dir = first[0]["workdir"]
+  with open(os.path.join(run_dir, "summary.json"), "w") as f:   # as train.run leaves it
+    json.dump(dict(_summary("rope", 1.0), interrupted=False, step=6), f)
+  again = sweeps.run_sweep(config, str(tmp_path), log=lambda *_: None)
+  assert calls == [run_dir] and again[0]["eval"] == first[0]["eval"] == {"16": 3.0}
+  with config.unlocked():
+    config.sweep.eval_tokens = 2 * config.sweep.eval_tokens     # another evaluation: redone
+  sweeps.run_sweep(config, str(tmp_path), log=lambda *_: None)
+  assert calls == [run_dir, run_dir]

@@ -12,8 +12,8 @@ mixing_window), which read them from WORKDIR/<encoding>/seed0/.
 512 with gpu), lr=X (peak learning rate; default 3e-3, 1e-3 with gpu), factors=N (evaluate at
 L .. 2^(N-1) L; default 6, i.e. to 32x), table=acc_rot (the accumulated-rotations paper's
 Table 1: rope, rope_v, acc_rot_random(_v), acc_rot_learned(_v) and alibi, to 128x; with gpu,
-L = 512 and evaluation to 65,536, each encoding and seed its own invocation:
-`gpu,table=acc_rot,encodings=acc_rot_random,seeds=3`). TAPA's paper trains
+L = 512 and evaluation to 65,536: `gpu,table=acc_rot,seeds=3` with `--side_by_side=4` trains
+four runs at a time on one GPU, and the same command resumes it). TAPA's paper trains
 TAPA at a fifth of RoPE's rate (2e-5 against 1e-4). The GPU table's tapa row trained at gpu's
 shared 1e-3, where its gradient norm grows from step 75 and the run does not learn
 (length_extrapolation_gpu/NOTES.md); the run at that ratio, `encodings=tapa,lr=2e-4`, has its
