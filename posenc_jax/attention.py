@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from posenc_jax import _checks
 from posenc_jax import blockwise
 from posenc_jax import context_parallel
+from posenc_jax import grape_a
 from posenc_jax import householder
 from posenc_jax import masking
 from posenc_jax import path_integral
@@ -56,7 +57,7 @@ AUTO_DENSE_MAX_T = 2048
 # float32 with packed documents (the table is docs/benchmarks/cpu_auto.md): PaTH's dense form
 # (a lax.scan over T steps) loses at every T; the others' dense forms win or tie up to
 # AUTO_DENSE_MAX_T. Beyond it (not measured) memory decides: chunked.
-CPU_DENSE_MAX_T = {"softmax": 256, "path": 0, "forgetting": AUTO_DENSE_MAX_T,
+CPU_DENSE_MAX_T = {"softmax": 256, "grape_a": 256, "path": 0, "forgetting": AUTO_DENSE_MAX_T,
                    "path_integral": AUTO_DENSE_MAX_T, "tapa": AUTO_DENSE_MAX_T,
                    "stick_breaking": 256}
 
@@ -78,7 +79,8 @@ PALLAS_DTYPES = ("float32", "bfloat16", "float16")
 # The Pallas kernel takes power-of-two head dims >= 16; its tiles are tuned up to 128.
 PALLAS_MAX_HEAD_DIM = 128
 
-FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa", "stick_breaking")
+FAMILIES = ("softmax", "grape_a", "path", "forgetting", "path_integral", "tapa",
+            "stick_breaking")
 _KERNEL_FAMILIES = ("path", "forgetting")
 # Families with a Triton kernel only (kernels_pallas.tapa_attention, grape_ap_attention): the GPU
 # runs it; the TPU has no form of it and runs the blockwise jnp.
@@ -229,6 +231,11 @@ def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim
     return Choice("pallas", reason)
   if family == "softmax" and backend == "gpu":
     return softmax_gpu_path(dtype, head_dim, Dv, has_segments=has_segments, T=T)
+  if family == "grape_a":   # lifted into extra channels: softmax at the lifted head dim
+    lifted = grape_a.augmented_head_dim(T, head_dim, dtype, q_gate=True, k_gate=True)
+    inner = auto_implementation("softmax", T=T, dtype=dtype, head_dim=lifted, v_head_dim=Dv,
+                                has_segments=has_segments, backend=backend)
+    return Choice(inner.implementation, f"GRAPE-A lifted to head dim {lifted}; {inner.reason}")
   if family in _TRITON_FAMILIES and backend == "gpu":
     return Choice("pallas", f"gpu: the Triton {_TRITON_FAMILIES[family]} kernel")
   return Choice("chunked", f"{backend}: blockwise jnp for {family}, never a T x T array per head")
@@ -469,6 +476,42 @@ def path_integral_attention(q, k, v, p, alpha, *, segment_ids=None, scale=None,
   fn = {"reference": unipotent.path_integral_attention_reference,
         "chunked": unipotent.path_integral_attention_chunked}[impl]
   return fn(q, k, v, p, alpha, segment_ids=segment_ids, scale=_scale(scale, D), p_query=p_query)
+
+
+def grape_a_attention(q, k, v, rate_q, rate_k, *, segment_ids=None, scale=None,
+                      implementation=None, kernel_options=None):
+  """GRAPE-A: l_ij = scale q_i . k_j - (i - j) (rate_q_i + rate_k_j) within a document.
+
+  q [B, T, H, D]; k, v [B, T, K, D]; rate_q, rate_k [B, T, H] (omega_h times a gate) or None
+  (that term absent), not both None. implementation "pallas": kernels_pallas.grape_a_attention,
+  the bias computed in each tile (Triton on a GPU, the Pallas interpreter on a CPU; on a TPU
+  the lift below on the softmax Pallas kernel). Every other value, and None, lifts the bias
+  into extra q / k channels (grape_a.grape_a_augment) and runs softmax_attention with it
+  (None: its automatic choice at the lifted head dim; auto_implementation("grape_a")).
+  """
+  B, T, H, K, D = _checks.check_qkv(q, k, v)
+  _checks.check_segment_ids(segment_ids, B, T)
+  if rate_q is None and rate_k is None:
+    raise ValueError("grape_a_attention needs rate_q or rate_k (or both); got neither")
+  for name, r in (("rate_q", rate_q), ("rate_k", rate_k)):
+    if r is not None:
+      _checks.check_shape(name, r, (B, T, H), "BTH")
+  if implementation is not None:
+    _checks.check_implementation(implementation, ("reference", "xla", "cudnn", "chunked",
+                                                  "pallas"), kernel_options=False)
+  scale = _scale(scale, D)
+  backend = jax.default_backend()
+  if (implementation == "pallas" and backend != "tpu"
+      and context_parallel.context_size() == 1):
+    import kernels_pallas  # imported lazily: the kernels are optional on CPU
+    return kernels_pallas.grape_a_attention(q, k, v, rate_q, rate_k, scale=scale,
+                                            segment_ids=segment_ids,
+                                            interpret=backend == "cpu")
+  q_aug, k_aug, v_aug = grape_a.grape_a_augment(
+      q, k, v, omega=jnp.ones((H,), jnp.float32), lam_q=rate_q, lam_k=rate_k,
+      segment_ids=segment_ids, scale=scale)
+  return softmax_attention(q_aug, k_aug, v_aug, segment_ids=segment_ids,
+                           implementation=implementation, kernel_options=kernel_options)
 
 
 def tapa_attention(q, k, v, *, alpha=0.1, theta=0.5, linear_phase=False, segment_ids=None,

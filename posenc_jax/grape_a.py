@@ -124,6 +124,12 @@ def augmented_channels(T: int, dtype, *, q_gate: bool, k_gate: bool) -> int:
   return (g * n_pos if q_gate else 0) + ((g * n_pos + min(g + n_pos, 3)) if k_gate else 0)
 
 
+def augmented_head_dim(T: int, D: int, dtype, *, q_gate: bool, k_gate: bool) -> int:
+  """The head dim grape_a_augment returns: D plus its extra channels, padded to LANE."""
+  extra = augmented_channels(T, dtype, q_gate=q_gate, k_gate=k_gate)
+  return -(-(D + extra) // LANE) * LANE
+
+
 def grape_a_augment(q, k, v, *, omega, lam_q, lam_k, segment_ids=None, scale, attn_scale=None):
   """Extends q and k so that plain softmax attention computes GRAPE-A exactly.
 
@@ -140,8 +146,7 @@ def grape_a_augment(q, k, v, *, omega, lam_q, lam_k, segment_ids=None, scale, at
   if q.dtype == jnp.float16:
     raise ValueError("q.dtype=float16 is not supported by GRAPE-A augmentation (positions "
                      "exceed its range); use bfloat16 or float32")
-  extra = augmented_channels(T, q.dtype, q_gate=lam_q is not None, k_gate=lam_k is not None)
-  Da = -(-(D + extra) // LANE) * LANE
+  Da = augmented_head_dim(T, D, q.dtype, q_gate=lam_q is not None, k_gate=lam_k is not None)
   s = 1.0 / Da**0.5 if attn_scale is None else attn_scale
   n_pos = max(1, math.ceil(max(T - 1, 1).bit_length() / 8))
   g = _gate_pieces(q.dtype)

@@ -84,7 +84,7 @@ def test_auto_implementation_table(family, backend, T, expected):
 
 # The measured CPU thresholds (docs/benchmarks/cpu_auto.md): dense up to T, chunked
 # beyond; 0 = chunked at every T. Re-measure before changing one.
-CPU_THRESHOLDS = {"softmax": 256, "path": 0, "forgetting": 2048, "path_integral": 2048,
+CPU_THRESHOLDS = {"softmax": 256, "grape_a": 256, "path": 0, "forgetting": 2048, "path_integral": 2048,
                   "tapa": 2048, "stick_breaking": 256}
 
 
@@ -372,3 +372,13 @@ def test_model_kernel_options_reach_the_plan():
   assert "spans of 8 chunks" in reason(cfg)
   pinned = model_lib.ModelConfig(**{**cfg.__dict__, "kernel_options": (("span", 0),)})
   assert "backward:  walk" in reason(pinned) and "spans of" not in reason(pinned)
+
+
+def test_grape_a_auto_is_the_lift_on_the_softmax_choice():
+  """implementation=None lifts GRAPE-A's bias into extra channels and takes softmax's choice at
+  the lifted head dim: cuDNN at 72 for a bf16 head of 64 on a GPU (its Pallas kernel is not
+  automatic)."""
+  choice = attention.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=64,
+                                         has_segments=True, backend="gpu")
+  assert choice.implementation == "cudnn", choice
+  assert choice.reason.startswith("GRAPE-A lifted to head dim 72; "), choice

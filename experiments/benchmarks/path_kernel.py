@@ -22,7 +22,9 @@ on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward only where
 cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask; tapa, tapa_linear (TAPA on its
 Pallas kernel, alpha 0.1, theta 0.5) and tapa_auto, tapa_linear_auto (what implementation=None
 runs); grape_ap (GRAPE-AP on its Pallas kernel through attention.path_integral_attention, the
-model's 16-channel RMS-normalised probes, differentiated too). Each --options string
+model's 16-channel RMS-normalised probes, differentiated too); grape_a (GRAPE-A, both gates
+from q and k, on its Pallas kernel) and grape_a_lift (the same lifted into extra q / k
+channels on cuDNN, implementation=None's choice). Each --options string
 (kp.BlockSizes fields, "key=value,..."; repeat the flag to compare several, "" the defaults)
 runs every one of our variants (path, path_fox, fox) once, as
 "path[span=8]" etc.; each such row holds the plan it ran (str(kp.explain(...))), which is also
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -61,8 +64,8 @@ from posenc_jax import householder  # noqa: E402
 OURS = ("path", "path_fox", "fox")
 # TAPA on its Pallas kernel (quadratic and linear phase) and as implementation=None runs it
 TAPA = ("tapa", "tapa_linear", "tapa_auto", "tapa_linear_auto")
-VARIANTS = OURS + TAPA + ("grape_ap", "sba", "cudnn", "jax_mha", "jax_mgpu", "cudnn_nc",
-                          "jax_mha_nc", "jax_mgpu_nc")
+VARIANTS = OURS + TAPA + ("grape_ap", "grape_a", "grape_a_lift", "sba", "cudnn", "jax_mha",
+                          "jax_mgpu", "cudnn_nc", "jax_mha_nc", "jax_mgpu_nc")
 # jax's Mosaic GPU flash attention's tiles, tried in this order until one fits shared memory
 # (its backward needs all four backward blocks; jax 0.10-0.11 have no causal backward)
 MGPU_TILES = ((64, 128, 64, 128, 64, 128), (64, 64, 64, 64, 64, 64))
@@ -260,6 +263,28 @@ def _grape_ap(segs, q):
   return fn, p
 
 
+def _grape_a(name, segs, q):
+  """GRAPE-A with both gates as the model computes it (gates from q and k, random gate
+  vectors, ALiBi's omega), a function of q, k, v: on its Pallas kernel ("grape_a"), or lifted
+  into extra q / k channels on cuDNN ("grape_a_lift", what implementation=None runs)."""
+  from posenc_jax import grape_a
+  from posenc_jax import unipotent
+  B, T, H, D = q.shape
+  kv, ku = jax.random.split(jax.random.key(12))
+  vh, uh = (0.5 * jax.random.normal(x, (H, D), jnp.float32) for x in (kv, ku))
+  omega = jnp.asarray(unipotent.alibi_slopes(H) / (2 * math.log(2.0)), jnp.float32)
+
+  def fn(q, k, v):
+    lam_q, lam_k = grape_a.grape_a_gates(q, k, vh, uh)
+    if name == "grape_a":
+      return kp.grape_a_attention(q, k, v, omega * lam_q, omega * lam_k, scale=D ** -0.5,
+                                  segment_ids=segs)
+    qa, ka, va = grape_a.grape_a_augment(q, k, v, omega=omega, lam_q=lam_q, lam_k=lam_k,
+                                         segment_ids=segs, scale=D ** -0.5)
+    return attention.softmax_attention(qa, ka, va, segment_ids=segs, implementation="cudnn")
+  return fn
+
+
 def _time(fn, args, do) -> dict:
   """Forward and forward+backward: wall and device ms, compiled GiB."""
   fwd = jax.jit(fn)
@@ -313,6 +338,9 @@ def part_jax(cases, variants, options=("",), dtype="bfloat16", docs=0):
           elif name == "grape_ap":
             fn, p = _grape_ap(segs, q)
             res[key] = {"plan": "pallas", **_time(fn, (q, k, v, p), do)}
+          elif name in ("grape_a", "grape_a_lift"):
+            res[key] = {"plan": "pallas" if name == "grape_a" else "cudnn (lifted)",
+                        **_time(_grape_a(name, segs, q), (q, k, v), do)}
           elif name == "sba":
             fn, plan = _sba(segs, q, v)
             _print_plan(f"{key} at case {label}", plan)

@@ -56,7 +56,8 @@ NAMES = (
     "sba",
 )
 MODIFIERS = ("kv_shift",)
-FAMILIES = ("softmax", "path", "forgetting", "path_integral", "tapa", "stick_breaking")
+FAMILIES = ("softmax", "grape_a", "path", "forgetting", "path_integral", "tapa",
+            "stick_breaking")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +74,8 @@ class Prepared(NamedTuple):
   """What one family's attention call needs, as plain arrays.
 
   family: one of FAMILIES. q [B,T,H,D], k [B,T,K,D], v [B,T,K,Dv].
-  inputs: family inputs by keyword: path {"w","beta","log_forget"}, forgetting
-    {"log_forget"}, path_integral {"p","alpha"[,"p_query"]}, tapa {"alpha","theta","linear_phase"},
+  inputs: family inputs by keyword: grape_a {"rate_q","rate_k"} (either may be None), path
+    {"w","beta","log_forget"}, forgetting {"log_forget"}, path_integral {"p","alpha"[,"p_query"]}, tapa {"alpha","theta","linear_phase"},
     stick_breaking {"attend_current","remainder"}.
   out_angles: [B, T, H or 1, Dv/2] angles by which to rotate the output (value transport
     o_i <- G_i o_i), or None.
@@ -247,6 +248,11 @@ def attend(prep: Prepared, *, segment_ids=None, implementation=None, scale=None,
   if prep.family == "softmax":
     o = attention.softmax_attention(prep.q, prep.k, prep.v, segment_ids=segment_ids,
                                     scale=scale, implementation=implementation,
+                                    kernel_options=kernel_options)
+  elif prep.family == "grape_a":
+    o = attention.grape_a_attention(prep.q, prep.k, prep.v, prep.inputs["rate_q"],
+                                    prep.inputs["rate_k"], segment_ids=segment_ids, scale=scale,
+                                    implementation=implementation,
                                     kernel_options=kernel_options)
   elif prep.family == "path":
     i = prep.inputs

@@ -2,10 +2,11 @@
 
   alibi        family "forgetting": constant gate log_forget[..., h] = -slope_h, no parameters.
   fox          family "forgetting": log_forget = log_sigmoid(x W_f + b_f) per query head.
-  grape_a_*    family "softmax": q/k are augmented with exact bias channels
-               (posenc_jax.grape_a.grape_a_augment), so any softmax kernel computes
-               b_ij = -(i-j) omega_h [softplus(v_h.q_i/sqrt D) + softplus(u_h.k_j/sqrt D)].
-               The augmentation assumes attend(..., scale=None) (the model's call).
+  grape_a_*    family "grape_a": per-token rates omega_h softplus(v_h.q_i/sqrt D) and
+               omega_h softplus(u_h.k_j/sqrt D), b_ij = -(i-j) (rate_q_i + rate_k_j);
+               attention.grape_a_attention lifts them into exact extra q / k channels
+               (posenc_jax.grape_a.grape_a_augment) for any softmax kernel, or computes the
+               bias in the tiles of its Pallas kernel.
   grape_ap     family "path_integral": p_t = RMSNorm(W_p x_t) per head (d_p channels),
                alpha_h = softplus(raw_h) >= 0. variant="paper" (default) uses these probes on
                both sides of <p_i, R_l p_l>, as GRAPE §5 writes it; variant="official" is the
@@ -137,18 +138,16 @@ def _grape_a(q_gate: bool, k_gate: bool):
   def prepare(params, layer):
     q, k, v = layer["q"], layer["k"], layer["v"]
     lam_q, lam_k = grape_a.grape_a_gates(q, k, params.get("v"), params.get("u"))
-    D = q.shape[-1]
-    q_aug, k_aug, v_aug = grape_a.grape_a_augment(
-        q, k, v, omega=jnp.exp(params["log_omega"]), lam_q=lam_q, lam_k=lam_k,
-        segment_ids=layer.get("segment_ids"), scale=1.0 / D**0.5)
-    return Prepared("softmax", q_aug, k_aug, v_aug, {})
+    omega = jnp.exp(params["log_omega"])[None, None, :]
+    rate = lambda lam: None if lam is None else omega * lam  # noqa: E731
+    return Prepared("grape_a", q, k, v, {"rate_q": rate(lam_q), "rate_k": rate(lam_k)})
 
   return init, prepare
 
 
 for _name, _gates in (("grape_a_q", (True, False)), ("grape_a_k", (False, True)),
                       ("grape_a_qk", (True, True))):
-  _add(_name, "softmax", *_grape_a(*_gates))
+  _add(_name, "grape_a", *_grape_a(*_gates))
 
 
 # GRAPE-AP ---------------------------------------------------------------------------------

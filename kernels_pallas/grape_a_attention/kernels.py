@@ -1,0 +1,186 @@
+"""The three kernel bodies of causal GRAPE-A attention: forward (online softmax over the key
+tiles up to the diagonal), dk/dv (one key tile against the query tiles from the diagonal on,
+for each head of its GQA group) and dq (one query tile against the key tiles up to the
+diagonal).
+
+A tile's logit is
+
+  l = scale q_i . k_j - (i - j) (rq_i + rk_j)
+
+with per-token rates rq [T] (a query head's) and rk [T] (a key's, for that query head); its
+cotangent ds gives d rq_i = -sum_j ds (i - j) and d rk_j = -sum_i ds (i - j), per-row sums
+of the tile, so the rates' gradients cost no product. The distance i - j is the time index
+difference: the caller's segment ids mask every pair across documents, and inside one
+document it equals the difference of positions within it.
+
+Refs are time-major, cut by api.py's BlockSpecs: a query tile [bq, X], a whole key sequence
+[T, X] read a tile at a time, a group's queries [T, G, X] read one head at a time. Per-row
+vectors (rates, lse, delta, segment ids) are 1-D. The caller pads T at the end: a padded query
+(sliced off, zero cotangent) or key (seen only by padded queries, later in time) changes no
+real row.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas.path_attention.tiles import NEG_INF, dot
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """What the bodies need to know at trace time."""
+  scale: float
+  block_q: int
+  block_k: int
+  precision: object     # of the q.k products (None: the inputs' own)
+  v_precision: object   # of the products with v and dO
+
+
+def _logits(st: Static, r, c, r_rate, c_rate, dist):
+  """scale r . c - dist (r_rate + c_rate) of a tile whose rows read r / r_rate and columns
+  c / c_rate (queries x keys, or keys x queries: the same logits, transposed); a missing
+  rate is 0."""
+  s = st.scale * dot(r, c, tb=True, precision=st.precision)
+  fdist = dist.astype(jnp.float32)
+  if r_rate is not None:
+    s = s - fdist * r_rate[:, None]
+  if c_rate is not None:
+    s = s - fdist * c_rate[None, :]
+  return s, fdist
+
+
+def _visible(dist, seg_r, seg_c):
+  """Causal (dist = i - j >= 0) and, with segment ids, the same document."""
+  ok = dist >= 0
+  if seg_r is not None:
+    ok = ok & (seg_r[:, None] == seg_c[None, :])
+  return ok
+
+
+def _read(ref, rows):
+  return None if ref is None else ref[rows]
+
+
+def forward_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, *,
+                   st: Static):
+  """q [bq, D], k [T, D], (rq [bq]), (rk [T]), v [T, Dv], (sq [bq], sk [T]) -> o [bq, Dv],
+  lse [bq] float32."""
+  bq, bk = st.block_q, st.block_k
+  q0 = pl.program_id(0) * bq
+  q = q_ref[...]
+  rq = None if rq_ref is None else rq_ref[...]
+  sq = None if sq_ref is None else sq_ref[...]
+  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+  n = pl.cdiv(q0 + bq, bk)   # the key tiles up to the diagonal
+
+  def body(j, carry):
+    m_i, l_i, acc = carry
+    k0 = pl.multiple_of(j * bk, bk)
+    rows = pl.ds(k0, bk)
+    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    s, _ = _logits(st, q, k_ref[rows, :], rq, _read(rk_ref, rows), dist)
+    ok = _visible(dist, sq, _read(sk_ref, rows))
+    s = jnp.where(ok, s, NEG_INF)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    corr = jnp.exp(m_i - m_new)
+    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)   # a row masked so far: s == m_new
+    v = v_ref[rows, :]
+    acc = corr[:, None] * acc + dot(p.astype(v.dtype), v, precision=st.v_precision)
+    return m_new, corr * l_i + jnp.sum(p, axis=1), acc
+
+  init = (jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
+  m_i, l_i, acc = lax.fori_loop(0, n, body, init)
+  # every row sees its own key (distance 0, bias 0), so l_i >= 1
+  o_ref[...] = acc / l_i[:, None]
+  lse_ref[...] = m_i + jnp.log(l_i)
+
+
+def dq_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_ref, delta_ref,
+              dq_ref, drq_ref, *, st: Static):
+  """One query tile against the key tiles up to the diagonal: -> dq [bq, D], (drq [bq]),
+  float32."""
+  bq, bk = st.block_q, st.block_k
+  q0 = pl.program_id(0) * bq
+  q = q_ref[...]
+  rq = None if rq_ref is None else rq_ref[...]
+  sq = None if sq_ref is None else sq_ref[...]
+  do = do_ref[...]
+  lse = lse_ref[...][:, None]
+  delta = delta_ref[...][:, None]
+  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+  n = pl.cdiv(q0 + bq, bk)
+
+  def body(j, carry):
+    dq, drq = carry
+    k0 = pl.multiple_of(j * bk, bk)
+    rows = pl.ds(k0, bk)
+    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    k = k_ref[rows, :]
+    s, fdist = _logits(st, q, k, rq, _read(rk_ref, rows), dist)
+    ok = _visible(dist, sq, _read(sk_ref, rows))
+    p = jnp.where(ok, jnp.exp(s - lse), 0.0)
+    ds = p * (dot(do, v_ref[rows, :], tb=True, precision=st.v_precision) - delta)
+    dq = dq + dot(ds.astype(k.dtype), k, precision=st.precision)
+    if drq is not None:
+      drq = drq - jnp.sum(ds * fdist, axis=1)
+    return dq, drq
+
+  init = (jnp.zeros(q.shape, jnp.float32), None if rq is None else jnp.zeros((bq,), jnp.float32))
+  dq, drq = lax.fori_loop(0, n, body, init)
+  dq_ref[...] = st.scale * dq
+  if drq_ref is not None:
+    drq_ref[...] = drq
+
+
+def dkv_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_ref, delta_ref,
+               dk_ref, drk_ref, dv_ref, *, st: Static):
+  """One key tile against its group's G query heads, the query tiles from the diagonal on.
+  q [T, G, D], (rq [T, G]), do [T, G, Dv], lse, delta [T, G]; k [bk, D], (rk [bk, G]),
+  v [bk, Dv], (sq [T], sk [bk]) -> dk [bk, D], dv [bk, Dv] float32, summed over the group,
+  and (drk [bk, G]) float32, per query head.
+
+  Key-major tiles ([keys, queries]) so that dk += dS^T q and dv += P^T dO take them as they
+  are."""
+  bq, bk = st.block_q, st.block_k
+  k0 = pl.program_id(0) * bk
+  k = k_ref[...]
+  v = v_ref[...]
+  sk = None if sk_ref is None else sk_ref[...]
+  kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+  first = k0 // bq                      # the query tile holding the diagonal
+  n = q_ref.shape[0] // bq
+  G = q_ref.shape[1]
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for g in range(G):
+    rk = None if rk_ref is None else rk_ref[:, g]
+
+    def body(i, carry, g=g, rk=rk):
+      dk, dv, drk = carry
+      q0 = pl.multiple_of(i * bq, bq)
+      rows = pl.ds(q0, bq)
+      dist = (q0 + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) - kpos   # i - j, [keys, queries]
+      q = q_ref[rows, g, :]
+      rq = None if rq_ref is None else rq_ref[rows, g]
+      s, fdist = _logits(st, k, q, rk, rq, dist)
+      ok = _visible(dist, sk, _read(sq_ref, rows))
+      p = jnp.where(ok, jnp.exp(s - lse_ref[rows, g][None, :]), 0.0)
+      do = do_ref[rows, g, :]
+      dv = dv + dot(p.astype(do.dtype), do, precision=st.v_precision)
+      ds = p * (dot(v, do, tb=True, precision=st.v_precision) - delta_ref[rows, g][None, :])
+      dk = dk + dot(ds.astype(q.dtype), q, precision=st.precision)
+      if drk is not None:
+        drk = drk - jnp.sum(ds * fdist, axis=1)
+      return dk, dv, drk
+
+    init = (dk, dv, None if rk is None else jnp.zeros((bk,), jnp.float32))
+    dk, dv, drk = lax.fori_loop(first, n, body, init)
+    if drk_ref is not None:
+      drk_ref[:, g] = drk
+  dk_ref[...] = st.scale * dk
+  dv_ref[...] = dv
