@@ -483,11 +483,18 @@ def grape_a_attention(q, k, v, rate_q, rate_k, *, segment_ids=None, scale=None,
   """GRAPE-A: l_ij = scale q_i . k_j - (i - j) (rate_q_i + rate_k_j) within a document.
 
   q [B, T, H, D]; k, v [B, T, K, D]; rate_q, rate_k [B, T, H] (omega_h times a gate) or None
-  (that term absent), not both None. implementation "pallas": kernels_pallas.grape_a_attention,
-  the bias computed in each tile (Triton on a GPU, the Pallas interpreter on a CPU; on a TPU
-  the lift below on the softmax Pallas kernel). Every other value, and None, lifts the bias
-  into extra q / k channels (grape_a.grape_a_augment) and runs softmax_attention with it
-  (None: its automatic choice at the lifted head dim; auto_implementation("grape_a")).
+  (that term absent), not both None. implementation "reference": the dense closed form
+  (grape_a.grape_a_attention_reference). "pallas": kernels_pallas.grape_a_attention, the bias
+  computed in each tile (Triton on a GPU, the Pallas interpreter on a CPU; on a TPU the lift
+  below on the softmax Pallas kernel). Every other value, and None, lifts the bias into extra
+  q / k channels (grape_a.grape_a_augment) and runs softmax_attention with it (None: its
+  automatic choice at the lifted head dim, auto_implementation("grape_a"), where "reference"
+  means the closed form).
+
+  The lift drops each row's constant -(i rate_q_i), which softmax ignores, so its gradients
+  take the row sums of dS as exactly 0; in float32 they are not, and the rates' gradients
+  carry that rounding times the positions (~1e-5 relative in the log-omega gradient at T 29),
+  where the closed form and the kernel, which subtract positions first, do not.
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)
@@ -501,6 +508,15 @@ def grape_a_attention(q, k, v, rate_q, rate_k, *, segment_ids=None, scale=None,
                                                   "pallas"), kernel_options=False)
   scale = _scale(scale, D)
   backend = jax.default_backend()
+  impl = implementation
+  if impl is None and backend not in ("gpu", "tpu"):
+    impl = auto_implementation("grape_a", T=T, dtype=q.dtype, head_dim=D,
+                               v_head_dim=v.shape[-1], has_segments=segment_ids is not None,
+                               backend=backend).implementation
+  if impl == "reference" and context_parallel.context_size() == 1:
+    return grape_a.grape_a_attention_reference(
+        q, k, v, omega=jnp.ones((H,), jnp.float32), lam_q=rate_q, lam_k=rate_k,
+        segment_ids=segment_ids, scale=scale)
   if (implementation == "pallas" and backend != "tpu"
       and context_parallel.context_size() == 1):
     import kernels_pallas  # imported lazily: the kernels are optional on CPU

@@ -25,8 +25,8 @@ STAGES = 2
 
 def grape_a_attention(q, k, v, rate_q=None, rate_k=None, *, scale: float, segment_ids=None,
                       block_q=None, block_k=None, interpret: bool = False):
-  """Causal softmax attention with GRAPE-A's bias (docs/encodings/additive.md#grape-a) -> o
-  [B, T, H, Dv] in v's dtype.
+  """Causal softmax attention with GRAPE-A's bias -> o [B, T, H, Dv] in v's dtype
+  (docs/encodings/additive.md#grape-a-grape_a_q-grape_a_k-grape_a_qk).
 
   l_ij = scale q_i . k_j - (i - j) (rate_q[b, i, h] + rate_k[b, j, h]) over j <= i in the same
   document. GRAPE-A's rates are omega_h lambda_q(q_i) and omega_h lambda_k(k_j), the key's
