@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.block_attention import kernels
 from kernels_pallas.path_attention import launch
-from kernels_pallas.path_attention.launch import pad_axis
+from kernels_pallas.path_attention.launch import f32_shape, pad_axis
 from kernels_pallas.path_attention.tiles import NEG_INF
 
 DEFAULT_BLOCK_Q = 128
@@ -92,10 +92,6 @@ def _call(cfg, kernel, grid, operands, outs, **kw):
                              backend=cfg.backend, warps=WARPS, stages=STAGES)
 
 
-def _f32(*shape):
-  return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
 def _forward(cfg, q, k, v, qb, kb, sq, sk):
   B, Tq, H, D = q.shape
   Tk, K, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -110,7 +106,7 @@ def _forward(cfg, q, k, v, qb, kb, sq, sk):
               (kb, pl.BlockSpec((None, Tk, None), lambda i, h, b: (b, 0, h))),
               (sq, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
               (sk, pl.BlockSpec((None, Tk), lambda i, h, b: (b, 0)))]
-  outs = [(_f32(B, Tq, H, Dv), tile(Dv)), (_f32(B, Tq, H), rows)]
+  outs = [(f32_shape(B, Tq, H, Dv), tile(Dv)), (f32_shape(B, Tq, H), rows)]
   return _call(cfg, kernels.forward_kernel, (Tq // bq, H, B), operands, outs, **kw)
 
 
@@ -133,8 +129,8 @@ def _backward(cfg, q, k, v, do, lse, delta, kb, sq, sk):
               (delta, group_rows), (kb, kb_tile),
               (sq, pl.BlockSpec((None, Tq), lambda j, h, b: (b, 0))),
               (sk, pl.BlockSpec((None, bk), lambda j, h, b: (b, j)))]
-  outs = [(_f32(B, Tk, K, D), ktile(D)), (_f32(B, Tk, K, Dv), ktile(Dv)),
-          (None if kb is None else _f32(B, Tk, H), kb_tile)]
+  outs = [(f32_shape(B, Tk, K, D), ktile(D)), (f32_shape(B, Tk, K, Dv), ktile(Dv)),
+          (None if kb is None else f32_shape(B, Tk, H), kb_tile)]
   dk, dv, *dkb = _call(cfg, kernels.dkv_kernel, (Tk // bk, K, B), operands, outs,
                        block_q=bq, **kw)
 
@@ -147,7 +143,7 @@ def _backward(cfg, q, k, v, do, lse, delta, kb, sq, sk):
               (sq, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
               (sk, pl.BlockSpec((None, Tk), lambda i, h, b: (b, 0)))]
   (dq,) = _call(cfg, kernels.dq_kernel, (Tq // bq, H, B), operands,
-                [(_f32(B, Tq, H, D), tile(D))], block_k=bk, **kw)
+                [(f32_shape(B, Tq, H, D), tile(D))], block_k=bk, **kw)
   return dq, dk, dv, (dkb[0] if dkb else None)
 
 

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.grape_a_attention import kernels
 from kernels_pallas.path_attention import launch
-from kernels_pallas.path_attention.launch import pad_axis
+from kernels_pallas.path_attention.launch import f32_shape, pad_axis
 
 DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 64
@@ -73,10 +73,6 @@ def _call(backend, kernel, grid, operands, outs, st):
                              backend=backend, warps=WARPS, stages=STAGES)
 
 
-def _f32(*shape):
-  return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
 def _query_major(st, q, k, rq, rk, v, seg):
   """Specs of a launch with one program per (query tile, head, batch) reading every key."""
   T, G = q.shape[1], q.shape[2] // k.shape[2]
@@ -97,7 +93,8 @@ def _forward(cfg, q, k, rq, rk, v, seg):
   st, backend = cfg
   B, T, H, _ = q.shape
   m = _query_major(st, q, k, rq, rk, v, seg)
-  outs = [(_f32(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])), (_f32(B, T, H), m["rows"])]
+  outs = [(f32_shape(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])),
+          (f32_shape(B, T, H), m["rows"])]
   return _call(backend, kernels.forward_kernel, (T // st.block_q, H, B), m["inputs"], outs, st)
 
 
@@ -123,7 +120,8 @@ def _attention_bwd(cfg, res, do):
   # dq (and d rate_q): one program per (query tile, head, batch)
   m = _query_major(st, q, k, rq, rk, v, seg)
   inputs = m["inputs"] + [(do, m["tile"](do.shape[-1])), (lse, m["rows"]), (delta, m["rows"])]
-  outs = [(_f32(*q.shape), m["tile"](D)), (None if rq is None else _f32(B, T, H), m["rows"])]
+  outs = [(f32_shape(*q.shape), m["tile"](D)),
+          (None if rq is None else f32_shape(B, T, H), m["rows"])]
   dq, *drq = _call(backend, kernels.dq_kernel, (T // st.block_q, H, B), inputs, outs, st)
 
   # dk, dv (and d rate_k): one program per (key tile, kv head, batch); the group's query heads
@@ -137,8 +135,8 @@ def _attention_bwd(cfg, res, do):
             (v, ktile(v.shape[-1])), (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
             (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
             (do, group(do.shape[-1])), (lse, group_rows), (delta, group_rows)]
-  outs = [(_f32(*k.shape), ktile(D)), (None if rk is None else _f32(B, T, H), key_rates),
-          (_f32(*v.shape), ktile(v.shape[-1]))]
+  outs = [(f32_shape(*k.shape), ktile(D)), (None if rk is None else f32_shape(B, T, H), key_rates),
+          (f32_shape(*v.shape), ktile(v.shape[-1]))]
   dk, *rest = _call(backend, kernels.dkv_kernel, (T // bk, K, B), inputs, outs, st)
   drk, dv = (rest[0], rest[1]) if rk is not None else (None, rest[0])
   return (dq.astype(q.dtype), dk.astype(k.dtype), drq[0] if drq else None, drk,

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention.tiles import NEG_INF, dot
+from kernels_pallas.path_attention import tiles
+from kernels_pallas.path_attention.tiles import dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +54,6 @@ def _logits(st: Static, r, c, r_rate, c_rate, dist):
   return s, fdist
 
 
-def _visible(dist, seg_r, seg_c):
-  """Causal (dist = i - j >= 0) and, with segment ids, the same document."""
-  ok = dist >= 0
-  if seg_r is not None:
-    ok = ok & (seg_r[:, None] == seg_c[None, :])
-  return ok
-
-
-def _read(ref, rows):
-  return None if ref is None else ref[rows]
-
-
 def forward_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, *,
                    st: Static):
   """q [bq, D], k [T, D], (rq [bq]), (rk [T]), v [T, Dv], (sq [bq], sk [T]) -> o [bq, Dv],
@@ -77,27 +66,16 @@ def forward_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, o_ref, l
   qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
   n = pl.cdiv(q0 + bq, bk)   # the key tiles up to the diagonal
 
-  def body(j, carry):
-    m_i, l_i, acc = carry
+  def body(j, state):
     k0 = pl.multiple_of(j * bk, bk)
     rows = pl.ds(k0, bk)
     dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
-    s, _ = _logits(st, q, k_ref[rows, :], rq, _read(rk_ref, rows), dist)
-    ok = _visible(dist, sq, _read(sk_ref, rows))
-    s = jnp.where(ok, s, NEG_INF)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    corr = jnp.exp(m_i - m_new)
-    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)   # a row masked so far: s == m_new
-    v = v_ref[rows, :]
-    acc = corr[:, None] * acc + dot(p.astype(v.dtype), v, precision=st.v_precision)
-    return m_new, corr * l_i + jnp.sum(p, axis=1), acc
+    s, _ = _logits(st, q, k_ref[rows, :], rq, tiles.read_optional(rk_ref, rows), dist)
+    ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
+    return tiles.causal_softmax_step(state, s, ok, v_ref[rows, :], precision=st.v_precision)
 
-  init = (jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
-  m_i, l_i, acc = lax.fori_loop(0, n, body, init)
-  # every row sees its own key (distance 0, bias 0), so l_i >= 1
-  o_ref[...] = acc / l_i[:, None]
-  lse_ref[...] = m_i + jnp.log(l_i)
+  state = lax.fori_loop(0, n, body, tiles.causal_softmax_init(bq, v_ref.shape[-1]))
+  o_ref[...], lse_ref[...] = tiles.causal_softmax_finish(state)
 
 
 def dq_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_ref, delta_ref,
@@ -121,8 +99,8 @@ def dq_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_r
     rows = pl.ds(k0, bk)
     dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
     k = k_ref[rows, :]
-    s, fdist = _logits(st, q, k, rq, _read(rk_ref, rows), dist)
-    ok = _visible(dist, sq, _read(sk_ref, rows))
+    s, fdist = _logits(st, q, k, rq, tiles.read_optional(rk_ref, rows), dist)
+    ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
     p = jnp.where(ok, jnp.exp(s - lse), 0.0)
     ds = p * (dot(do, v_ref[rows, :], tb=True, precision=st.v_precision) - delta)
     dq = dq + dot(ds.astype(k.dtype), k, precision=st.precision)
@@ -168,7 +146,7 @@ def dkv_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_
       q = q_ref[rows, g, :]
       rq = None if rq_ref is None else rq_ref[rows, g]
       s, fdist = _logits(st, k, q, rk, rq, dist)
-      ok = _visible(dist, sk, _read(sq_ref, rows))
+      ok = tiles.causal_visible(dist, sk, tiles.read_optional(sq_ref, rows))
       p = jnp.where(ok, jnp.exp(s - lse_ref[rows, g][None, :]), 0.0)
       do = do_ref[rows, g, :]
       dv = dv + dot(p.astype(do.dtype), do, precision=st.v_precision)

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.grape_ap_attention import kernels
 from kernels_pallas.path_attention import launch
-from kernels_pallas.path_attention.launch import pad_axis
+from kernels_pallas.path_attention.launch import f32_shape, pad_axis
 
 DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 64
@@ -87,10 +87,6 @@ def _call(backend, kernel, grid, operands, outs, st):
                              backend=backend, warps=WARPS, stages=STAGES)
 
 
-def _f32(*shape):
-  return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
 def _key_tiles(st, T: int) -> int:
   return launch.pow2(T // st.block_k, 16)
 
@@ -119,8 +115,9 @@ def _forward(cfg, q, k, v, pq, r, al, seg):
   B, T, H, _ = q.shape
   nk = _key_tiles(st, T)
   m = _query_major(st, q, k, v, pq, r, al, seg)
-  outs = [(_f32(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])), (_f32(B, T, H), m["rows"]),
-          (_f32(B, nk, T, H), m["columns"])]
+  outs = [(f32_shape(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])),
+          (f32_shape(B, T, H), m["rows"]),
+          (f32_shape(B, nk, T, H), m["columns"])]
   return _call(backend, kernels.forward_kernel, (T // st.block_q, H, B), m["inputs"], outs, st)
 
 
@@ -148,8 +145,9 @@ def _attention_bwd(cfg, res, do):
   m = _query_major(st, q, k, v, pq, r, al, seg)
   inputs = m["inputs"] + [(do, m["tile"](do.shape[3])), (lse, m["rows"]), (delta, m["rows"]),
                           (c, m["columns"])]
-  outs = [(_f32(*q.shape), m["tile"](q.shape[3])), (_f32(*pq.shape), m["tile"](pq.shape[3])),
-          (_f32(B, T, H), m["rows"]), (_f32(B, nk, T, H), m["columns"])]
+  outs = [(f32_shape(*q.shape), m["tile"](q.shape[3])),
+          (f32_shape(*pq.shape), m["tile"](pq.shape[3])),
+          (f32_shape(B, T, H), m["rows"]), (f32_shape(B, nk, T, H), m["columns"])]
   dq, dpq, dal, pre = _call(backend, kernels.dq_kernel, (T // st.block_q, H, B), inputs, outs,
                             st)
 
@@ -167,8 +165,8 @@ def _attention_bwd(cfg, res, do):
             (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
             (do, group(do.shape[3])), (lse, group_rows), (delta, group_rows),
             (c, column), (pre, column)]
-  outs = [(_f32(*k.shape), ktile(k.shape[3])), (_f32(*v.shape), ktile(v.shape[3])),
-          (_f32(*r.shape), gtile(r.shape[3]))]
+  outs = [(f32_shape(*k.shape), ktile(k.shape[3])), (f32_shape(*v.shape), ktile(v.shape[3])),
+          (f32_shape(*r.shape), gtile(r.shape[3]))]
   dk, dv, dr = _call(backend, kernels.dkv_kernel, (T // bk, K, B), inputs, outs, st)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dpq, dr, dal, None)
 

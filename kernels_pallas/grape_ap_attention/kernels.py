@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import special
-from kernels_pallas.path_attention.tiles import NEG_INF, dot
+from kernels_pallas.path_attention import tiles
+from kernels_pallas.path_attention.tiles import dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +76,6 @@ def _tri_dot(st: Static, x, tri, *, tri_left: bool):
   return acc
 
 
-def _visible(dist, seg_r, seg_c):
-  ok = dist >= 0
-  if seg_r is not None:
-    ok = ok & (seg_r[:, None] == seg_c[None, :])
-  return ok
-
-
 def _potentials(st: Static, a, b, alpha, on_path, alpha_rows: bool, *, grad: bool = False):
   """(w, log_sigmoid(x), sigmoid(-x)) of a tile: x = a . b / P (query probes x rotated probes,
   or the transpose), w = alpha log_sigmoid(x) where on_path (l <= i), else 0; the last two only
@@ -110,7 +104,7 @@ def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
   greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
 
   def body(t, state):
-    m_i, l_i, acc, carry = state
+    softmax, carry = state
     kt = n - 1 - t
     k0 = pl.multiple_of(kt * bk, bk)
     rows = pl.ds(k0, bk)
@@ -119,21 +113,13 @@ def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
     c_ref[kt, :] = carry
     bias = carry[:, None] + _tri_dot(st, w, greater, tri_left=False)
     s = st.scale * dot(q, k_ref[rows, :], tb=True, precision=st.precision) + bias
-    ok = _visible(dist, sq, None if sk_ref is None else sk_ref[rows])
-    s = jnp.where(ok, s, NEG_INF)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    corr = jnp.exp(m_i - m_new)
-    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-    v = v_ref[rows, :]
-    acc = corr[:, None] * acc + dot(p.astype(v.dtype), v, precision=st.precision)
-    return m_new, corr * l_i + jnp.sum(p, axis=1), acc, carry + jnp.sum(w, axis=1)
+    ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
+    softmax = tiles.causal_softmax_step(softmax, s, ok, v_ref[rows, :], precision=st.precision)
+    return softmax, carry + jnp.sum(w, axis=1)
 
-  init = (jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), jnp.zeros((bq,), jnp.float32))
-  m_i, l_i, acc, _ = lax.fori_loop(0, n, body, init)
-  # every row sees its own key, so l_i >= 1
-  o_ref[...] = acc / l_i[:, None]
-  lse_ref[...] = m_i + jnp.log(l_i)
+  init = (tiles.causal_softmax_init(bq, v_ref.shape[-1]), jnp.zeros((bq,), jnp.float32))
+  softmax, _ = lax.fori_loop(0, n, body, init)
+  o_ref[...], lse_ref[...] = tiles.causal_softmax_finish(softmax)
 
 
 def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref, lse_ref,
@@ -165,7 +151,7 @@ def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref
     bias = c_ref[kt, :][:, None] + _tri_dot(st, w, greater, tri_left=False)
     k = k_ref[rows, :]
     s = st.scale * dot(q, k, tb=True, precision=st.precision) + bias
-    ok = _visible(dist, sq, None if sk_ref is None else sk_ref[rows])
+    ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
     p = jnp.where(ok, jnp.exp(s - lse), 0.0)
     ds = p * (dot(do, v_ref[rows, :], tb=True, precision=st.precision) - delta)
     dq = dq + dot(ds.astype(k.dtype), k, precision=st.precision)
@@ -225,7 +211,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
       bias = c[None, :] + _tri_dot(st, w, less, tri_left=True)
       q = q_ref[rows, g, :]
       s = st.scale * dot(k, q, tb=True, precision=st.precision) + bias
-      ok = _visible(dist, sk, None if sq_ref is None else sq_ref[rows])
+      ok = tiles.causal_visible(dist, sk, None if sq_ref is None else sq_ref[rows])
       p = jnp.where(ok, jnp.exp(s - lse_ref[rows, g][None, :]), 0.0)
       do = do_ref[rows, g, :]
       dv = dv + dot(p.astype(do.dtype), do, precision=st.precision)

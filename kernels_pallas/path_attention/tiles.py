@@ -1,6 +1,7 @@
 """Tile functions that every form's kernel bodies share: products, masks, the online softmax
 step, the query tile's move across a chunk, the backward's per-tile gradients, and the packed
-boundary-state layout of the span forms.
+boundary-state layout of the span forms; and the causal mask and online softmax of the
+standalone causal kernels (tapa_attention, grape_ap_attention, grape_a_attention).
 
 Operands come from operands.py, head-major and blocked: a [n, C, D] ref holds a whole sequence
 of chunks for one (batch, head) and `ref[m]` reads chunk m (a dynamic index on a leading,
@@ -126,6 +127,47 @@ def softmax_step(qt, m_i, l_i, acc, kt, vt, s_gate, s_ok, *, scale, dt, precisio
   l_i = alpha * l_i + jnp.sum(p, axis=1, keepdims=True)
   acc = alpha * acc + dot(p.astype(dt), vt, precision=precision)
   return m_new, l_i, acc
+
+
+# --- the standalone causal kernels (tapa, grape_ap, grape_a): a query tile's per-row state
+# (m, l, acc) as 1-D rows, the logits computed by the kernel, the mask from distances
+
+
+def causal_visible(dist, seg_r, seg_c):
+  """Causal (dist = i - j >= 0) and, with segment ids (rows' and columns'), the same document."""
+  ok = dist >= 0
+  if seg_r is not None:
+    ok = ok & (seg_r[:, None] == seg_c[None, :])
+  return ok
+
+
+def read_optional(ref, index):
+  """ref[index], or None for an absent operand."""
+  return None if ref is None else ref[index]
+
+
+def causal_softmax_init(rows: int, dv: int):
+  """(m, l, acc) before the first key tile."""
+  return (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          jnp.zeros((rows, dv), jnp.float32))
+
+
+def causal_softmax_step(state, s, ok, v, *, precision):
+  """(m, l, acc) after one key tile: logits s [rows, bk] where ok (masked elsewhere), values
+  v [bk, Dv]."""
+  m_i, l_i, acc = state
+  s = jnp.where(ok, s, NEG_INF)
+  m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+  corr = jnp.exp(m_i - m_new)
+  p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)   # a row masked so far: s == m_new
+  acc = corr[:, None] * acc + dot(p.astype(v.dtype), v, precision=precision)
+  return m_new, corr * l_i + jnp.sum(p, axis=1), acc
+
+
+def causal_softmax_finish(state):
+  """(o, lse) of the final state; every row sees its own key, so l >= 1."""
+  m_i, l_i, acc = state
+  return acc / l_i[:, None], m_i + jnp.log(l_i)
 
 
 def move(qt, et, *, dt, precision):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import launch
-from kernels_pallas.path_attention.launch import pad_axis
+from kernels_pallas.path_attention.launch import f32_shape, pad_axis
 from kernels_pallas.tapa_attention import kernels
 
 DEFAULT_BLOCK_Q = 64
@@ -97,10 +97,6 @@ def _call(backend, kernel, grid, operands, outs, st):
                              backend=backend, warps=WARPS, stages=STAGES)
 
 
-def _f32(*shape):
-  return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
 def _width(x):
   return None if x is None else x.shape[-1]
 
@@ -125,7 +121,8 @@ def _forward(cfg, qa, ka, qp, kp, qs, ks, v, seg):
   st, backend = cfg
   B, T, H, _ = qa.shape
   m = _query_major(st, qa, ka, qp, kp, qs, ks, v, seg)
-  outs = [(_f32(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])), (_f32(B, T, H), m["rows"])]
+  outs = [(f32_shape(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])),
+          (f32_shape(B, T, H), m["rows"])]
   return _call(backend, kernels.forward_kernel, (T // st.block_q, H, B), m["inputs"], outs, st)
 
 
@@ -151,9 +148,9 @@ def _attention_bwd(cfg, res, do):
   # dq: one program per (query tile, head, batch)
   m = _query_major(st, qa, ka, qp, kp, qs, ks, v, seg)
   inputs = m["inputs"] + [(do, m["tile"](_width(do))), (lse, m["rows"]), (delta, m["rows"])]
-  outs = [(_f32(*qa.shape), m["tile"](_width(qa))),
-          (None if qp is None else _f32(*qp.shape), m["tile"](_width(qp))),
-          (None if qs is None else _f32(B, T, H), m["rows"])]
+  outs = [(f32_shape(*qa.shape), m["tile"](_width(qa))),
+          (None if qp is None else f32_shape(*qp.shape), m["tile"](_width(qp))),
+          (None if qs is None else f32_shape(B, T, H), m["rows"])]
   dqa, *rest = _call(backend, kernels.dq_kernel, (T // st.block_q, H, B), inputs, outs, st)
   dqp, dqs = (rest[0], None) if qp is not None else (None, rest[0])
 
@@ -168,10 +165,10 @@ def _attention_bwd(cfg, res, do):
             (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
             (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
             (do, group(_width(do))), (lse, group_rows), (delta, group_rows)]
-  outs = [(_f32(*ka.shape), ktile(_width(ka))),
-          (None if kp is None else _f32(*kp.shape), ktile(_width(kp))),
-          (None if ks is None else _f32(B, T, K), key_rows),
-          (_f32(*v.shape), ktile(_width(v)))]
+  outs = [(f32_shape(*ka.shape), ktile(_width(ka))),
+          (None if kp is None else f32_shape(*kp.shape), ktile(_width(kp))),
+          (None if ks is None else f32_shape(B, T, K), key_rows),
+          (f32_shape(*v.shape), ktile(_width(v)))]
   dka, *rest = _call(backend, kernels.dkv_kernel, (T // bk, K, B), inputs, outs, st)
   dkp, dks = (rest[0], None) if kp is not None else (None, rest[0])
   dv = rest[-1]

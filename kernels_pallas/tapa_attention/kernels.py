@@ -30,7 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import special
-from kernels_pallas.path_attention.tiles import NEG_INF, dot
+from kernels_pallas.path_attention import tiles
+from kernels_pallas.path_attention.tiles import dot
 
 TWO_PI = 2.0 * math.pi
 
@@ -70,18 +71,6 @@ def _parts(st: Static, ra, ca, rp, cp, rs, cs, dist):
   return amp, w * ph, w
 
 
-def _visible(dist, seg_r, seg_c):
-  """Causal (dist = i - j >= 0) and, with segment ids, the same document."""
-  ok = dist >= 0
-  if seg_r is not None:
-    ok = ok & (seg_r[:, None] == seg_c[None, :])
-  return ok
-
-
-def _read(ref, rows):
-  return None if ref is None else ref[rows]
-
-
 def forward_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref,
                    o_ref, lse_ref, *, st: Static):
   """qa [bq, A], ka [T, A], (qp [bq, P], kp [T, P]) or (qs [bq], ks [T]), v [T, Dv],
@@ -95,28 +84,19 @@ def forward_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref
   qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
   n = pl.cdiv(q0 + bq, bk)   # the key tiles up to the diagonal
 
-  def body(j, carry):
-    m_i, l_i, acc = carry
+  def body(j, state):
     k0 = pl.multiple_of(j * bk, bk)
     rows = pl.ds(k0, bk)
     dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
-    amp, theta, _ = _parts(st, qa, ka_ref[rows, :], qp, _read(kp_ref, (rows, slice(None))),
-                           qs, _read(ks_ref, rows), dist)
-    ok = _visible(dist, sq, _read(sk_ref, rows))
-    s = jnp.where(ok, amp * special.cos(theta, fast=st.fast), NEG_INF)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    corr = jnp.exp(m_i - m_new)
-    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)   # a row masked so far: s == m_new
-    v = v_ref[rows, :]
-    acc = corr[:, None] * acc + dot(p.astype(v.dtype), v, precision=st.v_precision)
-    return m_new, corr * l_i + jnp.sum(p, axis=1), acc
+    kp = tiles.read_optional(kp_ref, (rows, slice(None)))
+    amp, theta, _ = _parts(st, qa, ka_ref[rows, :], qp, kp, qs,
+                           tiles.read_optional(ks_ref, rows), dist)
+    ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
+    return tiles.causal_softmax_step(state, amp * special.cos(theta, fast=st.fast), ok,
+                                     v_ref[rows, :], precision=st.v_precision)
 
-  init = (jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
-  m_i, l_i, acc = lax.fori_loop(0, n, body, init)
-  # every row sees its own key, so l_i >= 1
-  o_ref[...] = acc / l_i[:, None]
-  lse_ref[...] = m_i + jnp.log(l_i)
+  state = lax.fori_loop(0, n, body, tiles.causal_softmax_init(bq, v_ref.shape[-1]))
+  o_ref[...], lse_ref[...] = tiles.causal_softmax_finish(state)
 
 
 def dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref, do_ref,
@@ -141,9 +121,9 @@ def dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_
     rows = pl.ds(k0, bk)
     dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
     ka = ka_ref[rows, :]
-    kp = _read(kp_ref, (rows, slice(None)))
-    amp, theta, w = _parts(st, qa, ka, qp, kp, qs, _read(ks_ref, rows), dist)
-    ok = _visible(dist, sq, _read(sk_ref, rows))
+    kp = tiles.read_optional(kp_ref, (rows, slice(None)))
+    amp, theta, w = _parts(st, qa, ka, qp, kp, qs, tiles.read_optional(ks_ref, rows), dist)
+    ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
     cos, sin = special.cos_sin(theta, fast=st.fast)
     p = jnp.where(ok, jnp.exp(amp * cos - lse), 0.0)
     ds = p * (dot(do, v_ref[rows, :], tb=True, precision=st.v_precision) - delta)
@@ -201,8 +181,8 @@ def dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk
       qp = None if qp_ref is None else qp_ref[rows, g, :]
       qs = None if qs_ref is None else qs_ref[rows, g]
       amp, theta, w = _parts(st, ka, qa, kp, qp, ks, qs, dist)
-      sq = _read(sq_ref, rows)
-      ok = _visible(dist, sk, sq)
+      sq = tiles.read_optional(sq_ref, rows)
+      ok = tiles.causal_visible(dist, sk, sq)
       cos, sin = special.cos_sin(theta, fast=st.fast)
       p = jnp.where(ok, jnp.exp(amp * cos - lse_ref[rows, g][None, :]), 0.0)
       do = do_ref[rows, g, :]
