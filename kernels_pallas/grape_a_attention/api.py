@@ -36,15 +36,7 @@ def grape_a_attention(q, k, v, rate_q=None, rate_k=None, *, scale: float, segmen
   dtype and accumulate in float32; the bias is float32. Differentiable in q, k, v and the
   rates. interpret=True runs the Pallas interpreter (CPU); otherwise the Triton kernels (GPU).
   """
-  B, T, H, D = q.shape
-  if k.ndim != 4 or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-    raise ValueError(f"grape_a_attention: k {k.shape} must be [B, T, K, D] with q {q.shape}'s "
-                     "B, T and D")
-  K = k.shape[2]
-  if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"grape_a_attention: v {v.shape} must be [B, T, K, Dv] with k {k.shape}")
-  if H % K:
-    raise ValueError(f"grape_a_attention: query heads {H} must be a multiple of kv heads {K}")
+  B, T, H, K, D = launch.check_self_attention("grape_a_attention", q, k, v)
   for name, x, shape in (("rate_q", rate_q, (B, T, H)), ("rate_k", rate_k, (B, T, H)),
                          ("segment_ids", segment_ids, (B, T))):
     if x is not None and tuple(x.shape) != shape:

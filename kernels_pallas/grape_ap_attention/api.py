@@ -42,15 +42,7 @@ def grape_ap_attention(q, k, v, pq, r, alpha, *, scale: float, segment_ids=None,
   Differentiable in q, k, v, pq, r and alpha. interpret=True runs the Pallas interpreter
   (CPU); otherwise the Triton kernels (GPU).
   """
-  B, T, H, D = q.shape
-  if k.ndim != 4 or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-    raise ValueError(f"grape_ap_attention: k {k.shape} must be [B, T, K, D] with q {q.shape}'s "
-                     "B, T and D")
-  K = k.shape[2]
-  if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"grape_ap_attention: v {v.shape} must be [B, T, K, Dv] with k {k.shape}")
-  if H % K:
-    raise ValueError(f"grape_ap_attention: query heads {H} must be a multiple of kv heads {K}")
+  B, T, H, K, D = launch.check_self_attention("grape_ap_attention", q, k, v)
   if pq.ndim != 4 or pq.shape[:3] != (B, T, H):
     raise ValueError(f"grape_ap_attention: pq {pq.shape} must be [B, T, H, P] with q's B, T "
                      "and H")

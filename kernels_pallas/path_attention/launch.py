@@ -213,5 +213,19 @@ def as_cols(x):
   return None if x is None else x.reshape(x.shape[:-2] + (x.shape[-1], 1))
 
 
+def check_self_attention(what: str, q, k, v) -> tuple[int, int, int, int, int]:
+  """(B, T, H, K, D) of q [B, T, H, D], k [B, T, K, D], v [B, T, K, Dv] with H a multiple of K,
+  or one ValueError that starts with `what` (the kernel's name) and names the operand."""
+  B, T, H, D = q.shape
+  if k.ndim != 4 or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+    raise ValueError(f"{what}: k {k.shape} must be [B, T, K, D] with q {q.shape}'s B, T and D")
+  K = k.shape[2]
+  if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"{what}: v {v.shape} must be [B, T, K, Dv] with k {k.shape}")
+  if H % K:
+    raise ValueError(f"{what}: query heads {H} must be a multiple of kv heads {K}")
+  return B, T, H, K, D
+
+
 def f32_shape(*shape):
   return jax.ShapeDtypeStruct(shape, jnp.float32)

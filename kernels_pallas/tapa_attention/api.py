@@ -46,15 +46,7 @@ def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = 
   Products read q and k in k's dtype and accumulate in float32. Differentiable in q, k and v.
   interpret=True runs the Pallas interpreter (CPU); otherwise the Triton kernels (GPU).
   """
-  B, T, H, D = q.shape
-  if k.ndim != 4 or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
-    raise ValueError(f"tapa_attention: k {k.shape} must be [B, T, K, D] with q {q.shape}'s "
-                     "B, T and D")
-  K = k.shape[2]
-  if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"tapa_attention: v {v.shape} must be [B, T, K, Dv] with k {k.shape}")
-  if H % K:
-    raise ValueError(f"tapa_attention: query heads {H} must be a multiple of kv heads {K}")
+  B, T, H, K, D = launch.check_self_attention("tapa_attention", q, k, v)
   A, P = split_sizes(theta, D)
   if not (A >= 1 and P >= 1):
     raise ValueError(f"tapa_attention: theta={theta} with head_dim {D} leaves an empty "
