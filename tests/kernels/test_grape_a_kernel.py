@@ -18,9 +18,9 @@ import pytest
 
 from kernels_pallas import grape_a_attention
 from posenc_jax import grape_a
+from tests.kernels import kernel_check
 from tests.kernels.kernel_check import TOL
-from tests.util import (assert_rel_rms, assert_trees_rel_rms, model_logits_and_grads,
-                        value_and_grads)
+from tests.util import assert_rel_rms, value_and_grads
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -116,9 +116,6 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, encoding):
   gradient (the gate vectors' through the kernel's rate gradients), on two packed documents
   with GQA."""
   import kernels_pallas
-  from flax import nnx
-  from posenc_jax import model as model_lib
-
   calls = []
 
   def counted(q, k, v, rate_q, rate_k, **kw):
@@ -126,26 +123,8 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, encoding):
     return grape_a_attention(q, k, v, rate_q, rate_k, **kw)
 
   monkeypatch.setattr(kernels_pallas, "grape_a_attention", counted)
-  V, B, T = 50, 2, 24
-  kp, kt = jax.random.split(key)
-  tokens = jax.random.randint(kt, (B, T + 1), 0, V)
-  seg = jnp.where(jnp.arange(T) < 9, 1, 2)[None].repeat(B, 0)
-  pos = jnp.where(seg == 1, jnp.arange(T), jnp.arange(T) - 9)
-
-  def run(implementation):
-    cfg = model_lib.ModelConfig(vocab_size=V, encoding=encoding, num_layers=1, d_model=32,
-                                num_heads=4, num_kv_heads=2, head_dim=16,
-                                implementation=implementation)
-    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=kp))
-    return model_logits_and_grads(model, tokens, positions_BT=pos, segment_ids_BT=seg)
-
-  logits, grads = run("pallas")
+  kernel_check.check_model_on_the_kernel(key, encoding)
   assert calls == [(encoding == "grape_a_qk", True)]
-  with jax.default_matmul_precision("highest"):
-    logits_want, grads_want = run("reference")
-  tol = TOL[jnp.dtype(F32)]
-  assert_rel_rms(logits, logits_want, tol, "logits")
-  assert_trees_rel_rms(grads, grads_want, tol, "gradient")
 
 
 def test_attention_needs_a_rate():

@@ -20,9 +20,9 @@ import pytest
 
 from kernels_pallas import grape_ap_attention
 from posenc_jax import path_integral
+from tests.kernels import kernel_check
 from tests.kernels.kernel_check import TOL
-from tests.util import (assert_rel_rms, assert_trees_rel_rms, model_logits_and_grads,
-                        value_and_grads)
+from tests.util import assert_rel_rms, value_and_grads
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 NAMES = ("dq", "dk", "dv", "dp", "dalpha", "dp_query")
@@ -182,9 +182,6 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, variant):
   of the loss (the probes' and alpha's included), on two packed documents. The official
   variant passes separate query probes (the encoding builds them; the kernel takes pq)."""
   import kernels_pallas
-  from flax import nnx
-  from posenc_jax import model as model_lib
-
   calls = []
 
   def counted(*a, **kw):
@@ -193,24 +190,6 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, variant):
 
   monkeypatch.setattr(kernels_pallas, "grape_ap_attention", counted)
 
-  V, B, T = 50, 2, 24
-  kp, kt = jax.random.split(key)
-  tokens = jax.random.randint(kt, (B, T + 1), 0, V)
-  seg = jnp.where(jnp.arange(T) < 9, 1, 2)[None].repeat(B, 0)
-  pos = jnp.where(seg == 1, jnp.arange(T), jnp.arange(T) - 9)
-
-  def run(implementation):
-    cfg = model_lib.ModelConfig(vocab_size=V, encoding="grape_ap", num_layers=1, d_model=32,
-                                num_heads=4, num_kv_heads=2, head_dim=16,
-                                encoding_kwargs=(("variant", variant),),
-                                implementation=implementation)
-    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(params=kp))
-    return model_logits_and_grads(model, tokens, positions_BT=pos, segment_ids_BT=seg)
-
-  logits, grads = run("pallas")
+  kernel_check.check_model_on_the_kernel(key, "grape_ap",
+                                       encoding_kwargs=(("variant", variant),))
   assert calls == [True]
-  with jax.default_matmul_precision("highest"):
-    logits_want, grads_want = run("reference")
-  tol = TOL[jnp.dtype(F32)]
-  assert_rel_rms(logits, logits_want, tol, "logits")
-  assert_trees_rel_rms(grads, grads_want, tol, "gradient")
