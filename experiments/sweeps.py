@@ -181,7 +181,6 @@ def _length_eval(config, run: dict, *, step) -> dict:
       run["config"], run["workdir"], lengths=tuple(config.sweep.eval_lengths),
       tokens=config.sweep.eval_tokens, batch_tokens=config.sweep.eval_batch_tokens)
   tmp = path + ".tmp"
-  os.makedirs(run["workdir"], exist_ok=True)
   with open(tmp, "w") as f:
     json.dump({"key": key, "eval": result}, f)
   os.replace(tmp, path)

@@ -508,24 +508,22 @@ def grape_a_attention(q, k, v, rate_q, rate_k, *, segment_ids=None, scale=None,
                                                   "pallas"), kernel_options=False)
   scale = _scale(scale, D)
   backend = jax.default_backend()
-  impl = implementation
-  if impl is None and backend not in ("gpu", "tpu"):
-    impl = auto_implementation("grape_a", T=T, dtype=q.dtype, head_dim=D,
-                               v_head_dim=v.shape[-1], has_segments=segment_ids is not None,
-                               backend=backend).implementation
-  if impl == "reference" and context_parallel.context_size() == 1:
-    return grape_a.grape_a_attention_reference(
-        q, k, v, omega=jnp.ones((H,), jnp.float32), lam_q=rate_q, lam_k=rate_k,
-        segment_ids=segment_ids, scale=scale)
-  if (implementation == "pallas" and backend != "tpu"
-      and context_parallel.context_size() == 1):
+  one_device = context_parallel.context_size() == 1
+  impl = implementation or auto_implementation(
+      "grape_a", T=T, dtype=q.dtype, head_dim=D, v_head_dim=v.shape[-1],
+      has_segments=segment_ids is not None, backend=backend).implementation
+  omega = jnp.ones((H,), jnp.float32)   # the rates already hold omega_h
+  if impl == "reference" and one_device:
+    return grape_a.grape_a_attention_reference(q, k, v, omega=omega, lam_q=rate_q, lam_k=rate_k,
+                                               segment_ids=segment_ids, scale=scale)
+  if implementation == "pallas" and backend != "tpu" and one_device:
     import kernels_pallas  # imported lazily: the kernels are optional on CPU
     return kernels_pallas.grape_a_attention(q, k, v, rate_q, rate_k, scale=scale,
                                             segment_ids=segment_ids,
                                             interpret=backend == "cpu")
-  q_aug, k_aug, v_aug = grape_a.grape_a_augment(
-      q, k, v, omega=jnp.ones((H,), jnp.float32), lam_q=rate_q, lam_k=rate_k,
-      segment_ids=segment_ids, scale=scale)
+  q_aug, k_aug, v_aug = grape_a.grape_a_augment(q, k, v, omega=omega, lam_q=rate_q,
+                                                lam_k=rate_k, segment_ids=segment_ids,
+                                                scale=scale)
   return softmax_attention(q_aug, k_aug, v_aug, segment_ids=segment_ids,
                            implementation=implementation, kernel_options=kernel_options)
 

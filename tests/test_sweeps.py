@@ -252,8 +252,11 @@ def test_length_evaluation_is_kept_and_reused(tmp_path, monkeypatch):
   from experiments.probes import length_eval
 
   calls = []
-  monkeypatch.setattr(train, "run", lambda config, workdir, **_: dict(
-      _summary(config.model.encoding, 1.0), interrupted=False, step=6))
+  def fake_run(config, workdir, **_):   # as train.run, it leaves its workdir behind
+    os.makedirs(workdir, exist_ok=True)
+    return dict(_summary(config.model.encoding, 1.0), interrupted=False, step=6)
+
+  monkeypatch.setattr(train, "run", fake_run)
   monkeypatch.setattr(length_eval, "evaluate_lengths",
                       lambda config, workdir, **kw: calls.append(workdir) or {"16": 3.0})
   config = length_extrapolation.get_config("runlocal,encodings=rope")

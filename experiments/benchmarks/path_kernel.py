@@ -59,7 +59,9 @@ import kernels_pallas as kp  # noqa: E402
 from experiments.benchmarks import common  # noqa: E402
 from experiments.benchmarks import fla_parity  # noqa: E402
 from posenc_jax import attention  # noqa: E402
+from posenc_jax import grape_a  # noqa: E402
 from posenc_jax import householder  # noqa: E402
+from posenc_jax import unipotent  # noqa: E402
 
 OURS = ("path", "path_fox", "fox")
 # TAPA on its Pallas kernel (quadratic and linear phase) and as implementation=None runs it
@@ -267,8 +269,6 @@ def _grape_a(name, segs, q):
   """GRAPE-A with both gates as the model computes it (gates from q and k, random gate
   vectors, ALiBi's omega), a function of q, k, v: on its Pallas kernel ("grape_a"), or lifted
   into extra q / k channels on cuDNN ("grape_a_lift", what implementation=None runs)."""
-  from posenc_jax import grape_a
-  from posenc_jax import unipotent
   B, T, H, D = q.shape
   kv, ku = jax.random.split(jax.random.key(12))
   vh, uh = (0.5 * jax.random.normal(x, (H, D), jnp.float32) for x in (kv, ku))

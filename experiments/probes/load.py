@@ -17,8 +17,10 @@ import numpy as np
 from experiments import checkpoint
 from experiments import config_checks
 from experiments import data
+from experiments import run_config
 from experiments import sharding
 from experiments import train
+from experiments.configs import from_workdir
 from posenc_jax import model as model_lib
 
 
@@ -27,9 +29,6 @@ def source_run(config_module: str, config_arg: str, encoding: str, workdir: str)
   workdir has one (so command-line overrides it trained with, such as an encoding's
   hyperparameters, are kept), else `config_module`'s config for `config_arg` with its encoding
   set to `encoding` (workdirs from before runs recorded their config)."""
-  from experiments import run_config
-  from experiments.configs import from_workdir
-
   recorded = run_config.stored(workdir)
   if recorded is not None:
     config = from_workdir.on_defaults(recorded)

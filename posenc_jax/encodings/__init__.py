@@ -75,8 +75,9 @@ class Prepared(NamedTuple):
 
   family: one of FAMILIES. q [B,T,H,D], k [B,T,K,D], v [B,T,K,Dv].
   inputs: family inputs by keyword: grape_a {"rate_q","rate_k"} (either may be None), path
-    {"w","beta","log_forget"}, forgetting {"log_forget"}, path_integral {"p","alpha"[,"p_query"]}, tapa {"alpha","theta","linear_phase"},
-    stick_breaking {"attend_current","remainder"}.
+    {"w","beta","log_forget"}, forgetting {"log_forget"}, path_integral
+    {"p","alpha"[,"p_query"]}, tapa {"alpha","theta","linear_phase"}, stick_breaking
+    {"attend_current","remainder"}.
   out_angles: [B, T, H or 1, Dv/2] angles by which to rotate the output (value transport
     o_i <- G_i o_i), or None.
   """
