@@ -127,12 +127,13 @@ def run_sweep(config, workdir: str, *, log=print, only=None) -> list[dict]:
 
   runs = plan_runs(config, workdir)
   if only is not None:
-    runs = [r for i, r in enumerate(runs) if i in set(only)]
+    keep = set(only)
+    runs = [r for i, r in enumerate(runs) if i in keep]
   checked = [config_checks.check(r["config"], workdir=r["workdir"], data_module=data,
                                  num_devices=jax.device_count()) for r in runs]
   summaries, interrupted = [], False
   for r, mcfg in zip(runs, checked):
-    done = os.path.join(r["workdir"], "summary.json")
+    done = _summary_path(r)
     if os.path.exists(done):
       with open(done) as f:
         summary = json.load(f)
@@ -158,6 +159,11 @@ def run_sweep(config, workdir: str, *, log=print, only=None) -> list[dict]:
 
 
 LENGTH_EVAL = "length_eval.json"
+
+
+def _summary_path(run: dict) -> str:
+  """RUN/summary.json, which train.run writes when the run has finished."""
+  return os.path.join(run["workdir"], "summary.json")
 
 
 def _length_eval(config, run: dict, *, step) -> dict:
@@ -202,8 +208,7 @@ def side_by_side(argv: list[str], runs: list[dict], workers: int, workdir: str, 
   import signal
   import subprocess
 
-  pending = [i for i, r in enumerate(runs)
-             if not os.path.exists(os.path.join(r["workdir"], "summary.json"))]
+  pending = [i for i, r in enumerate(runs) if not os.path.exists(_summary_path(r))]
   if not pending:
     return
   groups = [pending[i::workers] for i in range(min(workers, len(pending)))]
@@ -218,24 +223,24 @@ def side_by_side(argv: list[str], runs: list[dict], workers: int, workdir: str, 
            f"--run_indices={','.join(map(str, group))}"]
     with open(log_path, "w") as out:
       procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env),
-                    log_path, group))
+                    log_path))
     log(f"worker {i}: runs {', '.join(runs[j]['workdir'] for j in group)} (log {log_path})")
 
   def stop(signum, frame):
-    for p, _, _ in procs:
+    for p, _ in procs:
       p.send_signal(signal.SIGTERM)
-    for p, _, _ in procs:
+    for p, _ in procs:
       p.wait()
     raise SystemExit(143)
 
   previous = signal.signal(signal.SIGTERM, stop)
   try:
-    failed = [(log_path, p.wait()) for p, log_path, _ in procs]
+    codes = [(log_path, p.wait()) for p, log_path in procs]
   except KeyboardInterrupt:
     stop(signal.SIGINT, None)
   finally:
     signal.signal(signal.SIGTERM, previous)
-  failed = [(path, rc) for path, rc in failed if rc != 0]
+  failed = [(path, rc) for path, rc in codes if rc != 0]
   if failed:
     raise SideBySideError("side-by-side workers failed: " + "; ".join(
         f"{path} (exit {rc})" for path, rc in failed) + "; the same command resumes them")
