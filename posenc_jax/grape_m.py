@@ -63,12 +63,23 @@ def basis_rotate(x_BTHD, angles_BTHP, basis_HDD):
 _SERIES_Z2 = 1e-2
 
 
+def _guarded(z2):
+  """(small, safe z^2, z, sin(z)/z) with the series branch's z^2 < _SERIES_Z2 replaced by 1:
+  the unused branch must stay finite under grad too."""
+  small = z2 < _SERIES_Z2
+  safe = jnp.where(small, 1.0, z2)
+  z = jnp.sqrt(safe)
+  return small, safe, z, jnp.sin(z) / z
+
+
+def _sinc_value(z2, small, s):
+  return jnp.where(small, 1.0 - z2 / 6.0 + z2 * z2 / 120.0, s)
+
+
 def sinc(z2):
   """sin(z)/z as a function of z^2 (even in z, so no sqrt of 0 and finite gradients at 0)."""
-  small = z2 < _SERIES_Z2
-  safe = jnp.where(small, 1.0, z2)   # the unused branch must stay finite under grad too
-  z = jnp.sqrt(safe)
-  return jnp.where(small, 1.0 - z2 / 6.0 + z2 * z2 / 120.0, jnp.sin(z) / z)
+  small, _, _, s = _guarded(z2)
+  return _sinc_value(z2, small, s)
 
 
 def rodrigues_coefficients(phase, s2):
@@ -102,6 +113,61 @@ def rank2_apply(x, a, b, phase):
   return x + f1 * lx + f2 * l2x
 
 
+def _sinc_and_slope(z2):
+  """(sinc, d sinc / d z2) as functions of z2 = z^2, with sinc's series below _SERIES_Z2."""
+  small, safe, z, s = _guarded(z2)
+  return (_sinc_value(z2, small, s),
+          jnp.where(small, -1.0 / 6.0 + z2 / 60.0, (jnp.cos(z) - s) / (2.0 * safe)))
+
+
+def rank2_apply_rows_vjp(x, a, b, phase, g):
+  """The VJP of rank2_apply for rows x [R, D] sharing one plane a, b [1, D], phase [R]:
+  (g x [R, D], g a [1, D], g b [1, D], g phase [R]) for the cotangent g [R, D].
+
+  Written out so that the sums over rows are two [R, D] -> [1, D] reductions and three of
+  per-row scalars, where autodiff of rank2_apply reduces each use of a and b apart (about ten
+  cross-row reductions a plane: what the Pallas plane kernel's backward spends its time on).
+  With P = f1 v - f2 beta u and Q = -f1 u - f2 alpha v, rank2_apply is y = x + P a + Q b_perp.
+  """
+  alpha = jnp.sum(a * a, axis=-1, keepdims=True)                  # [1, 1]
+  safe = jnp.where(alpha > 0, alpha, 1.0)
+  ab = jnp.sum(a * b, axis=-1, keepdims=True)
+  c = ab / safe
+  bp = b - c * a
+  beta = jnp.sum(bp * bp, axis=-1, keepdims=True)
+  u = jnp.sum(a * x, axis=-1, keepdims=True)                      # [R, 1]
+  v = jnp.sum(bp * x, axis=-1, keepdims=True)
+  ph = phase[:, None]
+  s2 = alpha * beta
+  z2 = ph * ph * s2
+  S1, dS1 = _sinc_and_slope(z2)
+  S2, dS2 = _sinc_and_slope(z2 / 4.0)
+  f1, f2 = ph * S1, 0.5 * ph * ph * S2 * S2
+  P = f1 * v - f2 * beta * u
+  Q = -f1 * u - f2 * alpha * v
+  dP = jnp.sum(g * a, axis=-1, keepdims=True)
+  dQ = jnp.sum(g * bp, axis=-1, keepdims=True)
+  du = -f2 * beta * dP - f1 * dQ
+  dv = f1 * dP - f2 * alpha * dQ
+  df1 = v * dP - u * dQ
+  df2 = -beta * u * dP - alpha * v * dQ
+  gphase = (df1 * (S1 + 2.0 * ph * ph * s2 * dS1)
+            + df2 * (ph * S2 * S2 + 0.5 * ph * ph * ph * s2 * S2 * dS2))
+  rows = lambda t: jnp.sum(t, axis=0, keepdims=True)  # noqa: E731   [R, .] -> [1, .]
+  d_s2 = rows(df1 * ph * ph * ph * dS1 + df2 * 0.25 * ph * ph * ph * ph * S2 * dS2)
+  d_beta = rows(-f2 * u * dP) + alpha * d_s2
+  d_alpha = rows(-f2 * v * dQ) + beta * d_s2
+  gx = g + du * a + dv * bp
+  ga = rows(du * x + P * g)
+  gbp = rows(dv * x + Q * g) + 2.0 * d_beta * bp
+  # b_perp = b - c a, c = (a . b) / alpha
+  dc = -jnp.sum(a * gbp, axis=-1, keepdims=True)
+  d_alpha = d_alpha + jnp.where(alpha > 0, -dc * ab / (safe * safe), 0.0)
+  gb = gbp + (dc / safe) * a
+  ga = ga + 2.0 * d_alpha * a - c * gbp + (dc / safe) * b
+  return gx, ga, gb, gphase[:, 0]
+
+
 def rank2_planes_apply(x_BTHD, a_HND, b_HND, phases_BTHN):
   """G x with G = G_{N-1} ... G_0, G_n = exp(phase_n L(a_n, b_n)) (plane 0 acts first).
 
@@ -116,6 +182,42 @@ def rank2_planes_apply(x_BTHD, a_HND, b_HND, phases_BTHN):
   xs = (jnp.moveaxis(a_HND, 1, 0), jnp.moveaxis(b_HND, 1, 0), jnp.moveaxis(phases_BTHN, -1, 0))
   y = _planes_reversible(x_BTHD.astype(_compute_dtype(x_BTHD)), *xs)
   return y.astype(x_BTHD.dtype)
+
+
+PLANES_IMPLEMENTATIONS = ("scan", "pallas")
+
+
+def planes_implementation(implementation: str | None) -> str:
+  """The plane product's implementation: the one asked for, else (None) the fused kernel on a
+  GPU, where it takes a third of the scan's training step, and the scan elsewhere (the kernel
+  has no TPU form, and the CPU would run it in the interpreter)."""
+  if implementation is None:
+    return "pallas" if jax.default_backend() == "gpu" else "scan"
+  if implementation not in PLANES_IMPLEMENTATIONS:
+    raise ValueError(f"planes={implementation!r} is not one of {PLANES_IMPLEMENTATIONS} or None")
+  return implementation
+
+
+def rank2_planes_at_positions(x_BTHD, a_HND, b_HND, positions_BT, w_HN, *,
+                              implementation: str | None = None):
+  """`rank2_planes_apply` with the phases positions_t * w_hn, the encoding's.
+
+  implementation "scan": rank2_planes_apply (one XLA pass over x per plane); "pallas":
+  kernels_pallas.plane_rotations, every plane in one pass (Triton on a GPU, the Pallas
+  interpreter on a CPU; no TPU form); None: `planes_implementation`'s choice. The same map
+  and gradients.
+  """
+  implementation = planes_implementation(implementation)
+  if implementation == "pallas":
+    if jax.default_backend() == "tpu":
+      raise ValueError("planes='pallas' has no TPU form (Triton on a GPU, the interpreter on a "
+                       "CPU): use planes='scan' or None")
+    import kernels_pallas  # imported lazily: the kernels are optional on CPU
+    return kernels_pallas.plane_rotations(x_BTHD, a_HND, b_HND, positions_BT, w_HN,
+                                          apply=rank2_apply, apply_vjp=rank2_apply_rows_vjp,
+                                          interpret=jax.default_backend() == "cpu")
+  phases = positions_BT.astype(jnp.float32)[:, :, None, None] * w_HN.astype(jnp.float32)
+  return rank2_planes_apply(x_BTHD, a_HND, b_HND, phases)
 
 
 def rank2_planes_scan(x, a_NHD, b_NHD, phases_NBTH):

@@ -55,7 +55,9 @@ HPARAMS = {
     "rope_llama3": dict(base=500000.0, layout="interleaved", train_len=8192, factor=8.0,
                         low_freq_factor=1.0, high_freq_factor=4.0),
     "grape_m": dict(base=10000.0),
-    "grape_m_rank2": dict(base=10000.0, num_planes=None),     # None: D/2 planes
+    # num_planes None: D/2 planes; planes: "scan" (XLA), "pallas" (one fused kernel pass) or
+    # None (the kernel on a GPU, the scan elsewhere)
+    "grape_m_rank2": dict(base=10000.0, num_planes=None, planes=None),
     "grape_m_noncommuting": dict(base=10000.0, rank=None),    # None: rank D
     "grape_m_ctx": dict(base=10000.0, variant="paper"),
     "acc_rot_random": dict(base=10000.0, width=2.0, eval_seed=0),
@@ -204,8 +206,9 @@ def _grape_m_prepare(params, layer, *, base):
   return Prepared("softmax", q2, k2, layer["v"], {})
 
 
-def _rank2_init(key, dims, *, base, num_planes):
+def _rank2_init(key, dims, *, base, num_planes, planes):
   del key
+  grape_m.planes_implementation(planes)   # a bad value fails at init, naming the field
   D, K = dims.head_dim, dims.num_kv_heads
   n = D // 2 if num_planes is None else num_planes
   if not 1 <= n <= D // 2:
@@ -215,15 +218,16 @@ def _rank2_init(key, dims, *, base, num_planes):
   return {"a": a, "b": b, "log_w": jnp.broadcast_to(log_w, (K, n))}
 
 
-def _rank2_prepare(params, layer, *, base, num_planes):
+def _rank2_prepare(params, layer, *, base, num_planes, planes):
   del base, num_planes
   q, k = layer["q"], layer["k"]
   H = q.shape[2]
-  phases = layer["positions"].astype(jnp.float32)[:, :, None, None] * jnp.exp(params["log_w"])
+  pos, w = layer["positions"], jnp.exp(params["log_w"])
   a, b = params["a"], params["b"]
-  q2 = grape_m.rank2_planes_apply(q, grape_m.per_query_head(a, H), grape_m.per_query_head(b, H),
-                                  _heads(phases, H))
-  k2 = grape_m.rank2_planes_apply(k, a, b, phases)
+  heads = lambda p: grape_m.per_query_head(p, H)  # noqa: E731
+  q2 = grape_m.rank2_planes_at_positions(q, heads(a), heads(b), pos, heads(w),
+                                         implementation=planes)
+  k2 = grape_m.rank2_planes_at_positions(k, a, b, pos, w, implementation=planes)
   return Prepared("softmax", q2, k2, layer["v"], {})
 
 
