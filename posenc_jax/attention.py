@@ -231,6 +231,9 @@ def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim
     return Choice("pallas", reason)
   if family == "softmax" and backend == "gpu":
     return softmax_gpu_path(dtype, head_dim, Dv, has_segments=has_segments, T=T)
+  if family == "grape_a" and backend == "gpu":
+    # faster in the training step than the lift on cuDNN, which pads D and repeats kv heads
+    return Choice("pallas", "gpu: the Triton GRAPE-A kernel (the bias in each tile)")
   if family == "grape_a":   # lifted into extra channels: softmax at the lifted head dim
     lifted = grape_a.augmented_head_dim(T, head_dim, dtype, q_gate=True, k_gate=True)
     inner = auto_implementation("softmax", T=T, dtype=dtype, head_dim=lifted, v_head_dim=Dv,
@@ -486,10 +489,10 @@ def grape_a_attention(q, k, v, rate_q, rate_k, *, segment_ids=None, scale=None,
   (that term absent), not both None. implementation "reference": the dense closed form
   (grape_a.grape_a_attention_reference). "pallas": kernels_pallas.grape_a_attention, the bias
   computed in each tile (Triton on a GPU, the Pallas interpreter on a CPU; on a TPU the lift
-  below on the softmax Pallas kernel). Every other value, and None, lifts the bias into extra
-  q / k channels (grape_a.grape_a_augment) and runs softmax_attention with it (None: its
-  automatic choice at the lifted head dim, auto_implementation("grape_a"), where "reference"
-  means the closed form).
+  below on the softmax Pallas kernel; under context parallelism the lift). Every other value
+  lifts the bias into extra q / k channels (grape_a.grape_a_augment) and runs softmax_attention
+  with it. None: auto_implementation("grape_a"): the kernel on a GPU; elsewhere the closed
+  form at short T ("reference") and the lift on softmax's automatic choice beyond.
 
   The lift drops each row's constant -(i rate_q_i), which softmax ignores, so its gradients
   take the row sums of dS as exactly 0; in float32 they are not, and the rates' gradients
@@ -516,7 +519,7 @@ def grape_a_attention(q, k, v, rate_q, rate_k, *, segment_ids=None, scale=None,
   if impl == "reference" and one_device:
     return grape_a.grape_a_attention_reference(q, k, v, omega=omega, lam_q=rate_q, lam_k=rate_k,
                                                segment_ids=segment_ids, scale=scale)
-  if implementation == "pallas" and backend != "tpu" and one_device:
+  if impl == "pallas" and backend != "tpu" and one_device:
     import kernels_pallas  # imported lazily: the kernels are optional on CPU
     return kernels_pallas.grape_a_attention(q, k, v, rate_q, rate_k, scale=scale,
                                             segment_ids=segment_ids,

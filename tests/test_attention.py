@@ -374,11 +374,15 @@ def test_model_kernel_options_reach_the_plan():
   assert "backward:  walk" in reason(pinned) and "spans of" not in reason(pinned)
 
 
-def test_grape_a_auto_is_the_lift_on_the_softmax_choice():
-  """implementation=None lifts GRAPE-A's bias into extra channels and takes softmax's choice at
-  the lifted head dim: cuDNN at 72 for a bf16 head of 64 on a GPU (its Pallas kernel is not
-  automatic)."""
+def test_grape_a_auto_is_its_kernel_on_gpu_and_the_lift_elsewhere():
+  """implementation=None runs GRAPE-A's Triton kernel on a GPU; on a TPU it lifts the bias into
+  extra channels and takes softmax's choice at the lifted head dim (72 for a bf16 head of 64)."""
   choice = attention.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=64,
                                          has_segments=True, backend="gpu")
-  assert choice.implementation == "cudnn", choice
+  assert choice.implementation == "pallas", choice
+  choice = attention.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=64,
+                                         has_segments=True, backend="tpu")
+  softmax = attention.auto_implementation("softmax", T=2048, dtype=jnp.bfloat16, head_dim=72,
+                                          has_segments=True, backend="tpu")
+  assert choice.implementation == softmax.implementation, (choice, softmax)
   assert choice.reason.startswith("GRAPE-A lifted to head dim 72; "), choice
