@@ -23,9 +23,11 @@ PROV = {"command": "pytest", "machine": "test", "jax": "-", "date": "-", "wall_t
         "train_time_s": 0}
 
 
-def _sweep(name: str, arg: str, workdir: str, out: str) -> dict:
+def _sweep(name: str, arg: str, workdir: str, out: str, *, seeds=None) -> dict:
   mod = __import__(f"experiments.configs.{name}", fromlist=["get_config"])
   config = mod.get_config(arg)
+  if seeds is not None:   # runlocal trains one seed
+    config.sweep.seeds = tuple(range(seeds))
   summaries = sweeps.run_sweep(config, workdir, log=lambda *_: None)
   results_pages.write_results(config.sweep.experiment, summaries, config, out, PROV)
   for f in ("results.json", "README.md"):
@@ -52,20 +54,34 @@ def test_length_extrapolation_and_probes(tmp_path):
   from experiments.probes import mixing_window
 
   wd = str(tmp_path / "le")
-  r = _sweep("length_extrapolation", "runlocal,encodings=rope+path", wd, str(tmp_path / "ler"))
+  r = _sweep("length_extrapolation", "runlocal,encodings=rope+path", wd, str(tmp_path / "ler"),
+             seeds=2)
   assert r["train_len"] == 16 and set(r["encodings"]["rope"]) == {"16", "32", "64"}
   assert all(np.isfinite(v) and v > 1 for e in r["encodings"].values() for v in e.values())
 
-  c = db_config.get_config(f"runlocal,encodings=rope,source_workdir={wd},source_arg=runlocal")
+  c = db_config.get_config(
+      f"runlocal,encodings=rope,seeds=2,source_workdir={wd},source_arg=runlocal")
   res, hists = distance_bias.run(c)
   distance_bias.write(c, res, hists, str(tmp_path / "db"), PROV)
   paper = res["paper [0,100] vs [10000,10100]"]
   assert set(paper) == {"random_rho0.0", "random_rho0.5", "trained_layer0", "trained_layer1"}
   # Matching random content at short range scores higher than at 10^4 (RoPE's decay).
   assert paper["random_rho0.5"]["rope"]["mean"] > 0.3
+  # Two seeds' trained runs: pooled pairs, and each seed's own mean (different models).
+  seed_means = paper["trained_layer0"]["rope"]["seed_means"]
+  assert len(seed_means) == 2 and seed_means[0] != seed_means[1]
+  np.testing.assert_allclose(np.mean(seed_means), paper["trained_layer0"]["rope"]["mean"],
+                             rtol=1e-5)
 
-  c = mw_config.get_config(f"runlocal,encodings=rope+path,source_workdir={wd},source_arg=runlocal")
+  c = mw_config.get_config(
+      f"runlocal,encodings=rope+path,seeds=2,source_workdir={wd},source_arg=runlocal")
   res = mixing_window.run(c)
+  # the seed average of each statistic, each seed's own kept
+  per_seed = res["path"]["per_seed"]
+  assert len(per_seed) == 2
+  np.testing.assert_allclose(
+      res["path"]["cancellation_plain"],
+      np.mean([p["cancellation_plain"] for p in per_seed]), rtol=1e-12)
   mixing_window.write(c, res, str(tmp_path / "mw"), PROV)
   for name in ("rope", "path"):
     assert abs(sum(res[name]["attention_mass"].values()) - 1) < 1e-4

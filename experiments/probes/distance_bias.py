@@ -99,37 +99,48 @@ def stats(d: np.ndarray) -> dict:
 
 
 def run(c) -> tuple[dict, dict]:
-  """(results, histograms): results[interval][source][encoding] = stats; hists hold the deltas."""
-  from experiments.probes import load
-
-  pairs = {}   # source -> encoding -> (enc, params, q, k)
+  """(results, histograms): results[interval][source][encoding] = stats over every pair (of
+  every seed), with "seed_means" (one mean per seed) where trained runs of several seeds were
+  read; hists hold the deltas."""
+  pairs = {}   # source -> encoding -> [(enc, params, q, k), one per seed]
   for rho in c.rhos:
     for name in c.encodings:
       enc = enc_lib.get(name)
       params = enc.init(jax.random.key(0), enc_lib.Dims(c.head_dim, 1, 1, c.head_dim))
-      pairs.setdefault(f"random_rho{rho}", {})[name] = (
-          enc, params, *random_pairs(c.num_pairs, c.head_dim, rho, c.seed))
+      pairs.setdefault(f"random_rho{rho}", {})[name] = [
+          (enc, params, *random_pairs(c.num_pairs, c.head_dim, rho, c.seed))]
   if c.source_workdir:
     for name in c.encodings:
-      run_dir = os.path.join(c.source_workdir, name, "seed0")
-      scfg = load.source_run(c.source_config, c.source_arg, name, run_dir)
-      trainer, params = load.restore(scfg, run_dir)
-      tokens = load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch)
-      layers = load.layer_inputs(trainer.model(params), jnp.asarray(tokens))
-      for li, layer in enumerate(layers):
-        per_head = max(1, c.num_pairs // layer["q"].shape[2])
-        pairs.setdefault(f"trained_layer{li}", {})[name] = (
-            layer["enc"], layer["params"], *trained_pairs(layer, per_head, c.seed + li))
+      for seed in c.seeds:
+        for li, layer in enumerate(_trained_layers(c, name, seed)):
+          per_head = max(1, c.num_pairs // (layer["q"].shape[2] * len(c.seeds)))
+          pairs.setdefault(f"trained_layer{li}", {}).setdefault(name, []).append(
+              (layer["enc"], layer["params"], *trained_pairs(layer, per_head, c.seed + li)))
   results, hists = {}, {}
   for label, short, long in c.intervals:
     iv = f"{label} [{short[0]},{short[1]}] vs [{long[0]},{long[1]}]"
     results[iv], hists[iv] = {}, {}
     for source, by_name in pairs.items():
       results[iv][source], hists[iv][source] = {}, {}
-      for name, (enc, params, q, k) in by_name.items():
-        d = deltas(enc, params, q, k, short=tuple(short), long=tuple(long), seed=c.seed + 1)
+      for name, per_seed in by_name.items():
+        ds = [deltas(enc, params, q, k, short=tuple(short), long=tuple(long), seed=c.seed + 1)
+              for enc, params, q, k in per_seed]
+        d = np.concatenate(ds)
         results[iv][source][name], hists[iv][source][name] = stats(d), d
+        if len(ds) > 1:
+          results[iv][source][name]["seed_means"] = [float(x.mean()) for x in ds]
   return results, hists
+
+
+def _trained_layers(c, name: str, seed: int) -> list[dict]:
+  """load.layer_inputs of the trained run WORKDIR/<name>/seed<seed> on held-out text."""
+  from experiments.probes import load
+
+  run_dir = os.path.join(c.source_workdir, name, f"seed{seed}")
+  scfg = load.source_run(c.source_config, c.source_arg, name, run_dir)
+  trainer, params = load.restore(scfg, run_dir)
+  tokens = load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch)
+  return load.layer_inputs(trainer.model(params), jnp.asarray(tokens))
 
 
 def write(c, results, hists, out_dir: str, prov: dict) -> None:

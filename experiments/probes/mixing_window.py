@@ -145,36 +145,52 @@ def layer_stats(layer: dict, radii: list[int]) -> dict:
 
 
 def run(c) -> dict:
-  from experiments.probes import load
-
+  """results[encoding]: the statistics averaged over layers (and over seeds, when several
+  seeds' runs are read: "per_seed" then holds each seed's own)."""
   radii = sorted({r for r in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512] if r < c.text_len})
   results = {}
   for name in c.encodings:
-    run_dir = os.path.join(c.source_workdir, name, "seed0")
-    scfg = load.source_run(c.source_config, c.source_arg, name, run_dir)
-    trainer, params = load.restore(scfg, run_dir)
-    tokens = jnp.asarray(load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch))
-    layers = load.layer_inputs(trainer.model(params), tokens)
-    per_layer = []
-    for layer in layers:
-      T = tokens.shape[1]
-      layer["prep_kwargs"] = dict(
-          k=layer["k"], v=layer["v"], x=jnp.zeros(tokens.shape + (1,)), tokens=tokens,
-          positions=jnp.broadcast_to(jnp.arange(T), tokens.shape), segment_ids=None, rng=None,
-          train=False)
-      per_layer.append(layer_stats(layer, radii))
-    avg = lambda key: {k: float(np.mean([p[key][k] for p in per_layer]))
-                       for k in per_layer[0][key]}
-    results[name] = {
-        "first_moment_spectral": {str(k): v for k, v in avg("first_moment_spectral").items()},
-        "first_moment_frobenius": {str(k): v for k, v in avg("first_moment_frobenius").items()},
-        "attention_mass": avg("attention_mass"),
-        "cancellation_transported": float(np.mean([p["cancellation_transported"]
-                                                   for p in per_layer])),
-        "cancellation_plain": float(np.mean([p["cancellation_plain"] for p in per_layer])),
-        "per_layer": [{k: ({str(a): b for a, b in v.items()} if isinstance(v, dict) else v)
-                       for k, v in p.items()} for p in per_layer]}
+    per_seed = [_one_run(c, name, seed, radii) for seed in c.seeds]
+    if len(per_seed) == 1:
+      results[name] = per_seed[0]
+      continue
+    mean = lambda xs: float(np.mean(xs))  # noqa: E731
+    results[name] = {key: ({k: mean([p[key][k] for p in per_seed]) for k in per_seed[0][key]}
+                           if isinstance(per_seed[0][key], dict)
+                           else mean([p[key] for p in per_seed]))
+                     for key in per_seed[0] if key != "per_layer"}
+    results[name]["per_seed"] = per_seed
   return results
+
+
+def _one_run(c, name: str, seed: int, radii: list[int]) -> dict:
+  """The statistics of the trained run WORKDIR/<name>/seed<seed>, averaged over its layers."""
+  from experiments.probes import load
+
+  run_dir = os.path.join(c.source_workdir, name, f"seed{seed}")
+  scfg = load.source_run(c.source_config, c.source_arg, name, run_dir)
+  trainer, params = load.restore(scfg, run_dir)
+  tokens = jnp.asarray(load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch))
+  layers = load.layer_inputs(trainer.model(params), tokens)
+  per_layer = []
+  for layer in layers:
+    T = tokens.shape[1]
+    layer["prep_kwargs"] = dict(
+        k=layer["k"], v=layer["v"], x=jnp.zeros(tokens.shape + (1,)), tokens=tokens,
+        positions=jnp.broadcast_to(jnp.arange(T), tokens.shape), segment_ids=None, rng=None,
+        train=False)
+    per_layer.append(layer_stats(layer, radii))
+  avg = lambda key: {k: float(np.mean([p[key][k] for p in per_layer]))  # noqa: E731
+                     for k in per_layer[0][key]}
+  return {
+      "first_moment_spectral": {str(k): v for k, v in avg("first_moment_spectral").items()},
+      "first_moment_frobenius": {str(k): v for k, v in avg("first_moment_frobenius").items()},
+      "attention_mass": avg("attention_mass"),
+      "cancellation_transported": float(np.mean([p["cancellation_transported"]
+                                                 for p in per_layer])),
+      "cancellation_plain": float(np.mean([p["cancellation_plain"] for p in per_layer])),
+      "per_layer": [{k: ({str(a): b for a, b in v.items()} if isinstance(v, dict) else v)
+                     for k, v in p.items()} for p in per_layer]}
 
 
 def write(c, results: dict, out_dir: str, prov: dict) -> None:
