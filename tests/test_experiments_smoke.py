@@ -143,3 +143,30 @@ def test_path_route_transport_is_the_householder_product():
   np.testing.assert_allclose(tr.P[0, j, k], want, atol=1e-12)
   v = r_.standard_normal((B, T, K, D))
   np.testing.assert_allclose(tr.apply(v)[0, j, k], want @ v[0, j, k], atol=1e-12)
+
+
+def test_distance_bias_statistics_of_a_bfloat16_model_are_float():
+  """A bfloat16 model's q and k give the statistics of the same values held in float32: the
+  pairs are re-encoded in float32 and the deltas summed in float64. (The GPU models' first
+  probe run summed bfloat16 deltas: its pooled means were off by half.)"""
+  import jax.numpy as jnp
+
+  from experiments.probes import distance_bias
+  from posenc_jax import encodings
+
+  rng = np.random.default_rng(0)
+  shared = rng.standard_normal((1, 1, 2, 16))     # content every q and k share: a real bias
+  q = (shared + 0.5 * rng.standard_normal((4, 256, 2, 16))).astype(jnp.bfloat16)
+  k = (shared + 0.5 * rng.standard_normal((4, 256, 2, 16))).astype(jnp.bfloat16)
+  enc = encodings.get("rope")
+  params = enc.init(None, encodings.Dims(16, 2, 2, 16))
+  got, want = [
+      distance_bias.stats(distance_bias.deltas(
+          enc, params, *distance_bias.trained_pairs({"q": q.astype(dt), "k": k.astype(dt)},
+                                                    200_000, seed=0),
+          short=(0, 100), long=(10000, 10100), seed=1))
+      for dt in (jnp.bfloat16, np.float32)]
+  assert got["n"] == want["n"] == 400_000
+  assert want["mean"] > 0.3
+  np.testing.assert_allclose(got["mean"], want["mean"], rtol=1e-9)
+  np.testing.assert_allclose(got["std"], want["std"], rtol=1e-9)

@@ -72,7 +72,8 @@ def deltas(enc, params, q_NHD, k_NHD, *, short, long, seed: int) -> np.ndarray:
   lam = jnp.asarray(r.integers(short[0], short[1] + 1, N))
   big = jnp.asarray(r.integers(long[0], long[1] + 1, N))
   d = pair_logits(enc, params, q_NHD, k_NHD, lam) - pair_logits(enc, params, q_NHD, k_NHD, big)
-  return np.asarray(d).ravel()
+  # float64 for the statistics: a bfloat16 array's mean is summed in bfloat16
+  return np.asarray(d, np.float64).ravel()
 
 
 def random_pairs(n: int, head_dim: int, rho: float, seed: int):
@@ -83,8 +84,9 @@ def random_pairs(n: int, head_dim: int, rho: float, seed: int):
 
 
 def trained_pairs(layer: dict, n: int, seed: int):
-  """n (q_i, k_j) pairs, i >= j, from every head of a layer: [n, H, D] each."""
-  q, k = np.asarray(layer["q"]), np.asarray(layer["k"])
+  """n (q_i, k_j) pairs, i >= j, from every head of a layer: [n, H, D] each, in float32 (a
+  bfloat16 model's raw q and k, exactly; re-encoded in float32)."""
+  q, k = np.asarray(layer["q"], np.float32), np.asarray(layer["k"], np.float32)
   B, T, H, D = q.shape
   k = np.repeat(k, H // k.shape[2], axis=2)
   r = np.random.default_rng(seed)
