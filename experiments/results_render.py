@@ -154,7 +154,7 @@ def flipflop(results: dict, cfg, out_dir: str | None, img: str, notes: dict) -> 
 # --- length extrapolation ------------------------------------------------------------
 
 
-RATIO_FACTORS = (8, 16, 32)
+RATIO_FACTORS = (8, 16, 32, 128)
 
 
 def length_ratios(results: dict, name: str, factor: int) -> list[float] | None:
@@ -232,11 +232,14 @@ def length_extrapolation(results: dict, cfg, out_dir: str | None, img: str,
           "Perplexity per byte-level token on held-out stdlib files: at every length the same "
           f"first {cfg.sweep.get('eval_tokens', 0):,} held-out tokens, packed into rows of that "
           "length (experiments/probes/length_eval.py); with several seeds the perplexity columns "
-          "are means. Ratio columns: perplexity at 8x, 16x and 32x the training length over "
+          "are means. Ratio columns: perplexity at "
+          + " and ".join([", ".join(f"{f}x" for f in factors[:-1]), f"{factors[-1]}x"])
+          + " the training length over "
           "perplexity at the training length, per seed. The accumulated-rotations paper "
           "(Table 1) trains at 512 and headlines 8K/512 and 65K/512, which are 16x and 128x; "
           "its 4096 and 16384 columns give its 8x and 32x. Our 16x column is the analog of its "
-          "8K/512; nothing here reaches 128x.", "",
+          + ("8K/512 and our 128x of its 65K/512." if 128 in factors
+             else "8K/512; nothing here reaches 128x."), "",
           f"![perplexity vs length]({img}perplexity_vs_length.png)", ""]
 
 
