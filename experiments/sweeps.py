@@ -44,6 +44,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -204,10 +206,8 @@ def side_by_side(argv: list[str], runs: list[dict], workers: int, workdir: str, 
   arguments and --run_indices (its share, round robin); returns when all have finished.
   Each worker's output goes to WORKDIR/side_by_side.<i>.log. Unless set already, each gets
   XLA_PYTHON_CLIENT_MEM_FRACTION = 0.9 / workers. SideBySideError naming the logs of the
-  workers that failed; SIGTERM / Ctrl-C stop every worker (their runs resume from checkpoints)."""
-  import signal
-  import subprocess
-
+  workers that failed; SIGTERM / Ctrl-C stop every worker (stop_workers: killed if still running
+  STOP_GRACE_S later; their runs resume from checkpoints)."""
   pending = [i for i, r in enumerate(runs) if not os.path.exists(_summary_path(r))]
   if not pending:
     return
@@ -227,10 +227,7 @@ def side_by_side(argv: list[str], runs: list[dict], workers: int, workdir: str, 
     log(f"worker {i}: runs {', '.join(runs[j]['workdir'] for j in group)} (log {log_path})")
 
   def stop(signum, frame):
-    for p, _ in procs:
-      p.send_signal(signal.SIGTERM)
-    for p, _ in procs:
-      p.wait()
+    stop_workers([p for p, _ in procs], grace_s=STOP_GRACE_S, log=log)
     raise SystemExit(143)
 
   previous = signal.signal(signal.SIGTERM, stop)
@@ -244,6 +241,29 @@ def side_by_side(argv: list[str], runs: list[dict], workers: int, workdir: str, 
   if failed:
     raise SideBySideError("side-by-side workers failed: " + "; ".join(
         f"{path} (exit {rc})" for path, rc in failed) + "; the same command resumes them")
+
+
+# How long stopped workers get to save their checkpoints before they are killed. A worker
+# acts on SIGTERM only between training steps; inside a compile or a long evaluation it would
+# keep the whole sweep (and a `timeout` around it) waiting. A killed run resumes from its last
+# intact checkpoint, as after any crash.
+STOP_GRACE_S = 30.0
+
+
+def stop_workers(procs, *, grace_s: float, log=print) -> None:
+  """SIGTERM to every worker, then SIGKILL to those still running after grace_s seconds."""
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + grace_s
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      log(f"worker {p.pid} still running {grace_s:.0f} s after SIGTERM: killed (its run resumes "
+          "from its last checkpoint)")
+      p.kill()
+      p.wait()
 
 
 def _without(args: list[str], names: tuple[str, ...]) -> list[str]:

@@ -270,3 +270,25 @@ def test_length_evaluation_is_kept_and_reused(tmp_path, monkeypatch):
     config.sweep.eval_tokens = 2 * config.sweep.eval_tokens     # another evaluation: redone
   sweeps.run_sweep(config, str(tmp_path), log=lambda *_: None)
   assert calls == [run_dir, run_dir]
+
+
+def test_stopped_workers_that_ignore_sigterm_are_killed_after_the_grace(tmp_path):
+  """A worker inside a compile or an evaluation does not act on SIGTERM: stop_workers kills it
+  once the grace has passed, and leaves alone one that exits on SIGTERM."""
+  import subprocess
+  import sys
+  import time
+
+  ready = tmp_path / "ready"
+  stubborn = subprocess.Popen([sys.executable, "-c", (
+      "import signal, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+      f"pathlib.Path({str(ready)!r}).touch(); time.sleep(60)")])
+  polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  while not ready.exists():   # the handler is installed before SIGTERM is sent
+    time.sleep(0.05)
+  said = []
+  t0 = time.monotonic()
+  sweeps.stop_workers([polite, stubborn], grace_s=1.0, log=said.append)
+  assert time.monotonic() - t0 < 10
+  assert polite.returncode == -15 and stubborn.returncode == -9
+  assert len(said) == 1 and f"worker {stubborn.pid}" in said[0]
