@@ -217,6 +217,11 @@ def _plot_lengths(results: dict, cfg, lengths: list[int], out_dir: str) -> None:
   plt.close(fig)
 
 
+def _spoken(items: list[str]) -> str:
+  """'a', 'a and b', 'a, b and c'."""
+  return " and ".join([", ".join(items[:-1]), items[-1]]) if len(items) > 1 else items[0]
+
+
 def length_extrapolation(results: dict, cfg, out_dir: str | None, img: str,
                          notes: dict) -> list[str]:
   L, enc = results["train_len"], results["encodings"]
@@ -232,10 +237,11 @@ def length_extrapolation(results: dict, cfg, out_dir: str | None, img: str,
           "Perplexity per byte-level token on held-out stdlib files: at every length the same "
           f"first {cfg.sweep.get('eval_tokens', 0):,} held-out tokens, packed into rows of that "
           "length (experiments/probes/length_eval.py); with several seeds the perplexity columns "
-          "are means. Ratio columns: perplexity at "
-          + " and ".join([", ".join(f"{f}x" for f in factors[:-1]), f"{factors[-1]}x"])
-          + " the training length over "
-          "perplexity at the training length, per seed. The accumulated-rotations paper "
+          "are means. "
+          + (f"Ratio columns: perplexity at {_spoken([f'{f}x' for f in factors])} the "
+             "training length over perplexity at the training length, per seed. " if factors
+             else "No ratio columns: the lengths stop short of 8x. ")
+          + "The accumulated-rotations paper "
           "(Table 1) trains at 512 and headlines 8K/512 and 65K/512, which are 16x and 128x; "
           "its 4096 and 16384 columns give its 8x and 32x. Our 16x column is the analog of its "
           + ("8K/512 and our 128x of its 65K/512." if 128 in factors

@@ -145,6 +145,43 @@ def test_path_route_transport_is_the_householder_product():
   np.testing.assert_allclose(tr.apply(v)[0, j, k], want @ v[0, j, k], atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["acc_rot_random", "acc_rot_learned"])
+def test_rotary_transported_sums_in_closed_form_match_the_route_walk(name, key):
+  """mixing_window's closed form for a rotary transport (R(phi_i) sum_j a_ij R(-phi_j) v_j, and
+  each radius' mean route) equals walking every route token by token, on an accumulated
+  rotation's own phases, random causal attention weights and GQA values."""
+  import jax
+  import jax.numpy as jnp
+
+  from experiments.probes import mixing_window
+  from posenc_jax import encodings
+
+  B, T, H, K, D = 2, 23, 4, 2, 8
+  ks = jax.random.split(key, 4)
+  q = jax.random.normal(ks[0], (B, T, H, D))
+  k, v = jax.random.normal(ks[1], (B, T, K, D)), jax.random.normal(ks[2], (B, T, K, D))
+  enc = encodings.get(name)
+  params = enc.init(ks[3], encodings.Dims(H * D, H, K, D))
+  tokens = jax.random.randint(ks[3], (B, T), 0, 256)   # learned angles are per token
+  kw = dict(k=k, v=v, x=jnp.zeros((B, T, 1)), tokens=tokens,
+            positions=jnp.broadcast_to(jnp.arange(T), (B, T)), segment_ids=None, rng=None,
+            train=False)
+  layer = {"prep": enc.prepare(params, q=q, **kw), "q": q, "enc": enc, "params": params,
+           "prep_kwargs": kw}
+  logits = np.random.default_rng(0).standard_normal((B, H, T, T))
+  a = np.where(np.tril(np.ones((T, T), bool)), np.exp(logits), 0.0)
+  a /= a.sum(-1, keepdims=True)
+  v64, radii = np.asarray(v, np.float64), [1, 2, 4, 8, 16]
+  walked, m_walked = mixing_window.transported_sums_by_routes(layer, a, v64, radii)
+  closed, m_closed = mixing_window.transported_sums_by_phases(
+      mixing_window.rotation_phases(layer)[:, :, :1], a, v64, radii)
+  np.testing.assert_allclose(closed, walked, rtol=1e-10, atol=1e-12)
+  assert m_closed.keys() == m_walked.keys() == set(radii)
+  for r in radii:
+    np.testing.assert_allclose(m_closed[r], m_walked[r], rtol=1e-10)
+  assert min(m[1] for m in m_walked.values()) < 0.99   # the routes do differ: not RoPE
+
+
 def test_distance_bias_statistics_of_a_bfloat16_model_are_float():
   """A bfloat16 model's q and k give the statistics of the same values held in float32: the
   pairs are re-encoded in float32 and the deltas summed in float64. (The GPU models' first

@@ -106,29 +106,62 @@ def attention_weights(layer: dict) -> np.ndarray:
   return np.asarray(o, np.float64).transpose(0, 2, 1, 3)
 
 
+def transported_sums_by_routes(layer: dict, a, v, radii: list[int]):
+  """(sum_j a_ij T(j -> i) v_j [B, T, H, D], {r: (spectral, bulk) first moment}) by advancing
+  every route one token at a time: O(T) steps, any transport (PaTH's matrices too)."""
+  B, H, T, _ = a.shape
+  group = H // v.shape[2]
+  tr = _Transport(layer)
+  moments = {}
+  # r = 0: the diagonal term, no transport.
+  num_t = np.einsum("bhii->bih", a)[..., None] * np.repeat(v, group, axis=2)
+  for r in range(1, T):
+    tr.step()
+    if r in radii:
+      s, f = tr.first_moment()
+      moments[r] = (float(np.mean(s)), float(np.mean(f)))
+    moved = np.repeat(tr.apply(v), group, axis=2)[:, :T - r]      # T(j -> j+r) v_j, j < T - r
+    a_r = np.stack([np.diagonal(a[:, h], offset=-r, axis1=1, axis2=2) for h in range(H)], -1)
+    num_t[:, r:] += a_r[..., None] * moved                         # a_{j+r, j}
+  return num_t, moments
+
+
+def transported_sums_by_phases(phi, a, v, radii: list[int]):
+  """transported_sums_by_routes for a rotary transport, T(j -> i) = R(phi_i - phi_j), in closed
+  form: sum_j a_ij R(phi_i - phi_j) v_j = R(phi_i) sum_j a_ij R(-phi_j) v_j, one attention
+  product per head, and each radius' mean route e^{i(phi_{j+r} - phi_j)} directly.
+
+  phi [B, T, 1, P] (shared over kv heads), a [B, H, T, T], v [B, T, K, D = 2P]."""
+  B, H, T, _ = a.shape
+  kv = np.arange(H) // (H // v.shape[2])                          # each query head's kv head
+  z = v[..., 0::2] + 1j * v[..., 1::2]                            # [B, T, K, P]
+  back = (np.exp(-1j * phi) * z)[:, :, kv]                        # R(-phi_j) v_j per query head
+  zt = np.exp(1j * phi) * np.einsum("bhij,bjhp->bihp", a, back)   # [B, T, H, P]
+  num_t = np.empty(zt.shape[:-1] + (v.shape[-1],))
+  num_t[..., 0::2], num_t[..., 1::2] = zt.real, zt.imag
+  moments = {}
+  for r in radii:
+    M = np.exp(1j * (phi[:, r:] - phi[:, :-r])).mean(axis=(0, 1))  # [1, P]
+    moments[r] = (float(np.mean(np.abs(M).max(-1))),
+                  float(np.mean(np.sqrt((np.abs(M) ** 2).mean(-1)))))
+  return num_t, moments
+
+
 def layer_stats(layer: dict, radii: list[int]) -> dict:
   a = attention_weights(layer)                                    # [B, H, T, T]
   B, H, T, _ = a.shape
   v = np.asarray(layer["v"], np.float64)                          # raw values [B, T, K, D]
   K = v.shape[2]
   group = H // K
-  tr = _Transport(layer)
-  spec, frob = {}, {}
-  num_t = np.zeros((B, T, H, v.shape[-1]))                        # sum_j a_ij T(j->i) v_j
+  if layer["prep"].family == "softmax":                           # a rotary transport
+    num_t, moments = transported_sums_by_phases(rotation_phases(layer)[:, :, :1], a, v, radii)
+  else:
+    num_t, moments = transported_sums_by_routes(layer, a, v, radii)
+  spec = {r: m[0] for r, m in moments.items()}
+  frob = {r: m[1] for r, m in moments.items()}
   num_p = np.einsum("bhij,bjkd->bihkd", a, v)[:, :, np.arange(H), np.arange(H) // group]
   vnorm = np.linalg.norm(v, axis=-1)                              # [B, T, K]
   den = np.einsum("bhij,bjh->bih", a, vnorm[:, :, np.arange(H) // group])
-  # r = 0: the diagonal term, no transport.
-  diag = np.einsum("bhii->bih", a)
-  num_t += diag[..., None] * np.repeat(v, group, axis=2)
-  for r in range(1, T):
-    tr.step()
-    if r in radii:
-      s, f = tr.first_moment()
-      spec[r], frob[r] = float(np.mean(s)), float(np.mean(f))
-    moved = np.repeat(tr.apply(v), group, axis=2)[:, :T - r]      # T(j -> j+r) v_j, j < T - r
-    a_r = np.stack([np.diagonal(a[:, h], offset=-r, axis1=1, axis2=2) for h in range(H)], -1)
-    num_t[:, r:] += a_r[..., None] * moved                         # a_{j+r, j}
   q_lo = T // 2
   c_t = np.linalg.norm(num_t, axis=-1)[:, q_lo:] / den[:, q_lo:]
   c_p = np.linalg.norm(num_p, axis=-1)[:, q_lo:] / den[:, q_lo:]
