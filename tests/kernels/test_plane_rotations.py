@@ -43,10 +43,10 @@ def _inputs(key, *, B=2, T=37, H=3, N=5, D=24, dtype=F32):
   return (x, a, b, w), pos, probe
 
 
-@pytest.mark.parametrize("vjp", [None, grape_m.rank2_apply_rows_vjp], ids=["autodiff", "written"])
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-def test_kernel_matches_the_plane_scan(key, dtype, vjp):
-  (x, a, b, w), pos, probe = _inputs(key, dtype=dtype)
+def _kernel_and_scan(args, pos, probe, **kernel_kw):
+  """((y, grads), (y, grads)) of the kernel and of the float32 plane scan (in x's dtype): y and
+  the gradients of sum(sin(y) * probe) w.r.t. x, a, b and w."""
+  dtype = args[0].dtype
 
   def oracle(x, a, b, w):
     phases = pos[:, :, None, None].astype(F32) * w
@@ -55,13 +55,21 @@ def test_kernel_matches_the_plane_scan(key, dtype, vjp):
     return jnp.sum(jnp.sin(y.astype(F32)) * probe), y
 
   def kernel(x, a, b, w):
-    y = plane_rotations(x, a, b, pos, w, apply=grape_m.rank2_apply, apply_vjp=vjp, block_t=16,
-                        interpret=True)
+    y = plane_rotations(x, a, b, pos, w, apply=grape_m.rank2_apply, **kernel_kw)
     return jnp.sum(jnp.sin(y.astype(F32)) * probe), y
 
   grads = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))  # noqa
-  (_, y), got = grads(kernel)(x, a, b, w)
-  (_, y_want), want = grads(oracle)(x, a, b, w)
+  (_, y), got = grads(kernel)(*args)
+  (_, y_want), want = grads(oracle)(*args)
+  return (y, got), (y_want, want)
+
+
+@pytest.mark.parametrize("vjp", [None, grape_m.rank2_apply_rows_vjp], ids=["autodiff", "written"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_kernel_matches_the_plane_scan(key, dtype, vjp):
+  (x, a, b, w), pos, probe = _inputs(key, dtype=dtype)
+  (y, got), (y_want, want) = _kernel_and_scan(
+      (x, a, b, w), pos, probe, apply_vjp=vjp, block_t=16, interpret=True)
   assert y.dtype == dtype
   # bf16: the outputs are one rounding of the same float32 values (differences of an ulp where
   # the float32 values straddle a rounding boundary); the gradients are float32 through x's cast
@@ -150,22 +158,9 @@ def test_kernel_on_gpu(key):
   (x, a, b, w), _, probe = _inputs(key, B=2, T=2048, H=12, N=32, D=64, dtype=BF16)
   pos = jnp.concatenate([jnp.arange(300), jnp.arange(800), jnp.arange(948)]).astype(jnp.int32)
   pos = jnp.broadcast_to(pos, (2, 2048))
-
-  def oracle(x, a, b, w):
-    phases = pos[:, :, None, None].astype(F32) * w
-    y = grape_m.rank2_planes_scan(x.astype(F32), jnp.moveaxis(a, 1, 0), jnp.moveaxis(b, 1, 0),
-                                  jnp.moveaxis(phases, -1, 0)).astype(BF16)
-    return jnp.sum(jnp.sin(y.astype(F32)) * probe), y
-
-  def kernel(x, a, b, w):
-    y = plane_rotations(x, a, b, pos, w, apply=grape_m.rank2_apply,
-                        apply_vjp=grape_m.rank2_apply_rows_vjp)
-    return jnp.sum(jnp.sin(y.astype(F32)) * probe), y
-
-  grads = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))  # noqa
-  (_, y), got = grads(kernel)(x, a, b, w)
   with jax.default_matmul_precision("highest"):
-    (_, y_want), want = grads(oracle)(x, a, b, w)
+    (y, got), (y_want, want) = _kernel_and_scan(
+        (x, a, b, w), pos, probe, apply_vjp=grape_m.rank2_apply_rows_vjp)
   assert_rel_rms(y.astype(F32), y_want.astype(F32), 1e-2, "y")
   for name, g, g_want in zip(("dx", "da", "db", "dw"), got, want):
     assert_rel_rms(g.astype(F32), g_want.astype(F32), 1e-2, name)
