@@ -231,8 +231,9 @@ def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim
     return Choice("pallas", reason)
   if family == "softmax" and backend == "gpu":
     return softmax_gpu_path(dtype, head_dim, Dv, has_segments=has_segments, T=T)
-  if family == "grape_a" and backend == "gpu":
-    # faster in the training step than the lift on cuDNN, which pads D and repeats kv heads
+  if family == "grape_a" and backend == "gpu" and max(head_dim, Dv) <= PALLAS_MAX_HEAD_DIM:
+    # faster in the training step than the lift on cuDNN, which reads packed documents as a
+    # dense mask (the kernel masks by tile) at the lifted head dim
     return Choice("pallas", "gpu: the Triton GRAPE-A kernel (the bias in each tile)")
   if family == "grape_a":   # lifted into extra channels: softmax at the lifted head dim
     lifted = grape_a.augmented_head_dim(T, head_dim, dtype, q_gate=True, k_gate=True)

@@ -375,11 +375,15 @@ def test_model_kernel_options_reach_the_plan():
 
 
 def test_grape_a_auto_is_its_kernel_on_gpu_and_the_lift_elsewhere():
-  """implementation=None runs GRAPE-A's Triton kernel on a GPU; on a TPU it lifts the bias into
-  extra channels and takes softmax's choice at the lifted head dim (72 for a bf16 head of 64)."""
+  """implementation=None runs GRAPE-A's Triton kernel on a GPU up to head dim 128; beyond it,
+  and on a TPU, it lifts the bias into extra channels and takes softmax's choice at the lifted
+  head dim (72 for a bf16 head of 64)."""
   choice = attention.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=64,
                                          has_segments=True, backend="gpu")
   assert choice.implementation == "pallas", choice
+  wide = attention.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=256,
+                                       has_segments=True, backend="gpu")
+  assert wide.reason.startswith("GRAPE-A lifted"), wide   # beyond the kernel's tuned tiles
   choice = attention.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=64,
                                          has_segments=True, backend="tpu")
   softmax = attention.auto_implementation("softmax", T=2048, dtype=jnp.bfloat16, head_dim=72,
