@@ -59,17 +59,13 @@ def forward_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, o_ref, l
   """q [bq, D], k [T, D], (rq [bq]), (rk [T]), v [T, Dv], (sq [bq], sk [T]) -> o [bq, Dv],
   lse [bq] float32."""
   bq, bk = st.block_q, st.block_k
-  q0 = pl.program_id(0) * bq
   q = q_ref[...]
-  rq = None if rq_ref is None else rq_ref[...]
-  sq = None if sq_ref is None else sq_ref[...]
-  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-  n = pl.cdiv(q0 + bq, bk)   # the key tiles up to the diagonal
+  rq = tiles.read_optional(rq_ref, ...)
+  sq = tiles.read_optional(sq_ref, ...)
+  qpos, n = tiles.query_tile(bq, bk)   # the key tiles up to the diagonal
 
   def body(j, state):
-    k0 = pl.multiple_of(j * bk, bk)
-    rows = pl.ds(k0, bk)
-    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    rows, dist = tiles.key_tile(j, bk, qpos)
     s, _ = _logits(st, q, k_ref[rows, :], rq, tiles.read_optional(rk_ref, rows), dist)
     ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
     return tiles.causal_softmax_step(state, s, ok, v_ref[rows, :], precision=st.v_precision)
@@ -83,21 +79,17 @@ def dq_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_r
   """One query tile against the key tiles up to the diagonal: -> dq [bq, D], (drq [bq]),
   float32."""
   bq, bk = st.block_q, st.block_k
-  q0 = pl.program_id(0) * bq
   q = q_ref[...]
-  rq = None if rq_ref is None else rq_ref[...]
-  sq = None if sq_ref is None else sq_ref[...]
+  rq = tiles.read_optional(rq_ref, ...)
+  sq = tiles.read_optional(sq_ref, ...)
   do = do_ref[...]
   lse = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
-  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-  n = pl.cdiv(q0 + bq, bk)
+  qpos, n = tiles.query_tile(bq, bk)
 
   def body(j, carry):
     dq, drq = carry
-    k0 = pl.multiple_of(j * bk, bk)
-    rows = pl.ds(k0, bk)
-    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    rows, dist = tiles.key_tile(j, bk, qpos)
     k = k_ref[rows, :]
     s, fdist = _logits(st, q, k, rq, tiles.read_optional(rk_ref, rows), dist)
     ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
@@ -128,7 +120,7 @@ def dkv_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_
   k0 = pl.program_id(0) * bk
   k = k_ref[...]
   v = v_ref[...]
-  sk = None if sk_ref is None else sk_ref[...]
+  sk = tiles.read_optional(sk_ref, ...)
   kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
   first = k0 // bq                      # the query tile holding the diagonal
   n = q_ref.shape[0] // bq
@@ -136,15 +128,13 @@ def dkv_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for g in range(G):
-    rk = None if rk_ref is None else rk_ref[:, g]
+    rk = tiles.read_optional(rk_ref, (slice(None), g))
 
     def body(i, carry, g=g, rk=rk):
       dk, dv, drk = carry
-      q0 = pl.multiple_of(i * bq, bq)
-      rows = pl.ds(q0, bq)
-      dist = (q0 + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) - kpos   # i - j, [keys, queries]
+      rows, dist = tiles.query_rows(i, bq, kpos)   # i - j, [keys, queries]
       q = q_ref[rows, g, :]
-      rq = None if rq_ref is None else rq_ref[rows, g]
+      rq = tiles.read_optional(rq_ref, (rows, g))
       s, fdist = _logits(st, k, q, rk, rq, dist)
       ok = tiles.causal_visible(dist, sk, tiles.read_optional(sq_ref, rows))
       p = jnp.where(ok, jnp.exp(s - lse_ref[rows, g][None, :]), 0.0)

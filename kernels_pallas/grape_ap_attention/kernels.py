@@ -94,21 +94,17 @@ def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
   """q [bq, D], k [T, D], v [T, Dv], pq [bq, P], r [T, P], alpha [bq], (sq [bq], sk [T])
   -> o [bq, Dv], lse [bq], C [NK, bq] float32."""
   bq, bk = st.block_q, st.block_k
-  q0 = pl.program_id(0) * bq
   q = q_ref[...]
   pq = pq_ref[...]
   alpha = al_ref[...]
-  sq = None if sq_ref is None else sq_ref[...]
-  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-  n = pl.cdiv(q0 + bq, bk)
+  sq = tiles.read_optional(sq_ref, ...)
+  qpos, n = tiles.query_tile(bq, bk)
   greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
 
   def body(t, state):
     softmax, carry = state
     kt = n - 1 - t
-    k0 = pl.multiple_of(kt * bk, bk)
-    rows = pl.ds(k0, bk)
-    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    rows, dist = tiles.key_tile(kt, bk, qpos)
     w, _, _ = _potentials(st, pq, r_ref[rows, :], alpha, dist >= 0, True)
     c_ref[kt, :] = carry
     bias = carry[:, None] + _tri_dot(st, w, greater, tri_left=False)
@@ -127,24 +123,20 @@ def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref
   """One query tile against the key tiles up to the diagonal, left to right: -> dq [bq, D],
   dpq [bq, P], dalpha [bq] (this row's share), Pre [NK, bq], float32."""
   bq, bk = st.block_q, st.block_k
-  q0 = pl.program_id(0) * bq
   q = q_ref[...]
   pq = pq_ref[...]
   alpha = al_ref[...]
-  sq = None if sq_ref is None else sq_ref[...]
+  sq = tiles.read_optional(sq_ref, ...)
   do = do_ref[...]
   lse = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
-  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-  n = pl.cdiv(q0 + bq, bk)
+  qpos, n = tiles.query_tile(bq, bk)
   greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
   less = _row_less(bk)         # (ds @ less)_il = sum_{j < l} ds_ij
 
   def body(kt, state):
     dq, dpq, dal, pre = state
-    k0 = pl.multiple_of(kt * bk, bk)
-    rows = pl.ds(k0, bk)
-    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    rows, dist = tiles.key_tile(kt, bk, qpos)
     r = r_ref[rows, :]
     on_path = dist >= 0
     w, ls, sn = _potentials(st, pq, r, alpha, on_path, True, grad=True)
@@ -185,7 +177,7 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
   k0 = kt * bk
   k = k_ref[...]
   v = v_ref[...]
-  sk = None if sk_ref is None else sk_ref[...]
+  sk = tiles.read_optional(sk_ref, ...)
   kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
   first = k0 // bq
   n = q_ref.shape[0] // bq
@@ -199,19 +191,18 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
 
     def body(i, carry, g=g, r=r):
       dk, dv, dr = carry
-      q0 = pl.multiple_of(i * bq, bq)
-      rows = pl.ds(q0, bq)
-      dist = (q0 + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) - kpos   # i - j
+      rows, dist = tiles.query_rows(i, bq, kpos)   # i - j
       on_path = dist >= 0
       pq = pq_ref[rows, g, :]
       alpha = al_ref[rows, g]
-      w, ls, sn = _potentials(st, r, pq, alpha, on_path, False, grad=True)             # [keys l, queries i]
+      # [keys l, queries i]
+      w, ls, sn = _potentials(st, r, pq, alpha, on_path, False, grad=True)
       c = c_ref[rows, g]
       pre = pre_ref[rows, g]
       bias = c[None, :] + _tri_dot(st, w, less, tri_left=True)
       q = q_ref[rows, g, :]
       s = st.scale * dot(k, q, tb=True, precision=st.precision) + bias
-      ok = tiles.causal_visible(dist, sk, None if sq_ref is None else sq_ref[rows])
+      ok = tiles.causal_visible(dist, sk, tiles.read_optional(sq_ref, rows))
       p = jnp.where(ok, jnp.exp(s - lse_ref[rows, g][None, :]), 0.0)
       do = do_ref[rows, g, :]
       dv = dv + dot(p.astype(do.dtype), do, precision=st.precision)

@@ -133,6 +133,27 @@ def softmax_step(qt, m_i, l_i, acc, kt, vt, s_gate, s_ok, *, scale, dt, precisio
 # (m, l, acc) as 1-D rows, the logits computed by the kernel, the mask from distances
 
 
+def query_tile(bq: int, bk: int):
+  """(qpos [bq, 1], n) of this program's query tile (grid axis 0): its rows' positions and the
+  number of bk-key tiles up to its diagonal."""
+  q0 = pl.program_id(0) * bq
+  return q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0), pl.cdiv(q0 + bq, bk)
+
+
+def key_tile(j, bk: int, qpos):
+  """(rows, dist [bq, bk]) of key tile j against query rows at qpos: its slice of the key refs
+  and the distances i - j."""
+  k0 = pl.multiple_of(j * bk, bk)
+  return pl.ds(k0, bk), qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+
+
+def query_rows(i, bq: int, kpos):
+  """(rows, dist [bk, bq]) of query tile i against key rows at kpos, key-major: its slice of
+  the query refs and the distances i - j."""
+  q0 = pl.multiple_of(i * bq, bq)
+  return pl.ds(q0, bq), (q0 + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) - kpos
+
+
 def causal_visible(dist, seg_r, seg_c):
   """Causal (dist = i - j >= 0) and, with segment ids (rows' and columns'), the same document."""
   ok = dist >= 0

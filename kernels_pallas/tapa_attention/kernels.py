@@ -76,18 +76,14 @@ def forward_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref
   """qa [bq, A], ka [T, A], (qp [bq, P], kp [T, P]) or (qs [bq], ks [T]), v [T, Dv],
   (sq [bq], sk [T]) -> o [bq, Dv], lse [bq] float32."""
   bq, bk = st.block_q, st.block_k
-  q0 = pl.program_id(0) * bq
   qa = qa_ref[...]
-  qp = None if qp_ref is None else qp_ref[...]
-  qs = None if qs_ref is None else qs_ref[...]
-  sq = None if sq_ref is None else sq_ref[...]
-  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-  n = pl.cdiv(q0 + bq, bk)   # the key tiles up to the diagonal
+  qp = tiles.read_optional(qp_ref, ...)
+  qs = tiles.read_optional(qs_ref, ...)
+  sq = tiles.read_optional(sq_ref, ...)
+  qpos, n = tiles.query_tile(bq, bk)   # the key tiles up to the diagonal
 
   def body(j, state):
-    k0 = pl.multiple_of(j * bk, bk)
-    rows = pl.ds(k0, bk)
-    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    rows, dist = tiles.key_tile(j, bk, qpos)
     kp = tiles.read_optional(kp_ref, (rows, slice(None)))
     amp, theta, _ = _parts(st, qa, ka_ref[rows, :], qp, kp, qs,
                            tiles.read_optional(ks_ref, rows), dist)
@@ -104,22 +100,18 @@ def dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_
   """One query tile against the key tiles up to the diagonal: -> dqa [bq, A], and dqp
   [bq, P] (quadratic) or dqs [bq] (linear), float32."""
   bq, bk = st.block_q, st.block_k
-  q0 = pl.program_id(0) * bq
   qa = qa_ref[...]
-  qp = None if qp_ref is None else qp_ref[...]
-  qs = None if qs_ref is None else qs_ref[...]
-  sq = None if sq_ref is None else sq_ref[...]
+  qp = tiles.read_optional(qp_ref, ...)
+  qs = tiles.read_optional(qs_ref, ...)
+  sq = tiles.read_optional(sq_ref, ...)
   do = do_ref[...]
   lse = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
-  qpos = q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-  n = pl.cdiv(q0 + bq, bk)
+  qpos, n = tiles.query_tile(bq, bk)
 
   def body(j, carry):
     dqa, dqp, dqs = carry
-    k0 = pl.multiple_of(j * bk, bk)
-    rows = pl.ds(k0, bk)
-    dist = qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
+    rows, dist = tiles.key_tile(j, bk, qpos)
     ka = ka_ref[rows, :]
     kp = tiles.read_optional(kp_ref, (rows, slice(None)))
     amp, theta, w = _parts(st, qa, ka, qp, kp, qs, tiles.read_optional(ks_ref, rows), dist)
@@ -158,9 +150,9 @@ def dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk
   bq, bk = st.block_q, st.block_k
   k0 = pl.program_id(0) * bk
   ka = ka_ref[...]
-  kp = None if kp_ref is None else kp_ref[...]
-  ks = None if ks_ref is None else ks_ref[...]
-  sk = None if sk_ref is None else sk_ref[...]
+  kp = tiles.read_optional(kp_ref, ...)
+  ks = tiles.read_optional(ks_ref, ...)
+  sk = tiles.read_optional(sk_ref, ...)
   v = v_ref[...]
   kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
   first = k0 // bq                      # the query tile holding the diagonal
@@ -174,12 +166,10 @@ def dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk
 
     def body(i, carry, g=g):
       dka, dkp, dks, dv = carry
-      q0 = pl.multiple_of(i * bq, bq)
-      rows = pl.ds(q0, bq)
-      dist = (q0 + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) - kpos   # i - j, [keys, queries]
+      rows, dist = tiles.query_rows(i, bq, kpos)   # i - j, [keys, queries]
       qa = qa_ref[rows, g, :]
-      qp = None if qp_ref is None else qp_ref[rows, g, :]
-      qs = None if qs_ref is None else qs_ref[rows, g]
+      qp = tiles.read_optional(qp_ref, (rows, g, slice(None)))
+      qs = tiles.read_optional(qs_ref, (rows, g))
       amp, theta, w = _parts(st, ka, qa, kp, qp, ks, qs, dist)
       sq = tiles.read_optional(sq_ref, rows)
       ok = tiles.causal_visible(dist, sk, sq)
