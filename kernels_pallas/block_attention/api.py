@@ -63,11 +63,9 @@ def block_attention(q, k, v, *, scale: float, q_bias=None, k_bias=None, q_segmen
     raise ValueError(f"block_attention: query heads {H} must be a multiple of kv heads {K}")
   if (q_segment_ids is None) != (k_segment_ids is None):
     raise ValueError("block_attention: pass q_segment_ids and k_segment_ids both or neither")
-  for name, x, shape in (("q_bias", q_bias, (B, Tq, H)), ("k_bias", k_bias, (B, Tk, H)),
-                         ("q_segment_ids", q_segment_ids, (B, Tq)),
-                         ("k_segment_ids", k_segment_ids, (B, Tk))):
-    if x is not None and tuple(x.shape) != shape:
-      raise ValueError(f"block_attention: {name} has shape {tuple(x.shape)}, expected {shape}")
+  launch.check_shapes("block_attention", ("q_bias", q_bias, (B, Tq, H)),
+                      ("k_bias", k_bias, (B, Tk, H)), ("q_segment_ids", q_segment_ids, (B, Tq)),
+                      ("k_segment_ids", k_segment_ids, (B, Tk)))
   bq = launch.tile(block_q, DEFAULT_BLOCK_Q, Tq, "block_attention: block_q")
   bk = launch.tile(block_k, DEFAULT_BLOCK_K, Tk, "block_attention: block_k")
   Tqp, Tkp = -(-Tq // bq) * bq, -(-Tk // bk) * bk

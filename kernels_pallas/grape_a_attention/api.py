@@ -37,11 +37,8 @@ def grape_a_attention(q, k, v, rate_q=None, rate_k=None, *, scale: float, segmen
   rates. interpret=True runs the Pallas interpreter (CPU); otherwise the Triton kernels (GPU).
   """
   B, T, H, K, D = launch.check_self_attention("grape_a_attention", q, k, v)
-  for name, x, shape in (("rate_q", rate_q, (B, T, H)), ("rate_k", rate_k, (B, T, H)),
-                         ("segment_ids", segment_ids, (B, T))):
-    if x is not None and tuple(x.shape) != shape:
-      raise ValueError(f"grape_a_attention: {name} has shape {tuple(x.shape)}, expected "
-                       f"{shape}")
+  launch.check_shapes("grape_a_attention", ("rate_q", rate_q, (B, T, H)),
+                      ("rate_k", rate_k, (B, T, H)), ("segment_ids", segment_ids, (B, T)))
   bq = launch.tile(block_q, DEFAULT_BLOCK_Q, T, "grape_a_attention: block_q")
   bk = launch.tile(block_k, DEFAULT_BLOCK_K, T, "grape_a_attention: block_k")
   Tp = -(-T // max(bq, bk)) * max(bq, bk)

@@ -48,11 +48,8 @@ def grape_ap_attention(q, k, v, pq, r, alpha, *, scale: float, segment_ids=None,
                      "and H")
   if r.shape != pq.shape:
     raise ValueError(f"grape_ap_attention: r {r.shape} must have pq's shape {pq.shape}")
-  if jnp.shape(alpha) != (H,):
-    raise ValueError(f"grape_ap_attention: alpha has shape {jnp.shape(alpha)}, expected ({H},)")
-  if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
-    raise ValueError(f"grape_ap_attention: segment_ids has shape {tuple(segment_ids.shape)}, "
-                     f"expected {(B, T)}")
+  launch.check_shapes("grape_ap_attention", ("alpha", jnp.asarray(alpha), (H,)),
+                      ("segment_ids", segment_ids, (B, T)))
   bq = launch.tile(block_q, DEFAULT_BLOCK_Q, T, "grape_ap_attention: block_q")
   bk = launch.tile(block_k, DEFAULT_BLOCK_K, T, "grape_ap_attention: block_k")
   Tp = -(-T // max(bq, bk)) * max(bq, bk)

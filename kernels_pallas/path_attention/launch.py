@@ -227,5 +227,13 @@ def check_self_attention(what: str, q, k, v) -> tuple[int, int, int, int, int]:
   return B, T, H, K, D
 
 
+def check_shapes(what: str, *operands) -> None:
+  """For each (name, array or None, expected shape): one ValueError that starts with `what`
+  and names the first present operand whose shape differs."""
+  for name, x, shape in operands:
+    if x is not None and tuple(x.shape) != tuple(shape):
+      raise ValueError(f"{what}: {name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+
+
 def f32_shape(*shape):
   return jax.ShapeDtypeStruct(shape, jnp.float32)

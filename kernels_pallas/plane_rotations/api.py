@@ -54,11 +54,7 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, apply_vjp: Callab
     raise ValueError(f"plane_rotations: a {a.shape} and b {b.shape} must both be [H, N, D] "
                      f"with x {x.shape}'s H and D")
   N = a.shape[1]
-  if tuple(w.shape) != (H, N):
-    raise ValueError(f"plane_rotations: w has shape {tuple(w.shape)}, expected {(H, N)}")
-  if tuple(positions.shape) != (B, T):
-    raise ValueError(f"plane_rotations: positions has shape {tuple(positions.shape)}, "
-                     f"expected {(B, T)}")
+  launch.check_shapes("plane_rotations", ("w", w, (H, N)), ("positions", positions, (B, T)))
   if block_t is not None and (block_t < 16 or block_t & (block_t - 1)):
     raise ValueError(f"plane_rotations: block_t={block_t} must be a power of two >= 16")
   bt = min(block_t or DEFAULT_BLOCK_T, launch.pow2(T, 16))

@@ -53,9 +53,7 @@ def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = 
                      "amplitude or phase part")
   if alpha < 0:
     raise ValueError(f"tapa_attention: alpha={alpha} must be >= 0")
-  if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
-    raise ValueError(f"tapa_attention: segment_ids has shape {tuple(segment_ids.shape)}, "
-                     f"expected {(B, T)}")
+  launch.check_shapes("tapa_attention", ("segment_ids", segment_ids, (B, T)))
   bq = launch.tile(block_q, DEFAULT_BLOCK_Q, T, "tapa_attention: block_q")
   bk = launch.tile(block_k, DEFAULT_BLOCK_K, T, "tapa_attention: block_k")
   Tp = -(-T // max(bq, bk)) * max(bq, bk)
