@@ -23,6 +23,13 @@ from tests.util import assert_rel_rms, assert_trees_rel_rms, model_logits_and_gr
 TOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 1e-2}
 
 
+def qkv(key, *, B, T, H, K, D, Dv, dtype):
+  """Standard-normal q [B, T, H, D], k [B, T, K, D] and v [B, T, K, Dv] in dtype."""
+  kq, kk, kv = jax.random.split(key, 3)
+  return (jax.random.normal(kq, (B, T, H, D), dtype), jax.random.normal(kk, (B, T, K, D), dtype),
+          jax.random.normal(kv, (B, T, K, Dv), dtype))
+
+
 def inputs(key, B, T, H, K, D, dtype, *, gate, segments, w_mode="random"):
   """-> q, k, v, w, beta, log_forget (None without gate), segment ids (None without segments),
   the output cotangent do. segments: True ("few" documents) or a transport_inputs.segment_ids

@@ -27,9 +27,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 def _inputs(key, *, B, T, H, K, D, Dv, dtype):
   ks = jax.random.split(key, 6)
-  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
-  k = jax.random.normal(ks[1], (B, T, K, D), dtype)
-  v = jax.random.normal(ks[2], (B, T, K, Dv), dtype)
+  q, k, v = kernel_check.qkv(ks[0], B=B, T=T, H=H, K=K, D=D, Dv=Dv, dtype=dtype)
   # GRAPE-A's rates are omega_h softplus(.) >= 0; spread them over ALiBi's range and beyond
   rq = jax.random.uniform(ks[3], (B, T, H), minval=0.0, maxval=0.6)
   rk = jax.random.uniform(ks[4], (B, T, H), minval=0.0, maxval=0.6)

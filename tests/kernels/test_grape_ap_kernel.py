@@ -30,9 +30,7 @@ NAMES = ("dq", "dk", "dv", "dp", "dalpha", "dp_query")
 
 def _inputs(key, *, B, T, H, K, D, Dv, P, dtype, separate_query):
   ks = jax.random.split(key, 8)
-  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
-  k = jax.random.normal(ks[1], (B, T, K, D), dtype)
-  v = jax.random.normal(ks[2], (B, T, K, Dv), dtype)
+  q, k, v = kernel_check.qkv(ks[0], B=B, T=T, H=H, K=K, D=D, Dv=Dv, dtype=dtype)
   # probes of a few units, so that log_sigmoid is off its linear part and the bias matters
   p = 3.0 * jax.random.normal(ks[3], (B, T, H, P))
   alpha = jax.random.uniform(ks[4], (H,), minval=0.2, maxval=1.0)

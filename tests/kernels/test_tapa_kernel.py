@@ -27,9 +27,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 def _inputs(key, *, B, T, H, K, D, Dv, dtype):
   ks = jax.random.split(key, 4)
-  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
-  k = jax.random.normal(ks[1], (B, T, K, D), dtype)
-  v = jax.random.normal(ks[2], (B, T, K, Dv), dtype)
+  q, k, v = kernel_check.qkv(ks[0], B=B, T=T, H=H, K=K, D=D, Dv=Dv, dtype=dtype)
   return (q, k, v), jax.random.normal(ks[3], (B, T, H, Dv))
 
 
