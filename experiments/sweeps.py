@@ -199,6 +199,29 @@ class SideBySideError(RuntimeError):
   """A --side_by_side worker exited with an error (its log names why)."""
 
 
+# How long stopped workers get to save their checkpoints before they are killed. A worker
+# acts on SIGTERM only between training steps; inside a compile or a long evaluation it would
+# keep the whole sweep (and a `timeout` around it) waiting. A killed run resumes from its last
+# intact checkpoint, as after any crash.
+STOP_GRACE_S = 30.0
+
+
+def stop_workers(procs, *, grace_s: float, log=print) -> None:
+  """SIGTERM to every worker, then SIGKILL to those still running after grace_s seconds."""
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + grace_s
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      log(f"worker {p.pid} still running {grace_s:.0f} s after SIGTERM: killed (its run resumes "
+          "from its last checkpoint)")
+      p.kill()
+      p.wait()
+
+
 def side_by_side(argv: list[str], runs: list[dict], workers: int, workdir: str, *,
                  log=print) -> None:
   """Trains the unfinished runs in `workers` processes at once on this machine's devices
@@ -241,29 +264,6 @@ def side_by_side(argv: list[str], runs: list[dict], workers: int, workdir: str, 
   if failed:
     raise SideBySideError("side-by-side workers failed: " + "; ".join(
         f"{path} (exit {rc})" for path, rc in failed) + "; the same command resumes them")
-
-
-# How long stopped workers get to save their checkpoints before they are killed. A worker
-# acts on SIGTERM only between training steps; inside a compile or a long evaluation it would
-# keep the whole sweep (and a `timeout` around it) waiting. A killed run resumes from its last
-# intact checkpoint, as after any crash.
-STOP_GRACE_S = 30.0
-
-
-def stop_workers(procs, *, grace_s: float, log=print) -> None:
-  """SIGTERM to every worker, then SIGKILL to those still running after grace_s seconds."""
-  for p in procs:
-    if p.poll() is None:
-      p.send_signal(signal.SIGTERM)
-  deadline = time.monotonic() + grace_s
-  for p in procs:
-    try:
-      p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      log(f"worker {p.pid} still running {grace_s:.0f} s after SIGTERM: killed (its run resumes "
-          "from its last checkpoint)")
-      p.kill()
-      p.wait()
 
 
 def _without(args: list[str], names: tuple[str, ...]) -> list[str]:

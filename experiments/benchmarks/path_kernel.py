@@ -23,8 +23,8 @@ cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask; tapa, tapa_linear (TA
 Pallas kernel, alpha 0.1, theta 0.5) and tapa_auto, tapa_linear_auto (what implementation=None
 runs); grape_ap (GRAPE-AP on its Pallas kernel through attention.path_integral_attention, the
 model's 16-channel RMS-normalised probes, differentiated too); grape_a (GRAPE-A, both gates
-from q and k, on its Pallas kernel) and grape_a_lift (the same lifted into extra q / k
-channels on cuDNN, implementation=None's choice). Each --options string
+from q and k, on its Pallas kernel, implementation=None's choice on a GPU) and grape_a_lift
+(the same lifted into extra q / k channels on cuDNN). Each --options string
 (kp.BlockSizes fields, "key=value,..."; repeat the flag to compare several, "" the defaults)
 runs every one of our variants (path, path_fox, fox) once, as
 "path[span=8]" etc.; each such row holds the plan it ran (str(kp.explain(...))), which is also
@@ -267,8 +267,9 @@ def _grape_ap(segs, q):
 
 def _grape_a(name, segs, q):
   """GRAPE-A with both gates as the model computes it (gates from q and k, random gate
-  vectors, ALiBi's omega), a function of q, k, v: on its Pallas kernel ("grape_a"), or lifted
-  into extra q / k channels on cuDNN ("grape_a_lift", what implementation=None runs)."""
+  vectors, ALiBi's omega), a function of q, k, v: on its Pallas kernel ("grape_a", what
+  implementation=None runs on a GPU), or lifted into extra q / k channels on cuDNN
+  ("grape_a_lift")."""
   B, T, H, D = q.shape
   kv, ku = jax.random.split(jax.random.key(12))
   vh, uh = (0.5 * jax.random.normal(x, (H, D), jnp.float32) for x in (kv, ku))
