@@ -104,6 +104,8 @@ def run(c) -> tuple[dict, dict]:
   """(results, histograms): results[interval][source][encoding] = stats over every pair (of
   every seed), with "seed_means" (one mean per seed) where trained runs of several seeds were
   read; hists hold the deltas."""
+  from experiments.probes import load
+
   pairs = {}   # source -> encoding -> [(enc, params, q, k), one per seed]
   for rho in c.rhos:
     for name in c.encodings:
@@ -114,7 +116,7 @@ def run(c) -> tuple[dict, dict]:
   if c.source_workdir:
     for name in c.encodings:
       for seed in c.seeds:
-        for li, layer in enumerate(_trained_layers(c, name, seed)):
+        for li, layer in enumerate(load.trained_layers(c, name, seed)[1]):
           per_head = max(1, c.num_pairs // (layer["q"].shape[2] * len(c.seeds)))
           pairs.setdefault(f"trained_layer{li}", {}).setdefault(name, []).append(
               (layer["enc"], layer["params"], *trained_pairs(layer, per_head, c.seed + li)))
@@ -132,17 +134,6 @@ def run(c) -> tuple[dict, dict]:
         if len(ds) > 1:
           results[iv][source][name]["seed_means"] = [float(x.mean()) for x in ds]
   return results, hists
-
-
-def _trained_layers(c, name: str, seed: int) -> list[dict]:
-  """load.layer_inputs of the trained run WORKDIR/<name>/seed<seed> on held-out text."""
-  from experiments.probes import load
-
-  run_dir = os.path.join(c.source_workdir, name, f"seed{seed}")
-  scfg = load.source_run(c.source_config, c.source_arg, name, run_dir)
-  trainer, params = load.restore(scfg, run_dir)
-  tokens = load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch)
-  return load.layer_inputs(trainer.model(params), jnp.asarray(tokens))
 
 
 def write(c, results, hists, out_dir: str, prov: dict) -> None:

@@ -10,6 +10,8 @@ Shape letters: B batch, T time, C d_model, H heads, K kv heads, D head dim.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +81,17 @@ def layer_inputs(model: model_lib.Transformer, tokens_BT) -> list[dict]:
     out.append({"prep": prep, "q": q, "k": k, "v": v, "enc": attn.enc, "params": params})
     x = block(x, rngs=None, train=False, layer_index=i, **layer)
   return out
+
+
+def trained_layers(c, name: str, seed: int):
+  """(tokens [B, T], layer_inputs) of the trained run WORKDIR/<name>/seed<seed> of a probe
+  config c (source_workdir, source_config, source_arg) on its first held-out batch of
+  c.text_batch rows of c.text_len tokens."""
+  run_dir = os.path.join(c.source_workdir, name, f"seed{seed}")
+  config = source_run(c.source_config, c.source_arg, name, run_dir)
+  trainer, params = restore(config, run_dir)
+  tokens = jnp.asarray(eval_tokens(config, seq_len=c.text_len, batch_size=c.text_batch))
+  return tokens, layer_inputs(trainer.model(params), tokens)
 
 
 def eval_tokens(config, *, seq_len: int, batch_size: int) -> np.ndarray:

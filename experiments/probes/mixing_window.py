@@ -17,7 +17,6 @@ MIXING_WINDOW_STATISTICS defines them (the README shows that text).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -200,11 +199,7 @@ def _one_run(c, name: str, seed: int, radii: list[int]) -> dict:
   """The statistics of the trained run WORKDIR/<name>/seed<seed>, averaged over its layers."""
   from experiments.probes import load
 
-  run_dir = os.path.join(c.source_workdir, name, f"seed{seed}")
-  scfg = load.source_run(c.source_config, c.source_arg, name, run_dir)
-  trainer, params = load.restore(scfg, run_dir)
-  tokens = jnp.asarray(load.eval_tokens(scfg, seq_len=c.text_len, batch_size=c.text_batch))
-  layers = load.layer_inputs(trainer.model(params), tokens)
+  tokens, layers = load.trained_layers(c, name, seed)
   per_layer = []
   for layer in layers:
     T = tokens.shape[1]
