@@ -102,10 +102,13 @@ def _section(folder: Folder, out_dir: str | None, *, img: str, notes: dict) -> l
   if folder.kind == "convert":
     return convert_pages.section(folder.config, folder.results, folder.provenance, out_dir,
                                  img=img)
-  if folder.kind in ("distance_bias", "mixing_window"):
-    section = {"distance_bias": probe_pages.distance_bias_section,
-               "mixing_window": probe_pages.mixing_window_section}[folder.kind]
-    return section(folder.config, folder.results, folder.provenance, out_dir, img=img)
+  if folder.kind == "distance_bias":
+    drawn = os.path.exists(os.path.join(folder.path, probe_pages.HISTOGRAMS))
+    return probe_pages.distance_bias_section(folder.config, folder.results, folder.provenance,
+                                             img=img, drawn=drawn)
+  if folder.kind == "mixing_window":
+    return probe_pages.mixing_window_section(folder.config, folder.results, folder.provenance,
+                                             out_dir, img=img)
   return (results_render.header(folder.config, folder.provenance, folder.seeds) + [""]
           + results_render.section(folder.kind, folder.results, folder.config, out_dir, img=img,
                                    notes=notes))

@@ -33,6 +33,7 @@ PAGES = {
     "word_problem": syn.WORD_PROBLEM, "word_problem/generators_words16": syn.WORD_PROBLEM_CPU_GEN,
     "word_problem_gpu": syn.WORD_PROBLEM_GPU, **syn.A5_SUBPAGES,
     "distance_bias": lm.DISTANCE_BIAS, "mixing_window": lm.MIXING_WINDOW,
+    "distance_bias_gpu": lm.DISTANCE_BIAS_GPU, "mixing_window_gpu": lm.MIXING_WINDOW_GPU,
     "convert": lm.CONVERT,
 }
 
@@ -40,8 +41,10 @@ PAGES = {
 UNTESTED = (
     Verdict("PaTH Fig. 2", "SBA (stick-breaking attention) struggles in MQRAR-N-back and the "
             "A5 word problem, where PaTH succeeds", "untested",
-            "SBA is in the MQRAR and A5 GPU configs, but those runs have not been made; it is "
-            "measured in flip-flop (flipflop_gpu/sba/)"),
+            "SBA is in the MQRAR and A5 GPU configs; a 3-seed MQRAR run (12 runs of 196.6M "
+            "tokens, side by side on one H200) reached only steps 1,578-2,747 of 4,000 in the "
+            "device time it had: about 119k tokens/s a run, so the 12 need about 28 GPU "
+            "minutes; it is measured in flip-flop (flipflop_gpu/sba/)"),
     Verdict("GRAPE Tables 1-2", "GRAPE-A and GRAPE-AP lead in language modelling (downstream "
             "accuracy)", "untested",
             "no downstream evaluation; GRAPE-M against RoPE is in "

@@ -145,6 +145,7 @@ def write(c, results, hists, out_dir: str, prov: dict) -> None:
   from experiments import plot_style
   from experiments import results_pages
   from experiments import results_writers
+  from experiments.probes import pages
 
   os.makedirs(out_dir, exist_ok=True)
   ivs = list(results)
@@ -161,7 +162,7 @@ def write(c, results, hists, out_dir: str, prov: dict) -> None:
       ax.set_xlabel("Delta = s(short) - s(long)", fontsize=8)
       ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "histograms.png"), dpi=100)
+  fig.savefig(os.path.join(out_dir, pages.HISTOGRAMS), dpi=100)
   plt.close(fig)
   results_writers.save_results(out_dir, "distance_bias", results, c, prov)
   results_pages.write_page(out_dir)

@@ -35,11 +35,13 @@ Three statistics, each averaged over layers and kv heads (per layer in results.j
                   The _v encodings apply T to values; the plain ones attend c_plain."""
 
 
-def distance_bias_section(c, results: dict, prov: dict, out_dir: str | None, *,
-                          img: str = "") -> list[str]:
+HISTOGRAMS = "histograms.png"   # drawn by distance_bias.write from the raw differences
+
+def distance_bias_section(c, results: dict, prov: dict, *, img: str = "",
+                          drawn: bool = True) -> list[str]:
   """The README's setting lines, table and histogram link, from results.json alone (the
-  histograms need the raw differences, so only write() draws them)."""
-  del out_dir
+  histograms need the raw differences, so only write() draws them; a folder without them
+  says so instead of linking a missing image: drawn=False)."""
   ivs = list(results)
   sources = list(results[ivs[0]])
   rows = [[iv, source, name, f"{s['mean']:.3f}", f"{s['std']:.3f}",
@@ -60,7 +62,10 @@ def distance_bias_section(c, results: dict, prov: dict, out_dir: str | None, *,
       "Delta = s(q, k; lambda) - s(q, k; Lambda) with s the encoding's attention logit for key "
       "at position 0 and query at position lambda ~ U(short) or Lambda ~ U(long) (the same "
       "content pair at both distances). Paper (trained 8K models, PG19): RoPE mean 4.1 / std "
-      "0.85, TAPA mean 0.03 / std 3.3.", "", f"![histograms]({img}histograms.png)", ""]
+      "0.85, TAPA mean 0.03 / std 3.3.", "",
+      f"![histograms]({img}{HISTOGRAMS})" if drawn else
+      "The histograms of this run were not kept: they need the raw differences, which "
+      "results.json does not hold.", ""]
 
 
 def _plot(results: dict, path: str) -> None:
