@@ -42,8 +42,8 @@ UNTESTED = (
     Verdict("PaTH Fig. 2", "SBA (stick-breaking attention) struggles in MQRAR-N-back and the "
             "A5 word problem, where PaTH succeeds", "untested",
             "SBA is in the MQRAR and A5 GPU configs; a 3-seed MQRAR run (12 runs of 196.6M "
-            "tokens, side by side on one H200) reached only steps 1,578-2,747 of 4,000 in the "
-            "device time it had: about 119k tokens/s a run, so the 12 need about 28 GPU "
+            "tokens, side by side on one H200) was stopped near step 2,700 of 4,000 when the "
+            "session's device time ran out: about 119k tokens/s a run, so the 12 need about 28 GPU "
             "minutes; it is measured in flip-flop (flipflop_gpu/sba/)"),
     Verdict("GRAPE Tables 1-2", "GRAPE-A and GRAPE-AP lead in language modelling (downstream "
             "accuracy)", "untested",
