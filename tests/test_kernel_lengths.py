@@ -39,9 +39,10 @@ def test_unknown_variant_is_one_error_line(capsys):
   assert "--variants flash" in capsys.readouterr().err
 
 
-def test_each_length_is_written_as_it_finishes_and_merged_by_T(tmp_path, monkeypatch):
-  """A run adds its lengths to the rows already in --out, replacing those of the same T, and
-  has written every finished length when a later one fails (a run cut short keeps them)."""
+def test_each_cell_is_written_as_it_finishes_and_merged_by_T(tmp_path, monkeypatch):
+  """A run adds its lengths to the rows already in --out, replacing those of the same T with
+  fresh rows, and has written every variant it finished when a later one fails: a run cut
+  short in the middle of a length keeps that length's finished cells."""
   import json
 
   import pytest
@@ -50,18 +51,23 @@ def test_each_length_is_written_as_it_finishes_and_merged_by_T(tmp_path, monkeyp
   (tmp_path / kernel_lengths.ROWS).write_text(json.dumps(old))
   calls = []
 
-  def fake_run(lengths, **kw):
-    (t,) = lengths
-    calls.append(t)
-    if t == 16384:
+  def fake_run(lengths, *, variants, **kw):
+    (t,), (v,) = lengths, variants
+    calls.append((t, v))
+    if (t, v) == (16384, "path"):
       raise RuntimeError("out of time")
-    return [dict(old[1], T=t, case=f"32x{t}x32x64", marker=t)]
+    return [{"case": f"32x{t}x32x64", "B": 32, "T": t, "H": 32, "D": 64,
+             v: {"fwd_ms": t / 1000, "fwdbwd_ms": t / 250}}]
 
   monkeypatch.setattr(kernel_lengths, "run", fake_run)
   with pytest.raises(RuntimeError):
-    kernel_lengths.main(["--lengths", "4096,8192,16384", "--out", str(tmp_path)])
-  assert calls == [4096, 8192, 16384]
+    kernel_lengths.main(["--lengths", "4096,16384", "--variants", "cudnn,fox,path",
+                         "--out", str(tmp_path)])
+  assert calls == [(4096, "cudnn"), (4096, "fox"), (4096, "path"),
+                   (16384, "cudnn"), (16384, "fox"), (16384, "path")]
   rows = json.loads((tmp_path / kernel_lengths.ROWS).read_text())
-  assert [r["T"] for r in rows] == [2048, 4096, 8192]
+  assert [r["T"] for r in rows] == [2048, 4096, 16384]
   assert rows[0] == old[1]                                  # untouched
-  assert rows[1]["marker"] == 4096 and rows[2]["marker"] == 8192   # replaced, then added
+  assert rows[1]["path"] == {"fwd_ms": 4.096, "fwdbwd_ms": 16.384}
+  assert "path_fox" not in rows[1]          # a re-measured length starts from a fresh row
+  assert set(rows[2]) == {"case", "B", "T", "H", "D", "cudnn", "fox"}   # cut off at path

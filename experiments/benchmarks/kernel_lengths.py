@@ -93,6 +93,10 @@ def render(rows: list[dict], out: str) -> None:
   plot(rows, os.path.join(out, "kernel_lengths.png"))
 
 
+def _row_of(rows: list[dict], t: int) -> dict:
+  return next((r for r in rows if r["T"] == t), {})
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
@@ -114,13 +118,16 @@ def main(argv=None) -> None:
       rows = json.load(f)
   if not a.render_only:
     os.makedirs(a.out, exist_ok=True)
-    # One length at a time, each written as it finishes, so a run cut short by the caller's
-    # time limit keeps what it measured; a length already in the file is measured again.
+    # One variant of one length at a time, each written as it finishes, so a run cut short
+    # by the caller's time limit keeps every cell it measured; a length already in the file
+    # is measured again from a fresh row.
     for t in (int(t) for t in a.lengths.split(",")):
-      new = run([t], batch=a.batch, heads=a.heads, head_dim=a.head_dim, variants=variants)
-      rows = [r for r in rows if r["T"] != t] + new
-      with open(rows_path, "w") as f:
-        json.dump(sorted(rows, key=lambda r: r["T"]), f, indent=1)
+      rows = [r for r in rows if r["T"] != t]
+      for v in variants:
+        (new,) = run([t], batch=a.batch, heads=a.heads, head_dim=a.head_dim, variants=[v])
+        rows = [r for r in rows if r["T"] != t] + [{**_row_of(rows, t), **new}]
+        with open(rows_path, "w") as f:
+          json.dump(sorted(rows, key=lambda r: r["T"]), f, indent=1)
   render(rows, a.out)
   print(table(rows), file=sys.stdout)
 

@@ -125,9 +125,8 @@ def part_correlated(options="", B=4, T=2048, H=12, D=64):
   f = lambda *a: kp.path_attention(*a, block_sizes=bs)
   r = lambda *a: householder.path_attention_chunked(
       *(x.astype(jnp.float32) for x in a), scale=D ** -0.5)
-  grad = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
-                                     argnums=tuple(range(5))))
-  fwd_f, fwd_r, grad_f, grad_r = jax.jit(f), jax.jit(r), grad(f), grad(r)
+  fwd_f, fwd_r = jax.jit(f), jax.jit(r)
+  grad_f, grad_r = common.grad_fn(f, 5), common.grad_fn(r, 5)
   rows = []
   for eps in (1.0, 0.1, 0.01):
     for beta in (1, 2, "u"):
@@ -136,9 +135,9 @@ def part_correlated(options="", B=4, T=2048, H=12, D=64):
       row = dict(part="correlated", shape=(B, T, H, D), eps=eps, beta=beta, options=options)
       try:
         row["plan"] = str(kp.explain(*args, block_sizes=bs))
-        o, g = fwd_f(*args), grad_f(*args)
+        o, g = fwd_f(*args), grad_f(*args, do)
         with jax.default_matmul_precision("highest"):
-          o_r, g_r = fwd_r(*args), grad_r(*args)
+          o_r, g_r = fwd_r(*args), grad_r(*args, do)
         row.update(finite=_finite(o, *g), fwd=f"{common.rel_rms(o, o_r):.1e}",
                    grads=[f"{common.rel_rms(a, c):.1e}" for a, c in zip(g, g_r)])
       except Exception as e:
@@ -168,11 +167,10 @@ def part_check(options=""):
       args = (q, k, v, w, beta, g)
       row["plan"] = str(kp.explain(*args, segment_ids=segs, block_sizes=bs))
       n = 6 if gate else 5
-      loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
-                                         argnums=tuple(range(n))))
       o, o_ref = jax.jit(f)(*args), jax.jit(r)(*args)
-      grad_f = loss(f)  # one compile for both runs of the determinism check
-      g1, g_ref, g2 = grad_f(*args), loss(r)(*args), grad_f(*args)
+      grad_f = common.grad_fn(f, n)  # one compile for both runs of the determinism check
+      g1, g_ref, g2 = (grad_f(*args, do), common.grad_fn(r, n)(*args, do),
+                       grad_f(*args, do))
       row.update(fwd=f"{common.rel_rms(o, o_ref):.1e}",
                  grads=[f"{common.rel_rms(a, b):.1e}" for a, b in zip(g1, g_ref)],
                  bitwise_deterministic=all(bool(jnp.array_equal(a, b)) for a, b in zip(g1, g2)))
@@ -289,16 +287,16 @@ def _grape_a(name, segs, q):
 def _time(fn, args, do) -> dict:
   """Forward and forward+backward: wall and device ms, compiled GiB."""
   fwd = jax.jit(fn)
-  fb = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * do),
-                        argnums=tuple(range(len(args)))))
+  fb = common.grad_fn(fn, len(args))
   t0 = time.time()
-  gib = lambda f: (lambda x: None if x is None else round(x, 2))(
-      common.compiled_gib(f.lower(*args).compile()))
-  out = dict(fwd_ms=round(common.median_ms(fwd, *args), 2), fwd_gib=gib(fwd),
+  gib = lambda f, *a: (lambda x: None if x is None else round(x, 2))(
+      common.compiled_gib(f.lower(*a).compile()))
+  out = dict(fwd_ms=round(common.median_ms(fwd, *args), 2), fwd_gib=gib(fwd, *args),
              fwd_dev_ms=round(common.pipelined_ms(fwd, *args), 2))
   try:   # a forward-only variant (jax_mgpu's causal backward) keeps its forward row
-    out.update(fwdbwd_ms=round(common.median_ms(fb, *args, n=5), 2), fwdbwd_gib=gib(fb),
-               fwdbwd_dev_ms=round(common.pipelined_ms(fb, *args), 2))
+    out.update(fwdbwd_ms=round(common.median_ms(fb, *args, do, n=5), 2),
+               fwdbwd_gib=gib(fb, *args, do),
+               fwdbwd_dev_ms=round(common.pipelined_ms(fb, *args, do), 2))
   except Exception as e:
     out["fwdbwd"] = "ERR " + _error(e)
   out["wall_s"] = round(time.time() - t0, 1)

@@ -24,7 +24,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import kernels_pallas as kp  # noqa: E402
 from experiments.benchmarks import common  # noqa: E402
@@ -40,9 +39,8 @@ def programs(q, k, v, w, beta, log_forget=None, *, do, block_sizes, backend) -> 
                         backend=backend)
   out = {name: (jax.jit(f), args) for name, (f, args) in parts.items()}
   args = (q, k, v, w, beta) + (() if log_forget is None else (log_forget,))
-  loss = lambda *a: jnp.sum(kp.path_attention(*a, block_sizes=block_sizes, backend=backend)
-                            .astype(jnp.float32) * do)
-  out["fwd_bwd"] = (jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))), args)
+  attend = lambda *a: kp.path_attention(*a, block_sizes=block_sizes, backend=backend)
+  out["fwd_bwd"] = (common.grad_fn(attend, len(args)), args + (do,))
   return out
 
 
