@@ -105,7 +105,7 @@ def test_the_timed_phases_compose_to_path_attention_gradients():
 
 def test_plane_rotations_benchmark_times_every_tile_and_checks_it_against_the_scan(tmp_path):
   """plane_rotations.py in the interpreter at a small shape: a row per variant, the kernel at
-  every tile matching the scan (y rounded to bf16 once; float32 gradients), the JSON written."""
+  its default tiles and at every tile matching the scan (y rounded to bf16 once; float32 gradients), the JSON written."""
   import json
 
   from experiments.benchmarks import plane_rotations
@@ -113,11 +113,12 @@ def test_plane_rotations_benchmark_times_every_tile_and_checks_it_against_the_sc
   out = tmp_path / "pr.json"
   rows = plane_rotations.main(["--interpret", "--shape", "1x40x2x16", "--planes", "5",
                                "--block-t", "16,32", "--reps", "1", "--out", str(out)])
-  assert [r["variant"] for r in rows] == ["scan", "kernel bt=16", "kernel bt=32"]
+  assert [r["variant"] for r in rows] == ["scan", "kernel default", "kernel bt=16",
+                                          "kernel bt=32"]
   for r in rows[1:]:
     assert r["y_rel_rms"] < 1e-2 and r["grad_rel_rms"] < 1e-5, r
     assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0
-  assert len(json.loads(out.read_text())["rows"]) == 3
+  assert len(json.loads(out.read_text())["rows"]) == 4
 
 
 def test_grad_fn_takes_the_cotangent_as_an_argument():

@@ -45,11 +45,12 @@ def inputs(B, T, H, D, N, *, key=0):
 
 
 def variants(block_ts, *, interpret: bool) -> dict:
-  """{label: f(x, a, b, pos, w) -> y}: the scan and the kernel at each token tile."""
+  """{label: f(x, a, b, pos, w) -> y}: the scan, the kernel at its default tiles (each pass
+  its own) and at each token tile for both passes."""
   out = {"scan": lambda x, a, b, pos, w: grape_m.rank2_planes_at_positions(
       x, a, b, pos, w, implementation="scan")}
-  for bt in block_ts:
-    out[f"kernel bt={bt}"] = (lambda bt: lambda x, a, b, pos, w: plane_kernel(
+  for bt in [None, *block_ts]:
+    out["kernel default" if bt is None else f"kernel bt={bt}"] = (lambda bt: lambda x, a, b, pos, w: plane_kernel(
         x, a, b, pos, w, apply=grape_m.rank2_apply, apply_vjp=grape_m.rank2_apply_rows_vjp,
         block_t=bt, interpret=interpret))(bt)
   return out

@@ -21,7 +21,12 @@ from kernels_pallas.path_attention import launch
 from kernels_pallas.path_attention.launch import pad_axis
 from kernels_pallas.plane_rotations import kernels
 
-DEFAULT_BLOCK_T = 64
+# Token tiles of the two passes when block_t is None: each pass's fastest in
+# experiments/benchmarks/plane_rotations.py on an H200 (docs/benchmarks/plane_rotations.md).
+# The forward holds one [bt, D] tile and gains from the widest; the backward holds three
+# (y, g and the rebuilt input) and slows sharply at 128.
+FORWARD_BLOCK_T = 128
+BACKWARD_BLOCK_T = 32
 WARPS = 4
 
 
@@ -30,7 +35,8 @@ class _Config:
   apply: Callable
   apply_vjp: Callable | None
   num_planes: int
-  block_t: int
+  forward_block_t: int
+  backward_block_t: int
   backend: str
 
 
@@ -46,8 +52,9 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, apply_vjp: Callab
   that Triton lowers. `apply_vjp(x [R, D], a, b [1, D], phase [R], g [R, D]) -> (gx, ga, gb,
   gphase)`, if given, is apply's VJP written out for the backward kernel (autodiff of apply
   otherwise; posenc_jax.grape_m.rank2_apply_rows_vjp). Returns y [B, T, H, D] in x's dtype,
-  computed in float32; differentiable in x, a, b and w. interpret=True runs the Pallas
-  interpreter (CPU); otherwise Triton (GPU).
+  computed in float32; differentiable in x, a, b and w. block_t: both passes' token tile (a
+  power of two >= 16); None takes each pass's own (FORWARD_BLOCK_T, BACKWARD_BLOCK_T).
+  interpret=True runs the Pallas interpreter (CPU); otherwise Triton (GPU).
   """
   B, T, H, D = x.shape
   if a.ndim != 3 or a.shape[0] != H or a.shape[2] != D or b.shape != a.shape:
@@ -57,22 +64,23 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, apply_vjp: Callab
   launch.check_shapes("plane_rotations", ("w", w, (H, N)), ("positions", positions, (B, T)))
   if block_t is not None and (block_t < 16 or block_t & (block_t - 1)):
     raise ValueError(f"plane_rotations: block_t={block_t} must be a power of two >= 16")
-  bt = min(block_t or DEFAULT_BLOCK_T, launch.pow2(T, 16))
-  Tp, Dp, Np = -(-T // bt) * bt, launch.pow2(D, 16), launch.pow2(N)
+  fit = lambda t: min(t, launch.pow2(T, 16))  # noqa: E731   no tile past the padded T
+  bt_fwd, bt_bwd = fit(block_t or FORWARD_BLOCK_T), fit(block_t or BACKWARD_BLOCK_T)
+  step = max(bt_fwd, bt_bwd)
+  Tp, Dp, Np = -(-T // step) * step, launch.pow2(D, 16), launch.pow2(N)
   f32 = jnp.float32
   xp = pad_axis(pad_axis(x, 1, Tp), 3, Dp)
   ap = pad_axis(pad_axis(a.astype(f32), 1, Np), 2, Dp)
   bp = pad_axis(pad_axis(b.astype(f32), 1, Np), 2, Dp)
   wp = pad_axis(w.astype(f32), 1, Np)
   pos = pad_axis(positions.astype(f32), 1, Tp)
-  cfg = _Config(apply=apply, apply_vjp=apply_vjp, num_planes=N, block_t=bt,
-                backend="interpret" if interpret else "gpu")
+  cfg = _Config(apply=apply, apply_vjp=apply_vjp, num_planes=N, forward_block_t=bt_fwd,
+                backward_block_t=bt_bwd, backend="interpret" if interpret else "gpu")
   return _rotate_once(cfg, xp, ap, bp, pos, wp)[:, :T, :, :D].astype(x.dtype)
 
 
-def _specs(cfg, x):
+def _specs(bt, x):
   B, Tp, H, Dp = x.shape
-  bt = cfg.block_t
   tile = pl.BlockSpec((None, bt, None, Dp), lambda i, h, b: (b, i, h, 0))
   return dict(grid=(Tp // bt, H, B), tile=tile,
               pos=pl.BlockSpec((None, bt), lambda i, h, b: (b, i)))
@@ -84,7 +92,7 @@ def _planes(Np, Dp):
 
 
 def _forward(cfg, x, a, b, pos, w):
-  s = _specs(cfg, x)
+  s = _specs(cfg.forward_block_t, x)
   plane, plane_w = _planes(*a.shape[1:])
   body = functools.partial(kernels.forward_kernel, apply=cfg.apply, num_planes=cfg.num_planes)
   return launch.call(body, s["grid"], [s["tile"], plane, plane, s["pos"], plane_w], s["tile"],
@@ -106,8 +114,8 @@ def _rotate_bwd(cfg, res, g):
   y, a, b, pos, w, x_dtype = res
   B, Tp, H, Dp = y.shape
   Np = a.shape[1]
-  s = _specs(cfg, y)
-  nt = Tp // cfg.block_t
+  s = _specs(cfg.backward_block_t, y)
+  nt = Tp // cfg.backward_block_t
   plane, plane_w = _planes(Np, Dp)
   per_tile = pl.BlockSpec((None, None, None, Np, Dp), lambda i, h, b: (b, i, h, 0, 0))
   per_tile_w = pl.BlockSpec((None, None, None, Np), lambda i, h, b: (b, i, h, 0))

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import pytest
 
 from kernels_pallas import plane_rotations
+from kernels_pallas.plane_rotations.api import BACKWARD_BLOCK_T
+from kernels_pallas.plane_rotations.api import FORWARD_BLOCK_T
 from posenc_jax import grape_m
 from tests.util import assert_rel_rms, assert_trees_rel_rms, model_logits_and_grads
 
@@ -77,6 +79,19 @@ def test_kernel_matches_the_plane_scan(key, dtype, vjp):
   assert_rel_rms(y.astype(F32), y_want.astype(F32), tol, "y")
   for name, g, g_want in zip(("dx", "da", "db", "dw"), got, want):
     assert_rel_rms(g.astype(F32), g_want.astype(F32), tol, name)
+
+
+def test_default_tiles_differ_per_pass_and_match_the_scan(key):
+  """block_t=None: the forward's tile (64 here: FORWARD_BLOCK_T capped at T 37's padded 64)
+  and the backward's (BACKWARD_BLOCK_T, 32) differ; time is padded to the wider, and both
+  passes still match the scan."""
+  assert (FORWARD_BLOCK_T, BACKWARD_BLOCK_T) == (128, 32)
+  (x, a, b, w), pos, probe = _inputs(key)
+  (y, got), (y_want, want) = _kernel_and_scan(
+      (x, a, b, w), pos, probe, apply_vjp=grape_m.rank2_apply_rows_vjp, interpret=True)
+  assert_rel_rms(y, y_want, 1e-5, "y")
+  for name, g, g_want in zip(("dx", "da", "db", "dw"), got, want):
+    assert_rel_rms(g, g_want, 1e-5, name)
 
 
 def test_model_on_the_kernel_matches_the_scan(key):
