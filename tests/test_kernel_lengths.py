@@ -40,9 +40,10 @@ def test_unknown_variant_is_one_error_line(capsys):
 
 
 def test_each_cell_is_written_as_it_finishes_and_merged_by_T(tmp_path, monkeypatch):
-  """A run adds its lengths to the rows already in --out, replacing those of the same T with
-  fresh rows, and has written every variant it finished when a later one fails: a run cut
-  short in the middle of a length keeps that length's finished cells."""
+  """A run adds its lengths to the rows already in --out, replacing the cells it measures again
+  and keeping the others of the same T, and has written every variant it finished when a
+  later one fails: a run cut short in the middle of a length keeps that length's finished
+  cells."""
   import json
 
   import pytest
@@ -68,6 +69,6 @@ def test_each_cell_is_written_as_it_finishes_and_merged_by_T(tmp_path, monkeypat
   rows = json.loads((tmp_path / kernel_lengths.ROWS).read_text())
   assert [r["T"] for r in rows] == [2048, 4096, 16384]
   assert rows[0] == old[1]                                  # untouched
-  assert rows[1]["path"] == {"fwd_ms": 4.096, "fwdbwd_ms": 16.384}
-  assert "path_fox" not in rows[1]          # a re-measured length starts from a fresh row
+  assert rows[1]["path"] == {"fwd_ms": 4.096, "fwdbwd_ms": 16.384}      # measured again
+  assert rows[1]["path_fox"] == old[0]["path_fox"]                      # not: kept
   assert set(rows[2]) == {"case", "B", "T", "H", "D", "cudnn", "fox"}   # cut off at path

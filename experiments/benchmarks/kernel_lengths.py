@@ -119,10 +119,11 @@ def main(argv=None) -> None:
   if not a.render_only:
     os.makedirs(a.out, exist_ok=True)
     # One variant of one length at a time, each written as it finishes, so a run cut short
-    # by the caller's time limit keeps every cell it measured; a length already in the file
-    # is measured again from a fresh row.
+    # by the caller's time limit keeps every cell it measured. A length already in the file
+    # keeps the cells of the variants not measured again (--variants path completes a row).
     for t in (int(t) for t in a.lengths.split(",")):
-      rows = [r for r in rows if r["T"] != t]
+      kept = {k: c for k, c in _row_of(rows, t).items() if k not in variants}
+      rows = [r for r in rows if r["T"] != t] + ([kept] if kept else [])
       for v in variants:
         (new,) = run([t], batch=a.batch, heads=a.heads, head_dim=a.head_dim, variants=[v])
         rows = [r for r in rows if r["T"] != t] + [{**_row_of(rows, t), **new}]
