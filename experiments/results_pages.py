@@ -103,9 +103,9 @@ def _section(folder: Folder, out_dir: str | None, *, img: str, notes: dict) -> l
     return convert_pages.section(folder.config, folder.results, folder.provenance, out_dir,
                                  img=img)
   if folder.kind == "distance_bias":
-    drawn = os.path.exists(os.path.join(folder.path, probe_pages.HISTOGRAMS))
+    has_image = os.path.exists(os.path.join(folder.path, probe_pages.HISTOGRAMS))
     return probe_pages.distance_bias_section(folder.config, folder.results, folder.provenance,
-                                             img=img, drawn=drawn)
+                                             out_dir, img=img, has_image=has_image)
   if folder.kind == "mixing_window":
     return probe_pages.mixing_window_section(folder.config, folder.results, folder.provenance,
                                              out_dir, img=img)

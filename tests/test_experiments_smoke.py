@@ -61,8 +61,8 @@ def test_length_extrapolation_and_probes(tmp_path):
 
   c = db_config.get_config(
       f"runlocal,encodings=rope,seeds=2,source_workdir={wd},source_arg=runlocal")
-  res, hists = distance_bias.run(c)
-  distance_bias.write(c, res, hists, str(tmp_path / "db"), PROV)
+  res = distance_bias.run(c)
+  distance_bias.write(c, res, str(tmp_path / "db"), PROV)
   paper = res["paper [0,100] vs [10000,10100]"]
   assert set(paper) == {"random_rho0.0", "random_rho0.5", "trained_layer0", "trained_layer1"}
   # Matching random content at short range scores higher than at 10^4 (RoPE's decay).
@@ -72,6 +72,13 @@ def test_length_extrapolation_and_probes(tmp_path):
   assert len(seed_means) == 2 and seed_means[0] != seed_means[1]
   np.testing.assert_allclose(np.mean(seed_means), paper["trained_layer0"]["rope"]["mean"],
                              rtol=1e-5)
+  # The histograms are binned into results.json, and the README's plot is drawn from them.
+  h = paper["random_rho0.5"]["rope"]["histogram"]
+  assert len(h["edges"]) == distance_bias.HISTOGRAM_BINS + 1
+  np.testing.assert_allclose(np.sum(np.diff(h["edges"]) * np.asarray(h["density"])), 1.0,
+                             rtol=1e-4)
+  assert (tmp_path / "db" / "histograms.png").stat().st_size > 10_000
+  assert "![histograms](histograms.png)" in (tmp_path / "db" / "README.md").read_text()
 
   c = mw_config.get_config(
       f"runlocal,encodings=rope+path,seeds=2,source_workdir={wd},source_arg=runlocal")

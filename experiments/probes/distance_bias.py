@@ -41,6 +41,8 @@ from posenc_jax import tapa as tapa_lib
 
 
 
+HISTOGRAM_BINS = 80   # per panel (interval x source), shared by its encodings
+
 def pair_logits(enc: enc_lib.Encoding, params, q_NHD, k_NHD, dist_N):
   """Logit of key k at position 0 seen by query q at position dist: [N, H]."""
   N, H, D = q_NHD.shape
@@ -100,10 +102,10 @@ def stats(d: np.ndarray) -> dict:
           "n": int(d.size)}
 
 
-def run(c) -> tuple[dict, dict]:
-  """(results, histograms): results[interval][source][encoding] = stats over every pair (of
-  every seed), with "seed_means" (one mean per seed) where trained runs of several seeds were
-  read; hists hold the deltas."""
+def run(c) -> dict:
+  """results[interval][source][encoding] = stats over every pair (of every seed), with
+  "seed_means" (one mean per seed) where trained runs of several seeds were read, and the
+  pairs' histogram (density over bins shared by the panel's encodings)."""
   from experiments.probes import load
 
   pairs = {}   # source -> encoding -> [(enc, params, q, k), one per seed]
@@ -133,37 +135,25 @@ def run(c) -> tuple[dict, dict]:
         results[iv][source][name], hists[iv][source][name] = stats(d), d
         if len(ds) > 1:
           results[iv][source][name]["seed_means"] = [float(x.mean()) for x in ds]
-  return results, hists
+      # one set of bins per panel, shared by its encodings: the README's plot is drawn from
+      # results.json alone (experiments/probes/pages.py)
+      edges = np.histogram_bin_edges(np.concatenate(list(hists[iv][source].values())),
+                                     bins=HISTOGRAM_BINS)
+      for name, d in hists[iv][source].items():
+        density, _ = np.histogram(d, edges, density=True)
+        results[iv][source][name]["histogram"] = {
+            "edges": [round(float(x), 6) for x in edges],
+            "density": [round(float(x), 6) for x in density]}
+  return results
 
 
-def write(c, results, hists, out_dir: str, prov: dict) -> None:
-  """results.json, provenance.json and histograms.png, then the README (results_pages)."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  from experiments import plot_style
+def write(c, results, out_dir: str, prov: dict) -> None:
+  """results.json (its histograms binned) and provenance.json, then the README and its plot
+  (results_pages, from those files)."""
   from experiments import results_pages
   from experiments import results_writers
-  from experiments.probes import pages
 
   os.makedirs(out_dir, exist_ok=True)
-  ivs = list(results)
-  sources = list(results[ivs[0]])
-  fig, axes = plt.subplots(len(ivs), len(sources), figsize=(4.2 * len(sources), 3.4 * len(ivs)),
-                           squeeze=False)
-  for row, iv in zip(axes, ivs):
-    for ax, source in zip(row, sources):
-      for name, d in hists[iv][source].items():
-        ax.hist(d, bins=80, alpha=0.55, density=True, color=plot_style.encoding(name)["color"],
-                label=f"{name} (mu {d.mean():.2f}, sd {d.std():.2f})")
-      ax.axvline(0, color="k", lw=0.6)
-      ax.set_title(f"{source}\n{iv}", fontsize=8)
-      ax.set_xlabel("Delta = s(short) - s(long)", fontsize=8)
-      ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, pages.HISTOGRAMS), dpi=100)
-  plt.close(fig)
   results_writers.save_results(out_dir, "distance_bias", results, c, prov)
   results_pages.write_page(out_dir)
 
@@ -174,10 +164,13 @@ def main(argv) -> None:
 
   started = time.time()
   c = _CONFIG.value
-  results, hists = run(c)
-  print(json.dumps(results, indent=1))
+  results = run(c)
+  print(json.dumps({iv: {source: {name: {k: v for k, v in s.items() if k != "histogram"}
+                                  for name, s in by_name.items()}
+                         for source, by_name in panel.items()}
+                    for iv, panel in results.items()}, indent=1))
   if _RESULTS.value:
-    write(c, results, hists, _RESULTS.value, results_writers.provenance(
+    write(c, results, _RESULTS.value, results_writers.provenance(
         sys.argv, time.time() - started, module="experiments.probes.distance_bias"))
 
 

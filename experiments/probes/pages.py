@@ -35,13 +35,47 @@ Three statistics, each averaged over layers and kv heads (per layer in results.j
                   The _v encodings apply T to values; the plain ones attend c_plain."""
 
 
-HISTOGRAMS = "histograms.png"   # drawn by distance_bias.write from the raw differences
+HISTOGRAMS = "histograms.png"   # drawn from results.json's binned histograms
 
-def distance_bias_section(c, results: dict, prov: dict, *, img: str = "",
-                          drawn: bool = True) -> list[str]:
-  """The README's setting lines, table and histogram link, from results.json alone (the
-  histograms need the raw differences, so only write() draws them; a folder without them
-  says so instead of linking a missing image: drawn=False)."""
+def _has_histograms(results: dict) -> bool:
+  return all("histogram" in s for panel in results.values() for by_name in panel.values()
+             for s in by_name.values())
+
+
+def _plot_histograms(results: dict, path: str) -> None:
+  """One panel per interval and source: each encoding's density over the panel's bins."""
+  import matplotlib   # (only where a plot is drawn: its backend is set first)
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  ivs = list(results)
+  sources = list(results[ivs[0]])
+  fig, axes = plt.subplots(len(ivs), len(sources), figsize=(4.2 * len(sources), 3.4 * len(ivs)),
+                           squeeze=False)
+  for row, iv in zip(axes, ivs):
+    for ax, source in zip(row, sources):
+      for name, s in results[iv][source].items():
+        h = s["histogram"]
+        ax.stairs(h["density"], h["edges"], fill=True, alpha=0.55,
+                  color=plot_style.encoding(name)["color"],
+                  label=f"{name} (mu {s['mean']:.2f}, sd {s['std']:.2f})")
+      ax.axvline(0, color="k", lw=0.6)
+      ax.set_title(f"{source}\n{iv}", fontsize=8)
+      ax.set_xlabel("Delta = s(short) - s(long)", fontsize=8)
+      ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def distance_bias_section(c, results: dict, prov: dict, out_dir: str | None, *,
+                          img: str = "", has_image: bool = False) -> list[str]:
+  """The README's setting lines, table and histograms, from results.json alone (drawn into
+  out_dir when given). Folders from before the histograms were binned into results.json keep
+  the image they have (has_image); without either the README says so."""
+  binned = _has_histograms(results)
+  if out_dir and binned:
+    _plot_histograms(results, os.path.join(out_dir, HISTOGRAMS))
   ivs = list(results)
   sources = list(results[ivs[0]])
   rows = [[iv, source, name, f"{s['mean']:.3f}", f"{s['std']:.3f}",
@@ -63,9 +97,8 @@ def distance_bias_section(c, results: dict, prov: dict, *, img: str = "",
       "at position 0 and query at position lambda ~ U(short) or Lambda ~ U(long) (the same "
       "content pair at both distances). Paper (trained 8K models, PG19): RoPE mean 4.1 / std "
       "0.85, TAPA mean 0.03 / std 3.3.", "",
-      f"![histograms]({img}{HISTOGRAMS})" if drawn else
-      "The histograms of this run were not kept: they need the raw differences, which "
-      "results.json does not hold.", ""]
+      f"![histograms]({img}{HISTOGRAMS})" if binned or has_image else
+      "This run's histograms were not kept: it predates their bins in results.json.", ""]
 
 
 def _plot(results: dict, path: str) -> None:
