@@ -413,16 +413,20 @@ def _trained_layers(load) -> list[int]:
 
 
 def _layer_means(load, name: str) -> str:
-  layers = _trained_layers(load)
-  cell = lambda i: (seeds(_db(load, f"trained_layer{i}", name)["seed_means"])  # noqa: E731
-                    if "seed_means" in _db(load, f"trained_layer{i}", name)
-                    else f"{_db(load, f'trained_layer{i}', name)['mean']:.2f}")
-  return "; ".join(f"layer {i} mean {cell(i)}" for i in layers)
+  def cell(s: dict) -> str:
+    return seeds(s["seed_means"]) if "seed_means" in s else f"{s['mean']:.2f}"
+  return "; ".join(f"layer {i} mean {cell(_db(load, f'trained_layer{i}', name))}"
+                   for i in _trained_layers(load))
 
 
-def _distance_claims_of(models: str, n: int):
-  """The three App. 15 verdicts on the trained `models` (a phrase), `n` seeds of them."""
+def _trained_seeds(load) -> int:
+  return len(_db(load, "trained_layer0", "rope").get("seed_means", [0]))
+
+
+def _distance_claims_of(models: str):
+  """The three App. 15 verdicts on the trained `models` (a phrase)."""
   def claims(load) -> list[Verdict]:
+    n = _trained_seeds(load)
     rr, tr = _db(load, "random_rho0.5", "rope"), _db(load, "random_rho0.5", "tapa")
     layers = _trained_layers(load)
     rope = [_db(load, f"trained_layer{i}", "rope")["mean"] for i in layers]
@@ -460,7 +464,7 @@ def _mixing_claims(load) -> list[Verdict]:
 
 DISTANCE_BIAS = Page(
     "Distance bias of RoPE and TAPA (TAPA App. 15)",
-    _distance_claims_of("our 2-layer 64-byte CPU", 1),
+    _distance_claims_of("our 2-layer 64-byte CPU"),
     ("The paper measures trained LLaMA3-7B models (8K context, PG19) on pairs at distances "
      "[0, 100] and [10000, 10100]. Here: random content (no training; rho = 0 unrelated, 0.5 "
      "matching) and the 2-layer, 64-byte CPU models of ../length_extrapolation, at the "
@@ -482,7 +486,7 @@ _GPU_PROBE_MODELS = (
 
 DISTANCE_BIAS_GPU = Page(
     "Distance bias of RoPE and TAPA on the GPU models (TAPA App. 15)",
-    _distance_claims_of("our 6-layer 768-wide GPU", 3),
+    _distance_claims_of("our 6-layer 768-wide GPU"),
     ("The paper measures trained LLaMA3-7B models (8K context, PG19) on pairs at distances "
      "[0, 100] and [10000, 10100]. Here: random content (no training; rho = 0 unrelated, 0.5 "
      "matching, head_dim 64) and the trained models below, at the paper's distances and at "
