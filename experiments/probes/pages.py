@@ -37,6 +37,7 @@ Three statistics, each averaged over layers and kv heads (per layer in results.j
 
 HISTOGRAMS = "histograms.png"   # drawn from results.json's binned histograms
 
+
 def _has_histograms(results: dict) -> bool:
   return all("histogram" in s for panel in results.values() for by_name in panel.values()
              for s in by_name.values())
