@@ -39,9 +39,8 @@ from ml_collections import config_flags
 from posenc_jax import encodings as enc_lib
 from posenc_jax import tapa as tapa_lib
 
-
-
 HISTOGRAM_BINS = 80   # per panel (interval x source), shared by its encodings
+
 
 def pair_logits(enc: enc_lib.Encoding, params, q_NHD, k_NHD, dist_N):
   """Logit of key k at position 0 seen by query q at position dist: [N, H]."""
