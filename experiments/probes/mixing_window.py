@@ -158,9 +158,10 @@ def layer_stats(layer: dict, radii: list[int]) -> dict:
     num_t, moments = transported_sums_by_routes(layer, a, v, radii)
   spec = {r: m[0] for r, m in moments.items()}
   frob = {r: m[1] for r, m in moments.items()}
-  num_p = np.einsum("bhij,bjkd->bihkd", a, v)[:, :, np.arange(H), np.arange(H) // group]
+  kv = np.arange(H) // group                                      # each query head's kv head
+  num_p = np.einsum("bhij,bjhd->bihd", a, v[:, :, kv])            # each head with its own kv
   vnorm = np.linalg.norm(v, axis=-1)                              # [B, T, K]
-  den = np.einsum("bhij,bjh->bih", a, vnorm[:, :, np.arange(H) // group])
+  den = np.einsum("bhij,bjh->bih", a, vnorm[:, :, kv])
   q_lo = T // 2
   c_t = np.linalg.norm(num_t, axis=-1)[:, q_lo:] / den[:, q_lo:]
   c_p = np.linalg.norm(num_p, axis=-1)[:, q_lo:] / den[:, q_lo:]
