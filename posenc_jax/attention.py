@@ -261,6 +261,13 @@ def _kernel_plan(family, *, batch, T, heads, kv_heads, D, dtype, gate, segments,
       block_sizes=_checks.kernel_block_sizes("pallas", kernel_options), backend=backend))
 
 
+def _check_triton_kernel(what: str) -> None:
+  """implementation='pallas' of a family whose kernel is Triton only: none on a TPU."""
+  if jax.default_backend() == "tpu":
+    raise ValueError(f"implementation='pallas' for {what} has no TPU form (Triton on a GPU, "
+                     "the interpreter on a CPU): use None (auto), 'chunked' or 'reference'")
+
+
 def _pick(implementation, family: str, allowed, q, v, segment_ids, *, kernel_options=False):
   """-> the implementation to run; with kernel_options "pallas:..." stays whole (the PaTH / FoX
   kernels read their block sizes from it: _checks.kernel_block_sizes)."""
@@ -467,9 +474,7 @@ def path_integral_attention(q, k, v, p, alpha, *, segment_ids=None, scale=None,
   impl = _pick(implementation, "path_integral", ("reference", "chunked", "pallas"), q, v,
                segment_ids)
   if impl == "pallas":
-    if jax.default_backend() == "tpu":
-      raise ValueError("implementation='pallas' for GRAPE-AP has no TPU form (Triton on a GPU, "
-                       "the interpreter on a CPU): use None (auto), 'chunked' or 'reference'")
+    _check_triton_kernel("GRAPE-AP")
     import kernels_pallas  # imported lazily: the kernels are optional on CPU
     # The rotation of the key probes stays here, in jnp, where the oracle's is.
     r = path_integral.rotate_probes(p, path_integral.segment_positions(segment_ids, B, T))
@@ -552,9 +557,7 @@ def tapa_attention(q, k, v, *, alpha=0.1, theta=0.5, linear_phase=False, segment
     raise ValueError(f"alpha={alpha} must be >= 0")
   impl = _pick(implementation, "tapa", ("reference", "chunked", "pallas"), q, v, segment_ids)
   if impl == "pallas":
-    if jax.default_backend() == "tpu":
-      raise ValueError("implementation='pallas' for TAPA has no TPU form (Triton on a GPU, the "
-                       "interpreter on a CPU): use None (auto), 'chunked' or 'reference'")
+    _check_triton_kernel("TAPA")
     import kernels_pallas  # imported lazily: the kernels are optional on CPU
     return kernels_pallas.tapa_attention(q, k, v, alpha=alpha, theta=theta,
                                          linear_phase=linear_phase, segment_ids=segment_ids,
@@ -577,7 +580,14 @@ def stick_breaking_attention(q, k, v, *, segment_ids=None, scale=None, attend_cu
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)
   stick_breaking.check_options(attend_current=attend_current, remainder=remainder)
-  impl = _pick(implementation, "stick_breaking", ("reference", "chunked"), q, v, segment_ids)
+  impl = _pick(implementation, "stick_breaking", ("reference", "chunked", "pallas"), q, v,
+               segment_ids)
+  if impl == "pallas":
+    _check_triton_kernel("SBA")
+    import kernels_pallas  # imported lazily: the kernels are optional on CPU
+    return kernels_pallas.stick_breaking_attention(
+        q, k, v, segment_ids=segment_ids, scale=_scale(scale, D), attend_current=attend_current,
+        remainder=remainder, interpret=jax.default_backend() == "cpu")
   fn = {"reference": stick_breaking.stick_breaking_attention_reference,
         "chunked": stick_breaking.stick_breaking_attention_chunked}[impl]
   return fn(q, k, v, segment_ids=segment_ids, scale=_scale(scale, D),

@@ -136,11 +136,14 @@ def test_grad_fn_takes_the_cotangent_as_an_argument():
   assert len(common.grad_fn(fn, 1).lower(*big).as_text()) < 2 * len(small)
 
 
-def test_sba_rows_time_the_chosen_form_and_the_dense_reference():
+def test_sba_rows_time_the_chosen_form_the_dense_reference_and_the_kernel():
   """path_kernel's sba row runs what implementation=None picks (here the CPU's dense rule at
-  T 64), sba_dense always the T x T reference; both time a forward and a backward."""
-  (row,) = path_kernel.part_jax(["1x64x2x16"], ["sba", "sba_dense"], dtype="float32")
+  T 64), sba_dense always the T x T reference, sba_pallas the kernel (interpreted here); each
+  times a forward and a backward."""
+  (row,) = path_kernel.part_jax(["1x64x2x16"], ["sba", "sba_dense", "sba_pallas"],
+                                dtype="float32")
   assert row["sba"]["plan"].startswith("reference: cpu: dense jnp")
   assert row["sba_dense"]["plan"] == "reference: dense T x T jnp"
-  for name in ("sba", "sba_dense"):
+  assert row["sba_pallas"]["plan"] == "pallas: the Triton kernel"
+  for name in ("sba", "sba_dense", "sba_pallas"):
     assert row[name]["fwd_ms"] > 0 and row[name]["fwdbwd_ms"] > 0

@@ -66,10 +66,11 @@ from posenc_jax import unipotent  # noqa: E402
 OURS = ("path", "path_fox", "fox")
 # TAPA on its Pallas kernel (quadratic and linear phase) and as implementation=None runs it
 TAPA = ("tapa", "tapa_linear", "tapa_auto", "tapa_linear_auto")
-# sba: as implementation=None runs it; sba_dense: the T x T reference (which the GPU rule
-# could take at the synthetic tasks' lengths, once measured)
-VARIANTS = OURS + TAPA + ("grape_ap", "grape_a", "grape_a_lift", "sba", "sba_dense", "cudnn",
-                          "jax_mha", "jax_mgpu", "cudnn_nc", "jax_mha_nc", "jax_mgpu_nc")
+# SBA as implementation=None runs it (sba), its T x T reference (sba_dense) and its Pallas
+# kernel (sba_pallas): the GPU rule is to be set from these
+SBA = {"sba": None, "sba_dense": "reference", "sba_pallas": "pallas"}
+VARIANTS = OURS + TAPA + ("grape_ap", "grape_a", "grape_a_lift", *SBA, "cudnn", "jax_mha",
+                          "jax_mgpu", "cudnn_nc", "jax_mha_nc", "jax_mgpu_nc")
 # jax's Mosaic GPU flash attention's tiles, tried in this order until one fits shared memory
 # (its backward needs all four backward blocks; jax 0.10-0.11 have no causal backward)
 MGPU_TILES = ((64, 128, 64, 128, 64, 128), (64, 64, 64, 64, 64, 64))
@@ -231,16 +232,16 @@ def _ours(name, bs, segs, q, k, v, w, beta, g):
   return fn, args, kp.explain(*args, block_sizes=bs, segment_ids=segs)
 
 
-def _sba(segs, q, v, *, dense: bool = False):
-  """Stick-breaking attention as the model calls it (implementation None), or its dense
-  reference: (function, the implementation and why)."""
-  if dense:
-    return (lambda q, k, v: attention.stick_breaking_attention(
-        q, k, v, segment_ids=segs, implementation="reference"), "reference: dense T x T jnp")
-  choice = attention.auto_implementation("stick_breaking", T=q.shape[1], dtype=q.dtype,
-                                         head_dim=q.shape[-1], v_head_dim=v.shape[-1],
-                                         has_segments=segs is not None)
-  fn = lambda q, k, v: attention.stick_breaking_attention(q, k, v, segment_ids=segs)
+def _sba(segs, q, v, *, implementation=None):
+  """Stick-breaking attention as the model calls it (implementation None) or in the named
+  form: (function, the implementation and why)."""
+  reason = {"reference": "dense T x T jnp", "pallas": "the Triton kernel"}
+  choice = attention.Choice(implementation, reason.get(implementation)) if implementation else (
+      attention.auto_implementation("stick_breaking", T=q.shape[1], dtype=q.dtype,
+                                    head_dim=q.shape[-1], v_head_dim=v.shape[-1],
+                                    has_segments=segs is not None))
+  fn = lambda q, k, v: attention.stick_breaking_attention(  # noqa: E731
+      q, k, v, segment_ids=segs, implementation=implementation)
   return fn, f"{choice.implementation}: {choice.reason}"
 
 
@@ -345,8 +346,8 @@ def part_jax(cases, variants, options=("",), dtype="bfloat16", docs=0):
           elif name in ("grape_a", "grape_a_lift"):
             res[key] = {"plan": "pallas" if name == "grape_a" else "cudnn (lifted)",
                         **_time(_grape_a(name, segs, q), (q, k, v), do)}
-          elif name in ("sba", "sba_dense"):
-            fn, plan = _sba(segs, q, v, dense=name == "sba_dense")
+          elif name in SBA:
+            fn, plan = _sba(segs, q, v, implementation=SBA[name])
             _print_plan(f"{key} at case {label}", plan)
             res[key] = {"plan": plan, **_time(fn, (q, k, v), do)}
           else:
