@@ -49,10 +49,13 @@ def variants(block_ts, *, interpret: bool) -> dict:
   its own) and at each token tile for both passes."""
   out = {"scan": lambda x, a, b, pos, w: grape_m.rank2_planes_at_positions(
       x, a, b, pos, w, implementation="scan")}
-  for bt in [None, *block_ts]:
-    out["kernel default" if bt is None else f"kernel bt={bt}"] = (lambda bt: lambda x, a, b, pos, w: plane_kernel(
+  def kernel(bt):
+    return lambda x, a, b, pos, w: plane_kernel(
         x, a, b, pos, w, apply=grape_m.rank2_apply, apply_vjp=grape_m.rank2_apply_rows_vjp,
-        block_t=bt, interpret=interpret))(bt)
+        block_t=bt, interpret=interpret)
+
+  for bt in [None, *block_ts]:
+    out["kernel default" if bt is None else f"kernel bt={bt}"] = kernel(bt)
   return out
 
 

@@ -25,7 +25,6 @@ import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import tiles
 from kernels_pallas.path_attention.tiles import dot
@@ -117,14 +116,10 @@ def dkv_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_
   Key-major tiles ([keys, queries]) so that dk += dS^T q and dv += P^T dO take them as they
   are."""
   bq, bk = st.block_q, st.block_k
-  k0 = pl.program_id(0) * bk
   k = k_ref[...]
   v = v_ref[...]
   sk = tiles.read_optional(sk_ref, ...)
-  kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-  first = k0 // bq                      # the query tile holding the diagonal
-  n = q_ref.shape[0] // bq
-  G = q_ref.shape[1]
+  kpos, first, n, G = tiles.key_major(bq, bk, q_ref)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for g in range(G):

@@ -26,7 +26,6 @@ import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import special
 from kernels_pallas.path_attention import tiles
@@ -45,20 +44,6 @@ class Static:
   passes: int           # bf16 terms of a float32 operand of the triangular products
   fast: bool            # the GPU's approximate ex2, lg2, rcp (special.py); False in the
                         # interpreter
-
-
-def _row_greater(n: int):
-  """[n, n] bf16 [row > col]: (x @ it)_j = sum_{l > j} x_l, (it @ y)_l = sum_{j < l} y_j."""
-  r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return (r > c).astype(jnp.bfloat16)
-
-
-def _row_less(n: int):
-  """[n, n] bf16 [row < col]: (x @ it)_l = sum_{j < l} x_j, (it @ y)_j = sum_{l > j} y_l."""
-  r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return (r < c).astype(jnp.bfloat16)
 
 
 def _tri_dot(st: Static, x, tri, *, tri_left: bool):
@@ -99,7 +84,7 @@ def forward_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref,
   alpha = al_ref[...]
   sq = tiles.read_optional(sq_ref, ...)
   qpos, n = tiles.query_tile(bq, bk)
-  greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
+  greater = tiles.triangle(bk, ">", jnp.bfloat16)   # (w @ greater)_ij = sum_{l > j} w_il
 
   def body(t, state):
     softmax, carry = state
@@ -131,8 +116,8 @@ def dq_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_ref
   lse = lse_ref[...][:, None]
   delta = delta_ref[...][:, None]
   qpos, n = tiles.query_tile(bq, bk)
-  greater = _row_greater(bk)   # (w @ greater)_ij = sum_{l > j} w_il
-  less = _row_less(bk)         # (ds @ less)_il = sum_{j < l} ds_ij
+  greater = tiles.triangle(bk, ">", jnp.bfloat16)   # (w @ greater)_ij = sum_{l > j} w_il
+  less = tiles.triangle(bk, "<", jnp.bfloat16)         # (ds @ less)_il = sum_{j < l} ds_ij
 
   def body(kt, state):
     dq, dpq, dal, pre = state
@@ -173,17 +158,12 @@ def dkv_kernel(q_ref, k_ref, v_ref, pq_ref, r_ref, al_ref, sq_ref, sk_ref, do_re
   Key-major tiles ([keys, queries]): the bias is the in-tile sum (less @ w^T) plus the queries'
   carry C[i, kt], and d w^T the in-tile sum (greater @ ds^T) plus Pre[i, kt]."""
   bq, bk = st.block_q, st.block_k
-  kt = pl.program_id(0)
-  k0 = kt * bk
   k = k_ref[...]
   v = v_ref[...]
   sk = tiles.read_optional(sk_ref, ...)
-  kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-  first = k0 // bq
-  n = q_ref.shape[0] // bq
-  G = q_ref.shape[1]
-  greater = _row_greater(bk)   # (greater @ ds^T)_li = sum_{j < l} ds_ij
-  less = _row_less(bk)         # (less @ w^T)_ji = sum_{l > j} w_il
+  kpos, first, n, G = tiles.key_major(bq, bk, q_ref)
+  greater = tiles.triangle(bk, ">", jnp.bfloat16)   # (greater @ ds^T)_li = sum_{j < l} ds_ij
+  less = tiles.triangle(bk, "<", jnp.bfloat16)         # (less @ w^T)_ji = sum_{l > j} w_il
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for g in range(G):

@@ -147,6 +147,24 @@ def key_tile(j, bk: int, qpos):
   return pl.ds(k0, bk), qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
 
 
+def key_major(bq: int, bk: int, q_ref):
+  """(kpos [bk, 1], first, n, G) of this program's key tile (grid axis 0) against a group's
+  queries q_ref [T, G, ..]: its rows' positions, the query tile holding its diagonal (the first
+  that sees it), the number of query tiles and the group's heads."""
+  k0 = pl.program_id(0) * bk
+  return (k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0), k0 // bq, q_ref.shape[0] // bq,
+          q_ref.shape[1])
+
+
+def triangle(n: int, op: str, dtype=jnp.float32):
+  """[n, n] 0/1 in dtype (exact in any float): t[r, c] = r op c, op one of > >= < <=. As a
+  product's right factor, x @ t sums x's columns c' op-related to each column; as its left
+  factor, t @ y sums y's rows."""
+  r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+  return {">": r > c, ">=": r >= c, "<": r < c, "<=": r <= c}[op].astype(dtype)
+
+
 def query_rows(i, bq: int, kpos):
   """(rows, dist [bk, bq]) of query tile i against key rows at kpos, key-major: its slice of
   the query refs and the distances i - j."""

@@ -58,14 +58,6 @@ def _visible(st: Static, dist, seg_r, seg_c):
   return ok
 
 
-def _triangle(n: int, *, strict: bool, upper: bool):
-  """[n, n] float32 0/1: t[a, b] = a > b (strict) or a >= b, transposed with upper."""
-  a = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  b = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  a, b = (b, a) if upper else (a, b)
-  return ((a > b) if strict else (a >= b)).astype(jnp.float32)
-
-
 def _tile(st: Static, z, ok, carry, nearer_of):
   """(A, l1 masked, sigmoid(z), sigmoid(-z)) of a tile whose rows carry `carry` (log-stick of
   the nearer key tiles); nearer_of(l1) sums l1 over each entry's nearer keys in the tile."""
@@ -88,7 +80,7 @@ def forward_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, acc_ref, stick_ref, *, s
   q = q_ref[...]
   sq = tiles.read_optional(sq_ref, ...)
   qpos, n = tiles.query_tile(bq, bk)
-  nearer = _triangle(bk, strict=True, upper=False)    # [l, j]: l > j
+  nearer = tiles.triangle(bk, ">")        # [l, j]: l > j
 
   def body(t, state):
     stick, acc = state
@@ -118,8 +110,8 @@ def dq_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, do_ref, delta_ref, dstick_ref
   delta = delta_ref[...][:, None]
   dstick = dstick_ref[...][:, None]
   qpos, n = tiles.query_tile(bq, bk)
-  nearer = _triangle(bk, strict=True, upper=False)    # [l, j]: l > j
-  not_before = _triangle(bk, strict=False, upper=False)  # [j', j]: j' >= j
+  nearer = tiles.triangle(bk, ">")        # [l, j]: l > j
+  not_before = tiles.triangle(bk, ">=")   # [j', j]: j' >= j
   c1_ref[...] = jnp.zeros(c1_ref.shape, jnp.float32)
   cg_ref[...] = jnp.zeros(cg_ref.shape, jnp.float32)
 
@@ -156,16 +148,12 @@ def dkv_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, do_ref, delta_ref, dstick_re
   Key-major tiles ([keys, queries]), so dk += dZ^T q and dv += A^T dO take them as they are."""
   bq, bk = st.block_q, st.block_k
   kt = pl.program_id(0)
-  k0 = kt * bk
   k = k_ref[...]
   v = v_ref[...]
   sk = tiles.read_optional(sk_ref, ...)
-  kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-  first = k0 // bq                      # the query tile holding the diagonal
-  n = q_ref.shape[0] // bq
-  G = q_ref.shape[1]
-  nearer = _triangle(bk, strict=True, upper=True)      # [j, l]: l > j
-  not_before = _triangle(bk, strict=False, upper=True)  # [j, j']: j' >= j
+  kpos, first, n, G = tiles.key_major(bq, bk, q_ref)
+  nearer = tiles.triangle(bk, "<")        # [j, l]: l > j
+  not_before = tiles.triangle(bk, "<=")   # [j, j']: j' >= j
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for g in range(G):

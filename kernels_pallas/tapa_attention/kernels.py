@@ -27,7 +27,6 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import special
 from kernels_pallas.path_attention import tiles
@@ -148,16 +147,12 @@ def dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk
   Key-major tiles ([keys, queries]) so that dk += dS^T q and dv += P^T dO take them as they
   are."""
   bq, bk = st.block_q, st.block_k
-  k0 = pl.program_id(0) * bk
   ka = ka_ref[...]
   kp = tiles.read_optional(kp_ref, ...)
   ks = tiles.read_optional(ks_ref, ...)
   sk = tiles.read_optional(sk_ref, ...)
   v = v_ref[...]
-  kpos = k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-  first = k0 // bq                      # the query tile holding the diagonal
-  n = qa_ref.shape[0] // bq
-  G = qa_ref.shape[1]
+  kpos, first, n, G = tiles.key_major(bq, bk, qa_ref)
   dka = jnp.zeros(ka.shape, jnp.float32)
   dkp = None if kp is None else jnp.zeros(kp.shape, jnp.float32)
   dks = None if ks is None else jnp.zeros((bk,), jnp.float32)

@@ -8,6 +8,8 @@ checks the gradients bitwise equal over two runs.
 """
 from __future__ import annotations
 
+import re
+
 import dataclasses
 
 import jax
@@ -21,6 +23,14 @@ from tests.util import assert_rel_rms, assert_trees_rel_rms, model_logits_and_gr
 
 # Relative RMS against the float32 oracle: the dtype's rounding of the kernels' operands.
 TOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 1e-2}
+
+
+def cuda_kernels(fn, arrays) -> set[str]:
+  """The Pallas kernels (by name, "..._kernel") that jit(fn) at `arrays` (ShapeDtypeStructs)
+  lowers to through Triton for "cuda" on this host: the lowering tests' check that a kernel is
+  real beyond the interpreter, and that no other kernel runs."""
+  text = jax.jit(fn).trace(*arrays).lower(lowering_platforms=("cuda",)).as_text()
+  return set(re.findall(r'name = \\?"(\w+_kernel)', text))
 
 
 def qkv(key, *, B, T, H, K, D, Dv, dtype):
