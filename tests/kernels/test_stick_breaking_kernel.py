@@ -5,7 +5,8 @@ sum(o * ct) w.r.t. q, k and v.
 Interpreter (CPU): T 40 with 16-row query tiles and 32-row key tiles (the key tiles straddle
 query tiles, and both end in padding), GQA (H 4, K 2), head_dim 24 and values of width 20 (both
 padded), documents that start inside a tile, keys j < i and j <= i, the remainder kept and
-dropped; bf16 at the bf16 kernel tolerance against the oracle on the same bf16 values. Through
+dropped; bf16 at the bf16 kernel tolerance against the oracle on the same bf16 values;
+saturated logits. Through
 the model: an SBA transformer on the kernel against the oracle. Lowering: the forward and the
 gradient lower through Triton for "cuda" on this host. GPU: bf16 at MQRAR's and the language
 models' sizes (marked gpu).
@@ -69,6 +70,27 @@ SMALL = dict(B=2, T=40, H=4, K=2, D=24, Dv=20, blocks=(16, 32))
 def test_sba_kernel_matches_the_oracle(key, case):
   case = dict(SMALL, **case)
   _compare(key, interpret=True, tol=TOL[jnp.dtype(case["dtype"])], **case)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_sba_kernel_saturated_logits_stay_finite_and_exact(key, dtype):
+  """q scaled by 40 (logits in the hundreds: every sigmoid saturated, sticks used up within a
+  key or two, log-sticks in the thousands): forward and gradients finite and equal to the
+  oracle's at the dtype's tolerance."""
+  ks = jax.random.split(key, 2)
+  q, k, v = kernel_check.qkv(ks[0], B=1, T=48, H=2, K=2, D=16, Dv=16, dtype=F32)
+  args = [x.astype(dtype) for x in (40.0 * q, k, v)]
+  ct = jax.random.normal(ks[1], (1, 48, 2, 16))
+  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
+  o, grads = value_and_grads(lambda *a: stick_breaking_attention(
+      *a, block_q=16, block_k=16, interpret=True), loss, (0, 1, 2))(*args)
+  oracle = stick_breaking.stick_breaking_attention_reference
+  with jax.default_matmul_precision("highest"):
+    o_want, grads_want = value_and_grads(
+        lambda *a: oracle(*(x.astype(F32) for x in a)), loss, (0, 1, 2))(*args)
+  for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_want, *grads_want)):
+    assert bool(jnp.isfinite(got.astype(F32)).all()), name
+    assert_rel_rms(got, want, TOL[jnp.dtype(dtype)], name)
 
 
 def test_sba_kernel_lowers_for_cuda():
