@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.block_attention import kernels
-from kernels_pallas.path_attention import launch
-from kernels_pallas.path_attention.launch import f32_shape, pad_axis
-from kernels_pallas.path_attention.tiles import NEG_INF
+from kernels_pallas.common import launch
+from kernels_pallas.common.launch import f32_shape, pad_axis
+from kernels_pallas.common.tiles import NEG_INF
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 64

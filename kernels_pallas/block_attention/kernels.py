@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention.tiles import NEG_INF, dot
+from kernels_pallas.common.tiles import NEG_INF, dot
 
 
 def _visible(sq, sk, start, size, tk, *, ragged, axis):

@@ -26,8 +26,8 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.path_attention import tiles
-from kernels_pallas.path_attention.tiles import dot
+from kernels_pallas.common import tiles
+from kernels_pallas.common.tiles import dot
 
 
 @dataclasses.dataclass(frozen=True)

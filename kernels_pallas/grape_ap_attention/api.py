@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.grape_ap_attention import kernels
-from kernels_pallas.path_attention import launch
-from kernels_pallas.path_attention.launch import f32_shape, pad_axis
+from kernels_pallas.common import launch
+from kernels_pallas.common.launch import f32_shape, pad_axis
 
 DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 64

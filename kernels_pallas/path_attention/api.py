@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from kernels_pallas.path_attention import backward
 from kernels_pallas.path_attention import forward
-from kernels_pallas.path_attention import launch
+from kernels_pallas.common import launch
 from kernels_pallas.path_attention import operands
 from kernels_pallas.path_attention import span_backward
 from kernels_pallas.path_attention import spans

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention import launch
+from kernels_pallas.common import launch
 from kernels_pallas.path_attention import operands
 from kernels_pallas.path_attention.tiles import (HeadsMinor, backward_spec, boundary_rows,
                                                  chunk_bound, chunk_id, dot, dq_step, eye,

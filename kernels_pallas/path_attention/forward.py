@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention import launch
+from kernels_pallas.common import launch
 from kernels_pallas.path_attention import operands
 from kernels_pallas.path_attention.mosaic_gpu import forward_far
 from kernels_pallas.path_attention.tiles import (boundary_array_rows, boundary_rows,

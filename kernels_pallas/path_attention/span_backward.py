@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.path_attention import backward as walk_backward
-from kernels_pallas.path_attention import launch
+from kernels_pallas.common import launch
 from kernels_pallas.path_attention import operands
 from kernels_pallas.path_attention import spans
 from kernels_pallas.path_attention.backward import dkv_step_keys

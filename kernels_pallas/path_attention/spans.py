@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention import launch
-from kernels_pallas.path_attention.tiles import boundary_offset, chunk_id, dot, eye
+from kernels_pallas.common import launch
+from kernels_pallas.common.tiles import dot
+from kernels_pallas.path_attention.tiles import boundary_offset, chunk_id, eye
 
 
 def boundary_kernel(k_ref, e_ref, kb_ref, pi_ref, *, span, nb, precision, fine, chunk_axis):

@@ -1,7 +1,7 @@
-"""Tile functions that every form's kernel bodies share: products, masks, the online softmax
+"""Tile functions that every PaTH / FoX form's kernel bodies share: masks, the online softmax
 step, the query tile's move across a chunk, the backward's per-tile gradients, and the packed
-boundary-state layout of the span forms; and the causal mask and online softmax of the
-standalone causal kernels (tapa_attention, grape_ap_attention, grape_a_attention).
+boundary-state layout of the span forms (the product and what every kernel family shares are
+in kernels_pallas/common/tiles.py).
 
 Operands come from operands.py, head-major and blocked: a [n, C, D] ref holds a whole sequence
 of chunks for one (batch, head) and `ref[m]` reads chunk m (a dynamic index on a leading,
@@ -19,14 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-NEG_INF = -1e30
-
-
-def dot(a, b, *, ta=False, tb=False, precision=None):
-  """a @ b (a^T, b^T with ta, tb) with float32 accumulation."""
-  dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
-  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
-
+from kernels_pallas.common.tiles import NEG_INF, dot
 
 class HeadsMinor:
   """A time-major ref of a group's heads, [..rows, G, D] (launch.time_major_spec with `heads`),
@@ -131,82 +124,6 @@ def softmax_step(qt, m_i, l_i, acc, kt, vt, s_gate, s_ok, *, scale, dt, precisio
 
 # --- the standalone causal kernels (tapa, grape_ap, grape_a): a query tile's per-row state
 # (m, l, acc) as 1-D rows, the logits computed by the kernel, the mask from distances
-
-
-def query_tile(bq: int, bk: int):
-  """(qpos [bq, 1], n) of this program's query tile (grid axis 0): its rows' positions and the
-  number of bk-key tiles up to its diagonal."""
-  q0 = pl.program_id(0) * bq
-  return q0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0), pl.cdiv(q0 + bq, bk)
-
-
-def key_tile(j, bk: int, qpos):
-  """(rows, dist [bq, bk]) of key tile j against query rows at qpos: its slice of the key refs
-  and the distances i - j."""
-  k0 = pl.multiple_of(j * bk, bk)
-  return pl.ds(k0, bk), qpos - (k0 + lax.broadcasted_iota(jnp.int32, (1, bk), 1))
-
-
-def key_major(bq: int, bk: int, q_ref):
-  """(kpos [bk, 1], first, n, G) of this program's key tile (grid axis 0) against a group's
-  queries q_ref [T, G, ..]: its rows' positions, the query tile holding its diagonal (the first
-  that sees it), the number of query tiles and the group's heads."""
-  k0 = pl.program_id(0) * bk
-  return (k0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0), k0 // bq, q_ref.shape[0] // bq,
-          q_ref.shape[1])
-
-
-def triangle(n: int, op: str, dtype=jnp.float32):
-  """[n, n] 0/1 in dtype (exact in any float): t[r, c] = r op c, op one of > >= < <=. As a
-  product's right factor, x @ t sums x's columns c' op-related to each column; as its left
-  factor, t @ y sums y's rows."""
-  r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-  c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-  return {">": r > c, ">=": r >= c, "<": r < c, "<=": r <= c}[op].astype(dtype)
-
-
-def query_rows(i, bq: int, kpos):
-  """(rows, dist [bk, bq]) of query tile i against key rows at kpos, key-major: its slice of
-  the query refs and the distances i - j."""
-  q0 = pl.multiple_of(i * bq, bq)
-  return pl.ds(q0, bq), (q0 + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) - kpos
-
-
-def causal_visible(dist, seg_r, seg_c):
-  """Causal (dist = i - j >= 0) and, with segment ids (rows' and columns'), the same document."""
-  ok = dist >= 0
-  if seg_r is not None:
-    ok = ok & (seg_r[:, None] == seg_c[None, :])
-  return ok
-
-
-def read_optional(ref, index):
-  """ref[index], or None for an absent operand."""
-  return None if ref is None else ref[index]
-
-
-def causal_softmax_init(rows: int, dv: int):
-  """(m, l, acc) before the first key tile."""
-  return (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
-          jnp.zeros((rows, dv), jnp.float32))
-
-
-def causal_softmax_step(state, s, ok, v, *, precision):
-  """(m, l, acc) after one key tile: logits s [rows, bk] where ok (masked elsewhere), values
-  v [bk, Dv]."""
-  m_i, l_i, acc = state
-  s = jnp.where(ok, s, NEG_INF)
-  m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-  corr = jnp.exp(m_i - m_new)
-  p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)   # a row masked so far: s == m_new
-  acc = corr[:, None] * acc + dot(p.astype(v.dtype), v, precision=precision)
-  return m_new, corr * l_i + jnp.sum(p, axis=1), acc
-
-
-def causal_softmax_finish(state):
-  """(o, lse) of the final state; every row sees its own key, so l >= 1."""
-  m_i, l_i, acc = state
-  return acc / l_i[:, None], m_i + jnp.log(l_i)
 
 
 def move(qt, et, *, dt, precision):

@@ -35,9 +35,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.path_attention import launch
+from kernels_pallas.common import launch
+from kernels_pallas.common.tiles import dot
 from kernels_pallas.path_attention import operands
-from kernels_pallas.path_attention.tiles import (diagonal, dot, dq_step, eye, move, softmax_step,
+from kernels_pallas.path_attention.tiles import (diagonal, dq_step, eye, move, softmax_step,
                                                  tile_grads, tile_mask, unpack, unpack_forward)
 
 

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention import launch
-from kernels_pallas.path_attention.launch import pad_axis
+from kernels_pallas.common import launch
+from kernels_pallas.common.launch import pad_axis
 from kernels_pallas.plane_rotations import kernels
 
 # Token tiles of the two passes when block_t is None: each pass's fastest in

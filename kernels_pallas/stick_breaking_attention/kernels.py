@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention import special
-from kernels_pallas.path_attention import tiles
-from kernels_pallas.path_attention.tiles import dot
+from kernels_pallas.common import special
+from kernels_pallas.common import tiles
+from kernels_pallas.common.tiles import dot
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention import launch
-from kernels_pallas.path_attention.launch import f32_shape, pad_axis
+from kernels_pallas.common import launch
+from kernels_pallas.common.launch import f32_shape, pad_axis
 from kernels_pallas.tapa_attention import kernels
 
 DEFAULT_BLOCK_Q = 64

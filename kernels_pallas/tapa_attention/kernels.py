@@ -28,9 +28,9 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.path_attention import special
-from kernels_pallas.path_attention import tiles
-from kernels_pallas.path_attention.tiles import dot
+from kernels_pallas.common import special
+from kernels_pallas.common import tiles
+from kernels_pallas.common.tiles import dot
 
 TWO_PI = 2.0 * math.pi
 

@@ -92,7 +92,7 @@ def _check_gpu_rounding(key, monkeypatch, *, w_mode, T, block_sizes, pins=None, 
   it (_gpu_rounding_dot) against the same plan with exact products, both against the float32
   oracle on the same bf16 inputs (8 rows): each output within the bf16 tolerance or within
   1.25x the exact products' error."""
-  from kernels_pallas.path_attention import tiles
+  from kernels_pallas.common import tiles
   B, H, K, D, dtype = 8, 2, 1, 16, jnp.bfloat16
   q, k, v, w, beta, _, _, do = kernel_check.inputs(key, B, T, H, K, D, dtype, gate=False,
                                                    segments=False, w_mode=w_mode)

@@ -198,7 +198,7 @@ def test_lowering_a_kernel_leaves_the_tracing_context_as_it_was():
   lowering reaches the kernels) misses its trace cache once and compiles twice. The package
   imports them itself, so a first lowering finds the context complete."""
   from jax._src import config as jax_config
-  from kernels_pallas.path_attention import launch
+  from kernels_pallas.common import launch
   assert all(name in sys.modules for name in launch._GPU_LOWERINGS)
   before = tuple(jax_config.trace_context_names())
   f, arrays, plan = _call(64, BF16, T=128, gate_segments=False)

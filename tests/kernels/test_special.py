@@ -1,4 +1,4 @@
-"""kernels_pallas/path_attention/special.py: the approximate PTX forms against jnp's float32
+"""kernels_pallas/common/special.py: the approximate PTX forms against jnp's float32
 functions, inside a Triton kernel on the GPU (marked gpu), over the arguments the kernels meet
 (TAPA's phases up to thousands of radians, GRAPE-AP's logits of either sign, distances up to
 64K); on this host, that a kernel using every form lowers for "cuda", and that the forms the
@@ -13,7 +13,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.path_attention import special
+from kernels_pallas.common import special
 
 N = 4096
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.path_attention.tiles import dot
+from kernels_pallas.common.tiles import dot
 
 
 @dataclasses.dataclass(frozen=True)

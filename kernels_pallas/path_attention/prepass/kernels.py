@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels_pallas.path_attention import launch
+from kernels_pallas.common import launch
 from kernels_pallas.path_attention import operands
 from kernels_pallas.path_attention.prepass.chunk import (Products, chunk_inverse,
                                                          chunk_inverse_refine, chunk_inverse_vjp,

@@ -3,8 +3,9 @@ grids, the BlockSpecs every form shares, and the dot precisions.
 
 Backends: "gpu" lowers through Triton (`pl.pallas_call`), "tpu" through Mosaic; "interpret"
 runs the generic interpreter and "tpu_interpret" the TPU interpreter (`pltpu.InterpretParams`),
-both on a CPU. Nothing here chooses a form or a tile: the plan (plan.py) does, and passes what
-it chose (warps, stages) down.
+both on a CPU. Nothing here chooses a form or a tile: the callers do (PaTH / FoX's plan,
+path_attention/plan.py; each other kernel's api.py) and pass what they chose (warps, stages)
+down.
 """
 from __future__ import annotations
 
@@ -182,7 +183,8 @@ def full(x, ids, head_of):
 def time_major_spec(x, ids, head_of, heads=None):
   """Whole-sequence block of a time-major array (v, dO, dv: chunked [B, n, C, X, D] or merged
   [B, Tp, X, D]) -> the kernel's ref [n, C, D] / [Tp, D] of one head (heads None), or of
-  `heads` adjacent heads [n, C, heads, D] / [Tp, heads, D] (read through tiles.HeadsMinor),
+  `heads` adjacent heads [n, C, heads, D] / [Tp, heads, D] (read through
+  path_attention/tiles.HeadsMinor),
   block index head_of(h); ids maps program ids to (b, head, ...). Rows are strided (X * D
   elements apart): the blocked layout's tiles without transposes into and out of it."""
   lead = x.shape[1:-2]

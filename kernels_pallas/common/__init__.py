@@ -1,0 +1,2 @@
+"""What every kernel family builds on: launches (pallas_call per backend, padding, shape
+checks), the GPU's approximate special functions, and the shared tile functions."""
