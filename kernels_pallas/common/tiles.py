@@ -59,9 +59,10 @@ def query_rows(i, bq: int, kpos):
   return pl.ds(q0, bq), (q0 + lax.broadcasted_iota(jnp.int32, (1, bq), 1)) - kpos
 
 
-def causal_visible(dist, seg_r, seg_c):
-  """Causal (dist = i - j >= 0) and, with segment ids (rows' and columns'), the same document."""
-  ok = dist >= 0
+def causal_visible(dist, seg_r, seg_c, *, strict: bool = False):
+  """Causal (dist = i - j >= 0, or > 0 when strict: the key before the query) and, with segment
+  ids (rows' and columns'), the same document."""
+  ok = dist > 0 if strict else dist >= 0
   if seg_r is not None:
     ok = ok & (seg_r[:, None] == seg_c[None, :])
   return ok

@@ -50,14 +50,6 @@ class Static:
                         # interpreter
 
 
-def _visible(st: Static, dist, seg_r, seg_c):
-  """dist = i - j: the causal pairs that break the stick, within one document."""
-  ok = dist >= 0 if st.attend_current else dist > 0
-  if seg_r is not None:
-    ok = ok & (seg_r[:, None] == seg_c[None, :])
-  return ok
-
-
 def _tile(st: Static, z, ok, carry, nearer_of):
   """(A, l1 masked, sigmoid(z), sigmoid(-z)) of a tile whose rows carry `carry` (log-stick of
   the nearer key tiles); nearer_of(l1) sums l1 over each entry's nearer keys in the tile."""
@@ -86,7 +78,8 @@ def forward_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, acc_ref, stick_ref, *, s
     stick, acc = state
     rows, dist = tiles.key_tile(n - 1 - t, bk, qpos)   # the nearest key tile first
     z = st.scale * dot(q, k_ref[rows, :], tb=True, precision=st.precision)
-    ok = _visible(st, dist, sq, tiles.read_optional(sk_ref, rows))
+    ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows),
+                               strict=not st.attend_current)
     a, l1, _, _ = _tile(st, z, ok, stick[:, None],
                         lambda l1: dot(l1, nearer, precision=st.sum_precision))
     v = v_ref[rows, :]
@@ -123,7 +116,8 @@ def dq_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, do_ref, delta_ref, dstick_ref
     rows, dist = tiles.key_tile(j, bk, qpos)
     k = k_ref[rows, :]
     z = st.scale * dot(q, k, tb=True, precision=st.precision)
-    ok = _visible(st, dist, sq, tiles.read_optional(sk_ref, rows))
+    ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows),
+                               strict=not st.attend_current)
     a, l1, sig, sig_neg = _tile(st, z, ok, stick[:, None],
                                 lambda l1: dot(l1, nearer, precision=st.sum_precision))
     v = v_ref[rows, :]
@@ -164,7 +158,8 @@ def dkv_kernel(q_ref, k_ref, v_ref, sq_ref, sk_ref, do_ref, delta_ref, dstick_re
       q = q_ref[rows, g, :]
       do = do_ref[rows, g, :]
       z = st.scale * dot(k, q, tb=True, precision=st.precision)
-      ok = _visible(st, dist, sk, tiles.read_optional(sq_ref, rows))
+      ok = tiles.causal_visible(dist, sk, tiles.read_optional(sq_ref, rows),
+                                 strict=not st.attend_current)
       stick = c1_ref[rows, g, pl.ds(kt, 1)][:, 0][None, :]
       suffix = cg_ref[rows, g, pl.ds(kt, 1)][:, 0][None, :]
       a, _, sig, sig_neg = _tile(st, z, ok, stick,
