@@ -574,8 +574,10 @@ def stick_breaking_attention(q, k, v, *, segment_ids=None, scale=None, attend_cu
 
   q [B, T, H, D]; k [B, T, K, D]; v [B, T, K, Dv] -> o [B, T, H, Dv]. attend_current: key j = i
   is visible too; remainder "current" adds the leftover stick r_i times v_i, "none" drops it.
-  Under a mesh with a "context" axis it has no context-parallel form: it runs as without one
-  (docs/context_parallel.md).
+  implementation "pallas": kernels_pallas.stick_breaking_attention (Triton on a GPU, the
+  Pallas interpreter on a CPU; no TPU form); None picks "reference" or "chunked"
+  (auto_implementation). Under a mesh with a "context" axis it has no context-parallel form:
+  it runs as without one (docs/context_parallel.md).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)
