@@ -49,6 +49,7 @@ def variants(block_ts, *, interpret: bool) -> dict:
   its own) and at each token tile for both passes."""
   out = {"scan": lambda x, a, b, pos, w: grape_m.rank2_planes_at_positions(
       x, a, b, pos, w, implementation="scan")}
+
   def kernel(bt):
     return lambda x, a, b, pos, w: plane_kernel(
         x, a, b, pos, w, apply=grape_m.rank2_apply, apply_vjp=grape_m.rank2_apply_rows_vjp,
@@ -68,17 +69,17 @@ def measure(shape, *, planes: int, block_ts, interpret: bool = False, reps: int 
   min_bytes = {"fwd": elems * (2 + 2), "fwdbwd": elems * (2 + 2 + 4 + 4 + 4)}
   rows, reference = [], None
   for label, f in variants(block_ts, interpret=interpret).items():
-    fwd = jax.jit(lambda x, a, b, w, f=f: f(x, a, b, pos, w))
-    loss = lambda x, a, b, w, f=f: jnp.sum(f(x, a, b, pos, w).astype(jnp.float32) * probe)  # noqa
-    fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-    y, grads = fwd(x, a, b, w), fwdbwd(x, a, b, w)
+    at_pos = lambda x, a, b, w, f=f: f(x, a, b, pos, w)  # noqa: E731
+    fwd = jax.jit(at_pos)
+    fwdbwd = common.grad_fn(at_pos, 4)    # called with the probe as the cotangent
+    y, grads = fwd(x, a, b, w), fwdbwd(x, a, b, w, probe)
     if reference is None:
       reference = (y, grads)
     row = {"variant": label, "shape": [B, T, H, D], "planes": planes,
            "y_rel_rms": common.rel_rms(y.astype(jnp.float32), reference[0].astype(jnp.float32)),
            "grad_rel_rms": max(common.rel_rms(g, r) for g, r in zip(grads, reference[1]))}
-    for phase, fn in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-      ms = common.pipelined_ms(fn, x, a, b, w, n=reps)
+    for phase, fn, args in (("fwd", fwd, (x, a, b, w)), ("fwdbwd", fwdbwd, (x, a, b, w, probe))):
+      ms = common.pipelined_ms(fn, *args, n=reps)
       row[f"{phase}_ms"] = ms
       row[f"{phase}_gbs"] = min_bytes[phase] / ms / 1e6
     rows.append(row)

@@ -121,28 +121,27 @@ def run(c) -> dict:
           per_head = max(1, c.num_pairs // (layer["q"].shape[2] * len(c.seeds)))
           pairs.setdefault(f"trained_layer{li}", {}).setdefault(name, []).append(
               (layer["enc"], layer["params"], *trained_pairs(layer, per_head, c.seed + li)))
-  results, hists = {}, {}
+  results = {}
   for label, short, long in c.intervals:
     iv = f"{label} [{short[0]},{short[1]}] vs [{long[0]},{long[1]}]"
-    results[iv], hists[iv] = {}, {}
+    results[iv] = {}
     for source, by_name in pairs.items():
-      results[iv][source], hists[iv][source] = {}, {}
+      panel, pooled = {}, {}
       for name, per_seed in by_name.items():
         ds = [deltas(enc, params, q, k, short=tuple(short), long=tuple(long), seed=c.seed + 1)
               for enc, params, q, k in per_seed]
-        d = np.concatenate(ds)
-        results[iv][source][name], hists[iv][source][name] = stats(d), d
+        pooled[name] = np.concatenate(ds)
+        panel[name] = stats(pooled[name])
         if len(ds) > 1:
-          results[iv][source][name]["seed_means"] = [float(x.mean()) for x in ds]
+          panel[name]["seed_means"] = [float(x.mean()) for x in ds]
       # one set of bins per panel, shared by its encodings: the README's plot is drawn from
       # results.json alone (experiments/probes/pages.py)
-      edges = np.histogram_bin_edges(np.concatenate(list(hists[iv][source].values())),
-                                     bins=HISTOGRAM_BINS)
-      for name, d in hists[iv][source].items():
+      edges = np.histogram_bin_edges(np.concatenate(list(pooled.values())), bins=HISTOGRAM_BINS)
+      for name, d in pooled.items():
         density, _ = np.histogram(d, edges, density=True)
-        results[iv][source][name]["histogram"] = {
-            "edges": [round(float(x), 6) for x in edges],
-            "density": [round(float(x), 6) for x in density]}
+        panel[name]["histogram"] = {"edges": [round(float(x), 6) for x in edges],
+                                    "density": [round(float(x), 6) for x in density]}
+      results[iv][source] = panel
   return results
 
 

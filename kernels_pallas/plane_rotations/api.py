@@ -38,8 +38,7 @@ class _Config:
   forward_block_t: int
   backward_block_t: int
   backend: str
-
-
+  dtype: str            # x's: the dtype of dx
 
 
 def plane_rotations(x, a, b, positions, w, *, apply: Callable, apply_vjp: Callable | None = None,
@@ -62,10 +61,8 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, apply_vjp: Callab
                      f"with x {x.shape}'s H and D")
   N = a.shape[1]
   launch.check_shapes("plane_rotations", ("w", w, (H, N)), ("positions", positions, (B, T)))
-  if block_t is not None and (block_t < 16 or block_t & (block_t - 1)):
-    raise ValueError(f"plane_rotations: block_t={block_t} must be a power of two >= 16")
-  fit = lambda t: min(t, launch.pow2(T, 16))  # noqa: E731   no tile past the padded T
-  bt_fwd, bt_bwd = fit(block_t or FORWARD_BLOCK_T), fit(block_t or BACKWARD_BLOCK_T)
+  bt_fwd = launch.tile(block_t, FORWARD_BLOCK_T, T, "plane_rotations: block_t")
+  bt_bwd = launch.tile(block_t, BACKWARD_BLOCK_T, T, "plane_rotations: block_t")
   step = max(bt_fwd, bt_bwd)
   Tp, Dp, Np = -(-T // step) * step, launch.pow2(D, 16), launch.pow2(N)
   f32 = jnp.float32
@@ -75,7 +72,8 @@ def plane_rotations(x, a, b, positions, w, *, apply: Callable, apply_vjp: Callab
   wp = pad_axis(w.astype(f32), 1, Np)
   pos = pad_axis(positions.astype(f32), 1, Tp)
   cfg = _Config(apply=apply, apply_vjp=apply_vjp, num_planes=N, forward_block_t=bt_fwd,
-                backward_block_t=bt_bwd, backend="interpret" if interpret else "gpu")
+                backward_block_t=bt_bwd, backend="interpret" if interpret else "gpu",
+                dtype=jnp.dtype(x.dtype).name)
   return _rotate_once(cfg, xp, ap, bp, pos, wp)[:, :T, :, :D].astype(x.dtype)
 
 
@@ -107,11 +105,11 @@ def _rotate(cfg, x, a, b, pos, w):
 
 def _rotate_fwd(cfg, x, a, b, pos, w):
   y = _forward(cfg, x, a, b, pos, w)
-  return y, (y, a, b, pos, w, jnp.zeros((0,), x.dtype))
+  return y, (y, a, b, pos, w)
 
 
 def _rotate_bwd(cfg, res, g):
-  y, a, b, pos, w, x_dtype = res
+  y, a, b, pos, w = res
   B, Tp, H, Dp = y.shape
   Np = a.shape[1]
   s = _specs(cfg.backward_block_t, y)
@@ -132,7 +130,7 @@ def _rotate_bwd(cfg, res, g):
   da = jnp.where(live[:, None], da.sum((0, 1)), 0.0)
   db = jnp.where(live[:, None], db.sum((0, 1)), 0.0)
   dw = jnp.where(live, dw.sum((0, 1)), 0.0)
-  return dx.astype(x_dtype.dtype), da, db, None, dw
+  return dx.astype(cfg.dtype), da, db, None, dw
 
 
 _rotate.defvjp(_rotate_fwd, _rotate_bwd)

@@ -8,9 +8,8 @@ checks the gradients bitwise equal over two runs.
 """
 from __future__ import annotations
 
-import re
-
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +19,27 @@ from posenc_jax import householder
 from posenc_jax import unipotent
 from tests.kernels.transport_inputs import segment_ids, transport_vectors
 from tests.util import assert_rel_rms, assert_trees_rel_rms, model_logits_and_grads
+from tests.util import value_and_grads
 
 # Relative RMS against the float32 oracle: the dtype's rounding of the kernels' operands.
 TOL = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 1e-2}
+
+
+def cuda_kernels_with_grad(f, arrays, argnums) -> tuple[set[str], set[str]]:
+  """cuda_kernels of f, and of the gradient of sum(f(*a)) w.r.t. argnums."""
+  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=argnums)
+  return cuda_kernels(f, arrays), cuda_kernels(grad, arrays)
+
+
+def kernel_and_oracle(kernel, oracle, args, ct):
+  """((o, grads), (o_want, grads_want)): kernel(*args) and oracle(*args), each with the
+  gradients of sum(o * ct) w.r.t. every argument; the oracle at the highest matmul precision."""
+  loss = lambda o: jnp.sum(o.astype(jnp.float32) * ct)  # noqa: E731
+  argnums = tuple(range(len(args)))
+  got = value_and_grads(kernel, loss, argnums)(*args)
+  with jax.default_matmul_precision("highest"):
+    want = value_and_grads(oracle, loss, argnums)(*args)
+  return got, want
 
 
 def cuda_kernels(fn, arrays) -> set[str]:
@@ -129,6 +146,22 @@ def check(key, *, backend, dtype, H, K, D, T, B=2, gate=False, segments=False, f
     for name, a, b in zip(names[1:], got[1:], kernel(args, seg, do)[1:]):
       assert bool(jnp.array_equal(a, b)), f"{name} differs between two runs"
   return plan
+
+
+def recorded_calls(monkeypatch, kernel: str, record) -> list:
+  """Replaces kernels_pallas.<kernel> (as posenc_jax looks it up) with a wrapper that appends
+  record(*args, **kwargs) of every call to the returned list, then runs the kernel: how a model
+  test sees that its kernel ran, and how."""
+  import kernels_pallas
+  calls = []
+  original = getattr(kernels_pallas, kernel)
+
+  def recorded(*a, **kw):
+    calls.append(record(*a, **kw))
+    return original(*a, **kw)
+
+  monkeypatch.setattr(kernels_pallas, kernel, recorded)
+  return calls
 
 
 def check_model_on_the_kernel(key, encoding: str, *, encoding_kwargs=()):

@@ -18,7 +18,7 @@ from kernels_pallas import grape_a_attention
 from posenc_jax import grape_a
 from tests.kernels import kernel_check
 from tests.kernels.kernel_check import TOL
-from tests.util import assert_rel_rms, value_and_grads
+from tests.util import assert_rel_rms
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -56,10 +56,7 @@ def _compare(key, *, dtype, rates, segments, B=2, T=40, H=4, K=2, D=24, Dv=16,
         lam_q=rq if use_q else None, lam_k=rk if use_k else None, segment_ids=seg,
         scale=scale)
 
-  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
-  o, grads = value_and_grads(kernel, loss, (0, 1, 2, 3, 4))(*args)
-  with jax.default_matmul_precision("highest"):
-    o_want, grads_want = value_and_grads(oracle, loss, (0, 1, 2, 3, 4))(*args)
+  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(kernel, oracle, args, ct)
   tol = TOL[jnp.dtype(dtype)]
   assert o.dtype == dtype
   assert_rel_rms(o, o_want, tol, "o")
@@ -98,10 +95,8 @@ def test_grape_a_kernel_lowers_for_cuda():
   def f(q, k, v, rq, rk, seg):
     return grape_a_attention(q, k, v, rq, rk, scale=D ** -0.5, segment_ids=seg)
 
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)), argnums=(0, 1, 2, 3, 4))
-  for fn, want in ((f, {"forward_kernel"}), (grad, {"forward_kernel", "dkv_kernel",
-                                                    "dq_kernel"})):
-    assert kernel_check.cuda_kernels(fn, arrays) == want
+  assert kernel_check.cuda_kernels_with_grad(f, arrays, (0, 1, 2, 3, 4)) == (
+      {"forward_kernel"}, {"forward_kernel", "dkv_kernel", "dq_kernel"})
 
 
 @pytest.mark.parametrize("encoding", ["grape_a_qk", "grape_a_k"])
@@ -110,14 +105,9 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, encoding):
   run) against the same parameters on the dense closed form: logits and every parameter's
   gradient (the gate vectors' through the kernel's rate gradients), on two packed documents
   with GQA."""
-  import kernels_pallas
-  calls = []
-
-  def counted(q, k, v, rate_q, rate_k, **kw):
-    calls.append((rate_q is not None, rate_k is not None))
-    return grape_a_attention(q, k, v, rate_q, rate_k, **kw)
-
-  monkeypatch.setattr(kernels_pallas, "grape_a_attention", counted)
+  calls = kernel_check.recorded_calls(
+      monkeypatch, "grape_a_attention",
+      lambda q, k, v, rate_q, rate_k, **kw: (rate_q is not None, rate_k is not None))
   kernel_check.check_model_on_the_kernel(key, encoding)
   assert calls == [(encoding == "grape_a_qk", True)]
 
@@ -146,10 +136,7 @@ def test_grape_a_kernel_on_gpu(key):
         q.astype(F32), k.astype(F32), v.astype(F32), omega=jnp.ones((H,)), lam_q=rq,
         lam_k=rk, segment_ids=seg, scale=D ** -0.5)
 
-  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
-  o, grads = value_and_grads(kernel, loss, (0, 1, 2, 3, 4))(*args)
-  with jax.default_matmul_precision("highest"):
-    o_want, grads_want = value_and_grads(oracle, loss, (0, 1, 2, 3, 4))(*args)
+  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(kernel, oracle, args, ct)
   assert_rel_rms(o, o_want, TOL[jnp.dtype(BF16)], "o")
   for name, g, w in zip(("dq", "dk", "dv", "drate_q", "drate_k"), grads, grads_want):
     assert_rel_rms(g, w, TOL[jnp.dtype(BF16)], name)

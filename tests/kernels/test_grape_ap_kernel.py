@@ -20,7 +20,7 @@ from kernels_pallas import grape_ap_attention
 from posenc_jax import path_integral
 from tests.kernels import kernel_check
 from tests.kernels.kernel_check import TOL
-from tests.util import assert_rel_rms, value_and_grads
+from tests.util import assert_rel_rms
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 NAMES = ("dq", "dk", "dv", "dp", "dalpha", "dp_query")
@@ -66,11 +66,7 @@ def _check(key, *, tol, B, T, H, K, D, Dv, P, dtype, segments, separate_query, b
     return oracle_fn(q.astype(F32), k.astype(F32), v.astype(F32), p, alpha, scale=scale,
                      p_query=p_query, segment_ids=seg)
 
-  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
-  argnums = tuple(range(len(args)))
-  o, grads = value_and_grads(kernel, loss, argnums)(*args)
-  with jax.default_matmul_precision("highest"):
-    o_want, grads_want = value_and_grads(oracle, loss, argnums)(*args)
+  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(kernel, oracle, args, ct)
   assert o.dtype == dtype
   assert_rel_rms(o, o_want, tol, "o")
   for name, g, g_want in zip(NAMES, grads, grads_want):
@@ -107,10 +103,8 @@ def test_grape_ap_kernel_lowers_for_cuda():
     return grape_ap_attention(q, k, v, pq, _rotated(p, seg), alpha, scale=0.125,
                               segment_ids=seg)
 
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)), argnums=(0, 1, 2, 3, 4, 5))
-  for fn, want in ((f, {"forward_kernel"}), (grad, {"forward_kernel", "dkv_kernel",
-                                                    "dq_kernel"})):
-    assert kernel_check.cuda_kernels(fn, arrays) == want
+  assert kernel_check.cuda_kernels_with_grad(f, arrays, (0, 1, 2, 3, 4, 5)) == (
+      {"forward_kernel"}, {"forward_kernel", "dkv_kernel", "dq_kernel"})
 
 
 def test_grape_ap_kernel_errors_name_the_field():
@@ -176,15 +170,8 @@ def test_model_on_the_kernel_matches_the_reference(key, monkeypatch, variant):
   run) against the same parameters on the dense oracle: logits and every parameter's gradient
   of the loss (the probes' and alpha's included), on two packed documents. The official
   variant passes separate query probes (the encoding builds them; the kernel takes pq)."""
-  import kernels_pallas
-  calls = []
-
-  def counted(*a, **kw):
-    calls.append(kw["interpret"])
-    return grape_ap_attention(*a, **kw)
-
-  monkeypatch.setattr(kernels_pallas, "grape_ap_attention", counted)
-
+  calls = kernel_check.recorded_calls(monkeypatch, "grape_ap_attention",
+                                      lambda *a, **kw: kw["interpret"])
   kernel_check.check_model_on_the_kernel(key, "grape_ap",
                                        encoding_kwargs=(("variant", variant),))
   assert calls == [True]

@@ -21,7 +21,7 @@ from kernels_pallas import stick_breaking_attention
 from posenc_jax import stick_breaking
 from tests.kernels import kernel_check
 from tests.kernels.kernel_check import TOL
-from tests.util import assert_rel_rms, value_and_grads
+from tests.util import assert_rel_rms
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -46,10 +46,7 @@ def _compare(key, *, interpret, tol, B, T, H, K, D, Dv, dtype, segments, blocks=
   def exact(q, k, v):
     return oracle(q.astype(F32), k.astype(F32), v.astype(F32), segment_ids=seg, **hp)
 
-  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
-  o, grads = value_and_grads(kernel, loss, (0, 1, 2))(*args)
-  with jax.default_matmul_precision("highest"):
-    o_want, grads_want = value_and_grads(exact, loss, (0, 1, 2))(*args)
+  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(kernel, exact, args, ct)
   assert o.dtype == dtype
   assert_rel_rms(o, o_want, tol, "o")
   for name, g, g_want in zip(("dq", "dk", "dv"), grads, grads_want):
@@ -81,13 +78,10 @@ def test_sba_kernel_saturated_logits_stay_finite_and_exact(key, dtype):
   q, k, v = kernel_check.qkv(ks[0], B=1, T=48, H=2, K=2, D=16, Dv=16, dtype=F32)
   args = [x.astype(dtype) for x in (40.0 * q, k, v)]
   ct = jax.random.normal(ks[1], (1, 48, 2, 16))
-  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
-  o, grads = value_and_grads(lambda *a: stick_breaking_attention(
-      *a, block_q=16, block_k=16, interpret=True), loss, (0, 1, 2))(*args)
   oracle = stick_breaking.stick_breaking_attention_reference
-  with jax.default_matmul_precision("highest"):
-    o_want, grads_want = value_and_grads(
-        lambda *a: oracle(*(x.astype(F32) for x in a)), loss, (0, 1, 2))(*args)
+  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(
+      lambda *a: stick_breaking_attention(*a, block_q=16, block_k=16, interpret=True),
+      lambda *a: oracle(*(x.astype(F32) for x in a)), args, ct)
   for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_want, *grads_want)):
     assert bool(jnp.isfinite(got.astype(F32)).all()), name
     assert_rel_rms(got, want, TOL[jnp.dtype(dtype)], name)
@@ -104,24 +98,16 @@ def test_sba_kernel_lowers_for_cuda():
   def f(q, k, v, seg):
     return stick_breaking_attention(q, k, v, segment_ids=seg)
 
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)), argnums=(0, 1, 2))
-  for fn, want in ((f, {"forward_kernel"}), (grad, {"forward_kernel", "dkv_kernel",
-                                                    "dq_kernel"})):
-    assert kernel_check.cuda_kernels(fn, arrays) == want
+  assert kernel_check.cuda_kernels_with_grad(f, arrays, (0, 1, 2)) == (
+      {"forward_kernel"}, {"forward_kernel", "dkv_kernel", "dq_kernel"})
 
 
 def test_model_on_the_kernel_matches_the_reference(key, monkeypatch):
   """An SBA transformer with model.implementation="pallas" (the interpreted kernel, seen to
   run) against the same parameters on the dense oracle: logits and every parameter's gradient
   of the loss, on two packed documents."""
-  import kernels_pallas
-  calls = []
-
-  def counted(*a, **kw):
-    calls.append(kw["remainder"])
-    return stick_breaking_attention(*a, **kw)
-
-  monkeypatch.setattr(kernels_pallas, "stick_breaking_attention", counted)
+  calls = kernel_check.recorded_calls(monkeypatch, "stick_breaking_attention",
+                                      lambda *a, **kw: kw["remainder"])
   kernel_check.check_model_on_the_kernel(key, "sba")
   assert calls == ["current"]
 

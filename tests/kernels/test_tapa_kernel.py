@@ -18,7 +18,7 @@ from kernels_pallas import tapa_attention
 from posenc_jax import tapa
 from tests.kernels import kernel_check
 from tests.kernels.kernel_check import TOL
-from tests.util import assert_rel_rms, value_and_grads
+from tests.util import assert_rel_rms
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -47,10 +47,7 @@ def _compare(key, *, interpret, tol, B, T, H, K, D, Dv, dtype, hp, segments, blo
     return tapa.tapa_attention_reference(q.astype(F32), k.astype(F32), v.astype(F32),
                                          segment_ids=seg, **hp)
 
-  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
-  o, grads = value_and_grads(kernel, loss, (0, 1, 2))(*args)
-  with jax.default_matmul_precision("highest"):
-    o_want, grads_want = value_and_grads(oracle, loss, (0, 1, 2))(*args)
+  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(kernel, oracle, args, ct)
   assert o.dtype == dtype
   assert_rel_rms(o, o_want, tol, "o")
   for name, g, g_want in zip(("dq", "dk", "dv"), grads, grads_want):
@@ -92,25 +89,16 @@ def test_tapa_kernel_lowers_for_cuda(linear_phase):
     return tapa_attention(q, k, v, alpha=0.1, theta=0.5, linear_phase=linear_phase,
                           segment_ids=seg)
 
-  grad = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32)), argnums=(0, 1, 2))
-  for fn, want in ((f, {"forward_kernel"}), (grad, {"forward_kernel", "dkv_kernel",
-                                                    "dq_kernel"})):
-    assert kernel_check.cuda_kernels(fn, arrays) == want
+  assert kernel_check.cuda_kernels_with_grad(f, arrays, (0, 1, 2)) == (
+      {"forward_kernel"}, {"forward_kernel", "dkv_kernel", "dq_kernel"})
 
 
 def test_model_on_the_kernel_matches_the_reference(key, monkeypatch):
   """A TAPA transformer with model.implementation="pallas" (the interpreted kernel, seen to
   run) against the same parameters on the dense oracle: logits and every parameter's gradient
   of the loss, on two packed documents."""
-  import kernels_pallas
-  calls = []
-
-  def counted(*a, **kw):
-    calls.append(kw["linear_phase"])
-    return tapa_attention(*a, **kw)
-
-  monkeypatch.setattr(kernels_pallas, "tapa_attention", counted)
-
+  calls = kernel_check.recorded_calls(monkeypatch, "tapa_attention",
+                                      lambda *a, **kw: kw["linear_phase"])
   kernel_check.check_model_on_the_kernel(key, "tapa")
   assert calls == [False]
 
@@ -150,10 +138,7 @@ def test_tapa_kernel_on_gpu(key, linear_phase):
     return tapa.tapa_attention_chunked(q.astype(F32), k.astype(F32), v.astype(F32),
                                        segment_ids=seg, **hp)
 
-  loss = lambda o: jnp.sum(o.astype(F32) * ct)  # noqa: E731
-  o, grads = value_and_grads(kernel, loss, (0, 1, 2))(*args)
-  with jax.default_matmul_precision("highest"):
-    o_want, grads_want = value_and_grads(oracle, loss, (0, 1, 2))(*args)
+  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(kernel, oracle, args, ct)
   tol = TOL[jnp.dtype(BF16)]
   assert_rel_rms(o, o_want, tol, "o")
   for name, g, g_want in zip(("dq", "dk", "dv"), grads, grads_want):
