@@ -24,12 +24,15 @@ PAGES = {
     "length_extrapolation": lm.LENGTH, "length_extrapolation_gpu": lm.LENGTH_GPU,
     "length_extrapolation_gpu/tapa_lr2e-4": lm.TAPA_LR,
     "length_extrapolation_gpu/tapa_stable": lm.TAPA_STABLE,
+    "length_extrapolation_gpu/tapa_ps003": lm.TAPA_PS003,
+    "length_extrapolation_gpu/tapa_linear_ps003": lm.TAPA_LINEAR_PS003,
     "length_extrapolation_gpu/nope": lm.NOPE_GPU,
     "length_extrapolation_gpu/grape_m": lm.GRAPE_M_LM,
     "length_extrapolation_gpu/acc_rot": lm.ACC_ROT_GPU,
     "mqrar": syn.MQRAR, "mqrar_gpu": syn.MQRAR_GPU,
     "mqrar_gpu/rope_n1_seeds": syn.ROPE_N1_SEEDS, "mqrar_gpu/rope_n1_lr3e-4": syn.ROPE_N1_LR3E4,
     "mqrar_gpu/rope_n1_lr3e-3": syn.ROPE_N1_LR3E3,
+    "mqrar_gpu/rope_lr3e-4": syn.ROPE_MQRAR_LR3E4, "mqrar_gpu/sba": syn.SBA_MQRAR_GPU,
     "word_problem": syn.WORD_PROBLEM, "word_problem/generators_words16": syn.WORD_PROBLEM_CPU_GEN,
     "word_problem_gpu": syn.WORD_PROBLEM_GPU, **syn.A5_SUBPAGES,
     "distance_bias": lm.DISTANCE_BIAS, "mixing_window": lm.MIXING_WINDOW,
@@ -39,12 +42,6 @@ PAGES = {
 
 # Paper claims no folder tests yet: they belong in the index as much as the tested ones.
 UNTESTED = (
-    Verdict("PaTH Fig. 2", "SBA (stick-breaking attention) struggles in MQRAR-N-back and the "
-            "A5 word problem, where PaTH succeeds", "untested",
-            "SBA is in the MQRAR and A5 GPU configs; a 3-seed MQRAR run (12 runs of 196.6M "
-            "tokens, side by side on one H200) was stopped near step 2,700 of 4,000 when the "
-            "session's device time ran out: about 119k tokens/s a run, so the 12 need about 28 GPU "
-            "minutes; it is measured in flip-flop (flipflop_gpu/sba/)"),
     Verdict("GRAPE Tables 1-2", "GRAPE-A and GRAPE-AP lead in language modelling (downstream "
             "accuracy)", "untested",
             "no downstream evaluation; GRAPE-M against RoPE is in "

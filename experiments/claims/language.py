@@ -222,6 +222,10 @@ LENGTH_GPU = Page(
               Section("tapa_lr2e-4", heading="TAPA at lr 2e-4"),
               Section("tapa_stable", heading="TAPA and TAPA-linear with a stable recipe "
                       "(lr 2e-4, warmup 300, no weight decay, phase_scale 0.1)"),
+              Section("tapa_ps003", heading="TAPA and TAPA-linear at the shared lr 1e-3 with "
+                      "phase_scale 0.03", intro="Both folders have their own README and "
+                      "verdicts: [tapa_ps003/](tapa_ps003/README.md), "
+                      "[tapa_linear_ps003/](tapa_linear_ps003/README.md)."),
               Section("nope", heading="NoPE")))
 
 TAPA_LR = Page(
@@ -241,20 +245,25 @@ def _at(load, sub: str, name: str, factor: int = 1) -> list[float]:
   return _per(r, name, r["train_len"] * factor)
 
 
-def _tapa_stable_claims(load) -> list[Verdict]:
+def _tapa_claims(load, *, linear: str = ".") -> list[Verdict]:
+  """TAPA's verdicts from this folder's tapa runs and the tapa_linear runs in `linear`."""
   n = load.seeds()
-  tapa, lin, nope = (_at(load, ".", "tapa"), _at(load, ".", "tapa_linear"),
+  tapa, lin, nope = (_at(load, ".", "tapa"), _at(load, linear, "tapa_linear"),
                      _at(load, "../nope", "nope"))
   rope = _at(load, "..", "rope")
-  tapa32, lin32, rope32 = (_at(load, ".", "tapa", 32), _at(load, ".", "tapa_linear", 32),
+  tapa32, lin32, rope32 = (_at(load, ".", "tapa", 32), _at(load, linear, "tapa_linear", 32),
                            _at(load, "..", "rope", 32))
-  enc = load.results()["encodings"]   # per length: the seeds' means
-  quad_wins = sorted(int(L) for L in enc["tapa"] if enc["tapa"][L] < enc["tapa_linear"][L])
+  quad, lin_means = (load.results()["encodings"]["tapa"],   # per length: the seeds' means
+                     load.results(linear)["encodings"]["tapa_linear"])
+  quad_wins = sorted(int(L) for L in quad if quad[L] < lin_means[L])
+  rope_ratio = results_render.length_ratios(load.results(".."), "rope", 32)[0]
+  gentler = _worst(load, "tapa", 32) < rope_ratio
   return [
       Verdict("TAPA Tables 1-2", "TAPA degrades gracefully far past its training length "
-              "(RoPE collapses)", "partly",
+              "(RoPE collapses)", "partly" if gentler else "contradicted",
               f"TAPA 32x / 1x {_ratio(load, 'tapa', 32)} against RoPE's "
-              f"{_ratio(load, 'rope', 32, '..')} (../, 1 seed): graceful; but TAPA fits the data "
+              f"{_ratio(load, 'rope', 32, '..')} (../, 1 seed)"
+              + (": gentler" if gentler else "") + "; but TAPA fits the data "
               f"far worse, at 1x {seeds(tapa)} (NoPE {seeds(nope)}, ../nope/; RoPE "
               f"{seeds(rope)}), and stays above RoPE at 32x ({seeds(tapa32)} against "
               f"{seeds(rope32)})", n),
@@ -267,7 +276,7 @@ def _tapa_stable_claims(load) -> list[Verdict]:
 
 TAPA_STABLE = Page(
     "TAPA and TAPA-linear with a stable recipe in the GPU length-extrapolation setting",
-    _tapa_stable_claims,
+    _tapa_claims,
     ("As in ../README.md (6 layers x 768, 600 steps at 512, evaluation to 32x), with TAPA's "
      "own recipe where it differs from the shared one: lr 2e-4 (the TAPA paper's ratio of "
      "TAPA's rate to RoPE's, applied to our 1e-3), 300 warmup steps (the paper: 5k of 200k), "
@@ -278,6 +287,34 @@ TAPA_STABLE = Page(
      "Scale: 19.7M tokens; the paper trains 7B-architecture models on 420B tokens at 8K.",
      "NoPE, the floor TAPA reduces to without its phase term, is ../nope/ (3 seeds, the "
      "shared recipe).") + _LE_COMMON[:2])
+
+
+TAPA_PS003 = Page(
+    "TAPA and TAPA-linear with phase_scale 0.03 at the shared lr 1e-3 (GPU length "
+    "extrapolation)",
+    lambda load: _tapa_claims(load, linear="../tapa_linear_ps003"),
+    ("As in ../README.md (6 layers x 768, 600 steps at 512, lr 1e-3 with 60 warmup steps, "
+     "weight decay 0.1, evaluation to 32x): the shared recipe, not TAPA's own.",
+     "phase_scale 0.03 (not in the paper): the phase channels scaled by 0.03, the value the "
+     "CPU study found best (../../length_extrapolation/NOTES.md).",
+     "TAPA-linear's runs are ../tapa_linear_ps003/ (same setting, 3 seeds).",
+     "Scale: 19.7M tokens; the paper trains 7B-architecture models on 420B tokens at 8K.")
+    + _LE_COMMON[:2] + ("Seeds: 3.",),
+    sections=(Section(heading="TAPA (quadratic phase)"),
+              Section("../tapa_linear_ps003", heading="TAPA-linear")))
+
+TAPA_LINEAR_PS003 = Page(
+    "TAPA-linear with phase_scale 0.03 at the shared lr 1e-3 (GPU length extrapolation)",
+    lambda load: [Verdict(
+        "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length",
+        "contradicted" if _best(load, "tapa_linear", 32) > results_render.length_ratios(
+            load.results(".."), "rope", 32)[0] else "partly",
+        f"TAPA-linear 32x / 1x {_ratio(load, 'tapa_linear', 32)} against RoPE's "
+        f"{_ratio(load, 'rope', 32, '..')} (../, 1 seed); at 1x "
+        f"{seeds(_at(load, '.', 'tapa_linear'))} against RoPE's "
+        f"{seeds(_at(load, '..', 'rope'))}", load.seeds())],
+    ("As ../tapa_ps003/ (the shared recipe, phase_scale 0.03), TAPA's linear phase (eq. 16).",
+     "Seeds: 3."), index=False)
 
 
 def _nope_claims(load) -> list[Verdict]:
