@@ -23,8 +23,10 @@ for "pallas" (and None on a GPU or TPU), blockwise jnp otherwise.
   CPU        the dense reference up to the family's CPU_DENSE_MAX_T (measured: the faster
              exact form there), chunked beyond; PaTH chunked at every T
   GPU/TPU    the Pallas kernel for path and forgetting; for softmax on the GPU the choice of
-             `softmax_gpu_path` (cuDNN, else the Pallas kernel, else XLA); chunked for the rest
-             at every T, so nothing holds a T x T array per head on an accelerator.
+             `softmax_gpu_path` (cuDNN, else the Pallas kernel, else XLA); the Triton kernels
+             of GRAPE-A, TAPA and GRAPE-AP on the GPU; for SBA on the GPU the choice of
+             `sba_gpu_path` (the dense reference below SBA_GPU_KERNEL_MIN_T, else the Triton
+             kernel, else chunked); chunked for the rest at every T.
 
 Shape letters: B batch, T time, H query heads, K kv heads (H % K == 0), D head dim,
 Dv value head dim.
@@ -60,6 +62,17 @@ AUTO_DENSE_MAX_T = 2048
 CPU_DENSE_MAX_T = {"softmax": 256, "grape_a": 256, "path": 0, "forgetting": AUTO_DENSE_MAX_T,
                    "path_integral": AUTO_DENSE_MAX_T, "tapa": AUTO_DENSE_MAX_T,
                    "stick_breaking": 256}
+
+# SBA on a GPU: the Triton kernel from this T on, the dense reference below it. Timed on one
+# H200 in bfloat16 (docs/benchmarks/path_kernel.md), forward+backward: from T 512 on the
+# kernel beat the blockwise jnp form 5-10x and the dense form 1.2-2.2x (and held no T x T
+# array); at T 64 the dense form tied or won, and its T x T array is small there.
+SBA_GPU_KERNEL_MIN_T = 256
+# The dtypes the SBA kernel runs in on a GPU under `implementation=None`. Its GPU runs (the
+# -m gpu test, the timings) were bfloat16; float16 has the same tile bytes. float32 doubles
+# them and has not run on a GPU (PaTH's float32 tiles outgrow shared memory at head dim 128),
+# so it stays on the blockwise jnp form.
+SBA_GPU_DTYPES = ("bfloat16", "float16")
 
 # The GPU softmax path when segment_ids are given, which is every training step (packed
 # documents). jax's public API has no segment ids for cuDNN, so cuDNN reads a dense
@@ -168,6 +181,26 @@ def softmax_gpu_path(dtype, D: int, Dv: int, *, has_segments: bool, T: int) -> C
                        "XLA, which holds a T x T array")
 
 
+def sba_gpu_path(dtype, D: int, Dv: int, *, T: int) -> Choice:
+  """Which implementation runs stick-breaking attention on a GPU, and why.
+
+  Below SBA_GPU_KERNEL_MIN_T the dense reference (as fast, its T x T array small); from it
+  the Triton kernel where it has run (SBA_GPU_DTYPES; head dims padded up to
+  PALLAS_MAX_HEAD_DIM, the widest it ran at), else the blockwise jnp form, which never holds a
+  T x T array. The kernel takes segments and grouped heads itself: they set no condition.
+  """
+  if T < SBA_GPU_KERNEL_MIN_T:
+    return Choice("reference", f"gpu: dense jnp below SBA_GPU_KERNEL_MIN_T={SBA_GPU_KERNEL_MIN_T} "
+                               "(ties or beats the Triton SBA kernel there)")
+  problem = _dtype_or_width_problem(dtype, SBA_GPU_DTYPES, pallas_head_dim(D, Dv),
+                                    PALLAS_MAX_HEAD_DIM, "PALLAS_MAX_HEAD_DIM", joiner=" or ")
+  if problem:
+    return Choice("chunked", f"gpu: blockwise jnp for stick_breaking; the Triton SBA kernel "
+                             f"is not used: {problem}")
+  return Choice("pallas", f"gpu: the Triton SBA kernel (T={T} >= SBA_GPU_KERNEL_MIN_T="
+                          f"{SBA_GPU_KERNEL_MIN_T})")
+
+
 def preload_kernels(family: str, implementation: str | None, dtype, *,
                     backend: str | None = None) -> bool:
   """Imports kernels_pallas now, outside any trace, where `family`'s attention under
@@ -240,6 +273,8 @@ def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim
     inner = auto_implementation("softmax", T=T, dtype=dtype, head_dim=lifted, v_head_dim=Dv,
                                 has_segments=has_segments, backend=backend)
     return Choice(inner.implementation, f"GRAPE-A lifted to head dim {lifted}; {inner.reason}")
+  if family == "stick_breaking" and backend == "gpu":
+    return sba_gpu_path(dtype, head_dim, Dv, T=T)
   if family in _TRITON_FAMILIES and backend == "gpu":
     return Choice("pallas", f"gpu: the Triton {_TRITON_FAMILIES[family]} kernel")
   return Choice("chunked", f"{backend}: blockwise jnp for {family}, never a T x T array per head")
@@ -575,9 +610,9 @@ def stick_breaking_attention(q, k, v, *, segment_ids=None, scale=None, attend_cu
   q [B, T, H, D]; k [B, T, K, D]; v [B, T, K, Dv] -> o [B, T, H, Dv]. attend_current: key j = i
   is visible too; remainder "current" adds the leftover stick r_i times v_i, "none" drops it.
   implementation "pallas": kernels_pallas.stick_breaking_attention (Triton on a GPU, the
-  Pallas interpreter on a CPU; no TPU form); None picks "reference" or "chunked"
-  (auto_implementation). Under a mesh with a "context" axis it has no context-parallel form:
-  it runs as without one (docs/context_parallel.md).
+  Pallas interpreter on a CPU; no TPU form); None: auto_implementation (on a GPU
+  `sba_gpu_path`: the kernel from T 256, the dense form below). Under a mesh with a "context"
+  axis it has no context-parallel form: it runs as without one (docs/context_parallel.md).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)

@@ -73,7 +73,9 @@ def test_softmax_gpu_path_long_segments_fall_back_to_cudnn(monkeypatch):
     ("tapa", "gpu", 512, "pallas"), ("tapa", "tpu", 8192, "chunked"),
     ("path_integral", "gpu", 16, "pallas"), ("path_integral", "tpu", 2048, "chunked"),
     ("stick_breaking", "cpu", 256, "reference"), ("stick_breaking", "cpu", 512, "chunked"),
-    ("stick_breaking", "gpu", 64, "chunked"),
+    # SBA on the GPU: dense below SBA_GPU_KERNEL_MIN_T, the Triton kernel from it; no TPU form.
+    ("stick_breaking", "gpu", 64, "reference"), ("stick_breaking", "gpu", 256, "pallas"),
+    ("stick_breaking", "tpu", 64, "chunked"), ("stick_breaking", "tpu", 2048, "chunked"),
 ])
 def test_auto_implementation_table(family, backend, T, expected):
   choice = attention.auto_implementation(family, T=T, dtype=BF16, head_dim=64, has_segments=True,
@@ -145,6 +147,63 @@ def test_none_on_a_gpu_runs_the_triton_kernel(monkeypatch, key, family):
   o = fn(None)
   assert ran == [1]
   assert_rel_rms(o, fn("reference"), 1e-4)
+
+
+@pytest.mark.parametrize("dtype,D,Dv,T,expected,why", [
+    # measured on the H200 in bf16 (docs/benchmarks/path_kernel.md): dense ties or wins at T 64
+    (BF16, 64, 64, 64, "reference", "below SBA_GPU_KERNEL_MIN_T=256"),
+    (BF16, 64, 64, 255, "reference", "below SBA_GPU_KERNEL_MIN_T=256"),
+    (F32, 256, 256, 128, "reference", "dense jnp"),      # short T: dense whatever the kernel
+    (BF16, 128, 128, 256, "pallas", "the Triton SBA kernel (T=256"),
+    (BF16, 32, 32, 512, "pallas", "the Triton SBA kernel"),
+    (F16, 64, 24, 2048, "pallas", "the Triton SBA kernel"),
+    # where the kernel has not run on a GPU: blockwise, never a T x T array
+    (F32, 64, 64, 512, "chunked", "dtype float32 is not bfloat16 or float16"),
+    (BF16, 256, 256, 2048, "chunked", "head dim 256 > PALLAS_MAX_HEAD_DIM=128"),
+    (BF16, 64, 136, 512, "chunked", "head dim 256 > PALLAS_MAX_HEAD_DIM=128"),   # Dv padded
+])
+def test_sba_gpu_path_table(dtype, D, Dv, T, expected, why):
+  choice = attention.auto_implementation("stick_breaking", T=T, dtype=dtype, head_dim=D,
+                                         v_head_dim=Dv, has_segments=True, backend="gpu")
+  assert choice == attention.sba_gpu_path(dtype, D, Dv, T=T)
+  assert choice.implementation == expected, choice
+  assert why in choice.reason and choice.reason.startswith("gpu: "), choice
+
+
+def test_sba_gpu_kernel_threshold_is_a_switch(monkeypatch):
+  """SBA_GPU_KERNEL_MIN_T is the one place the GPU switch lives: moved, the rule follows."""
+  monkeypatch.setattr(attention, "SBA_GPU_KERNEL_MIN_T", 1024)
+  pick = lambda T: attention.sba_gpu_path(BF16, 64, 64, T=T).implementation  # noqa: E731
+  assert (pick(1023), pick(1024)) == ("reference", "pallas")
+
+
+def test_none_on_a_gpu_runs_the_sba_kernel(monkeypatch, key):
+  """implementation=None on a GPU calls the SBA Triton kernel from SBA_GPU_KERNEL_MIN_T on
+  (lowered to 16 so the interpreter runs it here, as the GPU would), with documents and grouped
+  heads in bf16, and the dense form below it."""
+  import kernels_pallas
+  from posenc_jax import stick_breaking
+  ran = []
+
+  def record(module, name, name_ran, **force):
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name,
+                        lambda *a, **kw: ran.append(name_ran) or real(*a, **{**kw, **force}))
+
+  record(kernels_pallas, "stick_breaking_attention", "pallas", interpret=True)
+  record(stick_breaking, "stick_breaking_attention_reference", "reference")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(attention, "SBA_GPU_KERNEL_MIN_T", 16)
+  ks = jax.random.split(key, 3)
+  q = jax.random.normal(ks[0], (1, 16, 4, 16), BF16)
+  k, v = (jax.random.normal(k_, (1, 16, 2, 16), BF16) for k_ in ks[1:])
+  seg = jnp.array([[0] * 5 + [1] * 11])
+  o = attention.stick_breaking_attention(q, k, v, segment_ids=seg)
+  assert ran == ["pallas"]
+  want = attention.stick_breaking_attention(q, k, v, segment_ids=seg, implementation="reference")
+  assert_rel_rms(o, want, 1e-2)
+  attention.stick_breaking_attention(q[:, :15], k[:, :15], v[:, :15], segment_ids=seg[:, :15])
+  assert ran == ["pallas", "reference", "reference"]
 
 
 def _inputs(key, *, B=2, T=37, H=4, K=2, D=12, Dv=8, dtype=F32):
