@@ -15,10 +15,10 @@ shapes (common.CASES). docs/benchmarks/path_kernel.md has the current table.
       --variants cudnn,tapa,tapa_linear,tapa_auto,tapa_linear_auto
 
 Variants of --part jax: cudnn (jax.nn.dot_product_attention), path, path_fox, fox (ours without
-transport), sba (stick-breaking attention as attention.stick_breaking_attention runs it on the
-device: the blockwise jnp form, there is no kernel; packed documents with --docs), jax_mha
-(jax.experimental.pallas.ops.gpu.attention.mha: jax's own Pallas flash attention, what Pallas
-on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward only where causal);
+transport), sba (stick-breaking attention as implementation=None runs it on the device),
+sba_dense (its T x T reference) and sba_pallas (its Pallas kernel; packed documents with
+--docs), jax_mha (jax.experimental.pallas.ops.gpu.attention.mha: jax's own Pallas flash
+attention, what Pallas on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward only where causal);
 cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask; tapa, tapa_linear (TAPA on its
 Pallas kernel, alpha 0.1, theta 0.5) and tapa_auto, tapa_linear_auto (what implementation=None
 runs); grape_ap (GRAPE-AP on its Pallas kernel through attention.path_integral_attention, the
@@ -67,7 +67,7 @@ OURS = ("path", "path_fox", "fox")
 # TAPA on its Pallas kernel (quadratic and linear phase) and as implementation=None runs it
 TAPA = ("tapa", "tapa_linear", "tapa_auto", "tapa_linear_auto")
 # SBA as implementation=None runs it (sba), its T x T reference (sba_dense) and its Pallas
-# kernel (sba_pallas): the GPU rule is to be set from these
+# kernel (sba_pallas): attention.SBA_GPU_KERNEL_MIN_T comes from these
 SBA = {"sba": None, "sba_dense": "reference", "sba_pallas": "pallas"}
 VARIANTS = OURS + TAPA + ("grape_ap", "grape_a", "grape_a_lift", *SBA, "cudnn", "jax_mha",
                           "jax_mgpu", "cudnn_nc", "jax_mha_nc", "jax_mgpu_nc")
