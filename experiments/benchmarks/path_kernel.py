@@ -18,7 +18,8 @@ Variants of --part jax: cudnn (jax.nn.dot_product_attention), path, path_fox, fo
 transport), sba (stick-breaking attention as implementation=None runs it on the device),
 sba_dense (its T x T reference) and sba_pallas (its Pallas kernel; packed documents with
 --docs), jax_mha (jax.experimental.pallas.ops.gpu.attention.mha: jax's own Pallas flash
-attention, what Pallas on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward only where causal);
+attention, what Pallas on Triton reaches), jax_mgpu (its Mosaic GPU flash attention, forward
+only where causal);
 cudnn_nc, jax_mha_nc, jax_mgpu_nc without the causal mask; tapa, tapa_linear (TAPA on its
 Pallas kernel, alpha 0.1, theta 0.5) and tapa_auto, tapa_linear_auto (what implementation=None
 runs); grape_ap (GRAPE-AP on its Pallas kernel through attention.path_integral_attention, the

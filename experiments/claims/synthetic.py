@@ -349,18 +349,7 @@ def _a5_sub(title: str, deviations: tuple) -> Page:
 
 _A5_GPU = ("Scale: d_model 256 (4 heads x 64), llama-style block in bfloat16, batch 128, lr "
            "1e-3 unless the title says otherwise.", "Seeds: 1.")
-A5_SUBPAGES = {
-    "word_problem_gpu/generators_words16": _a5_sub(
-        "A5, generator alphabet, words of 16 (one GPU)", ("10,000 steps: 20.5M tokens.",) + _A5_GPU),
-    "word_problem_gpu/generators_words64": _a5_sub(
-        "A5, generator alphabet, words of 64 (one GPU)", ("10,000 steps: 81.9M tokens.",) + _A5_GPU),
-    "word_problem_gpu/words16_lr3e-4": _a5_sub(
-        "A5, uniform elements, words of 16, 2 layers, lr 3e-4 (one GPU)", _A5_GPU),
-    "word_problem_gpu/words16_lr1e-3": _a5_sub(
-        "A5, uniform elements, words of 16, 2 layers, lr 1e-3 (one GPU)", _A5_GPU),
-    "word_problem_gpu/words16_lr3e-3": _a5_sub(
-        "A5, uniform elements, words of 16, 2 layers, lr 3e-3 (one GPU)", _A5_GPU),
-}
+
 
 def _sba_a5_claims(load) -> list[Verdict]:
   sba = _min_layers(load.results())["sba"]
@@ -369,19 +358,32 @@ def _sba_a5_claims(load) -> list[Verdict]:
   return [Verdict(
       "PaTH Fig. 2", "PaTH reaches > 90% accuracy on A5 word problems with fewer layers than SBA",
       "reproduced" if path and (not sba or path < sba) else "contradicted",
-      f"SBA's per-token accuracy at 1-4 layers "
+      "SBA's per-token accuracy at 1-4 layers "
       + " / ".join(seeds(per[str(d)], scale=100, unit="%") for d in (1, 2, 3, 4))
       + f": >= 90% from {sba or '> 4'} layers; PaTH from {path} "
       "(../generators_words16/, 1 seed)", load.seeds())]
 
 
-A5_SUBPAGES["word_problem_gpu/sba_generators_words16"] = Page(
-    "SBA (stick-breaking attention) on A5, generator alphabet, words of 16 (one GPU)",
-    _sba_a5_claims,
-    _A5_TASK + ("As ../generators_words16/ (10,000 steps, 20.5M tokens), 3 seeds of SBA on its "
-                "Pallas kernel; RoPE, FoX and PaTH are there (1 seed).",) + _A5_GPU[:1]
-    + ("Seeds: 3.",))
-
+A5_SUBPAGES = {
+    "word_problem_gpu/generators_words16": _a5_sub(
+        "A5, generator alphabet, words of 16 (one GPU)",
+        ("10,000 steps: 20.5M tokens.",) + _A5_GPU),
+    "word_problem_gpu/generators_words64": _a5_sub(
+        "A5, generator alphabet, words of 64 (one GPU)",
+        ("10,000 steps: 81.9M tokens.",) + _A5_GPU),
+    "word_problem_gpu/words16_lr3e-4": _a5_sub(
+        "A5, uniform elements, words of 16, 2 layers, lr 3e-4 (one GPU)", _A5_GPU),
+    "word_problem_gpu/words16_lr1e-3": _a5_sub(
+        "A5, uniform elements, words of 16, 2 layers, lr 1e-3 (one GPU)", _A5_GPU),
+    "word_problem_gpu/words16_lr3e-3": _a5_sub(
+        "A5, uniform elements, words of 16, 2 layers, lr 3e-3 (one GPU)", _A5_GPU),
+    "word_problem_gpu/sba_generators_words16": Page(
+        "SBA (stick-breaking attention) on A5, generator alphabet, words of 16 (one GPU)",
+        _sba_a5_claims,
+        _A5_TASK + ("As ../generators_words16/ (10,000 steps, 20.5M tokens), 3 seeds of SBA on "
+                    "its Pallas kernel; RoPE, FoX and PaTH are there (1 seed).",) + _A5_GPU[:1]
+        + ("Seeds: 3.",)),
+}
 
 _A5_CPU = ("Scale: d_model 128 (4 heads x 32), words of 16, 1500 steps of batch 32 (0.77M "
            "tokens), float32 on a shared CPU.", "Seeds: 1.")
