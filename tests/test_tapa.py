@@ -74,6 +74,36 @@ def test_phase_scale_multiplies_the_phase(key, name):
   assert_rel_rms(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("name", ["tapa", "tapa_linear"])
+def test_phase_norm_bounds_the_phase(key, name):
+  """phase_norm: the attention equals the loop oracle on q, k whose phase channels are divided
+  by their RMS (then phase_scale applies), and so does not change when the phase channels of q
+  and k grow by any per-token factor; the amplitude channels pass through."""
+  from posenc_jax import encodings
+  q, k, v = _inputs(key, B=1, T=9, H=2, K=1, D=6)
+  seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+  linear = name == "tapa_linear"
+
+  def attend(q, k):
+    prep = encodings.get(name).prepare({}, q=q, k=k, v=v, phase_norm=True, phase_scale=0.3)
+    return tapa.tapa_attention_reference(prep.q, prep.k, prep.v, segment_ids=seg, **prep.inputs)
+
+  def unit_rms_phase(x):
+    ph = x[..., 3:]
+    return jnp.concatenate([x[..., :3], ph / jnp.sqrt(jnp.mean(ph**2, -1, keepdims=True))], -1)
+
+  want = _loop_oracle(unit_rms_phase(q), unit_rms_phase(k), v, alpha=0.1, theta=0.5,
+                      linear_phase=linear, segment_ids=seg, phase_scale=0.3)
+  assert_rel_rms(attend(q, k), want, 1e-5)
+  phase = jnp.arange(6) >= 3                                     # the P channels
+  factor_q = 1.0 + 20.0 * jax.random.uniform(jax.random.fold_in(key, 1), q.shape[:3] + (1,))
+  factor_k = 1.0 + 20.0 * jax.random.uniform(jax.random.fold_in(key, 2), k.shape[:3] + (1,))
+  big_q, big_k = q * jnp.where(phase, factor_q, 1.0), k * jnp.where(phase, factor_k, 1.0)
+  rms = lambda x: float(jnp.sqrt(jnp.mean(x[..., 3:] ** 2)))   # noqa: E731
+  assert rms(big_q) > 3 * rms(q) and rms(big_k) > 3 * rms(k)
+  assert_rel_rms(attend(big_q, big_k), want, 1e-5)
+
+
 def test_uneven_split_and_large_alpha(key):
   q, k, v = _inputs(key, B=1, T=7, H=2, K=2, D=10)
   kw = dict(alpha=0.7, theta=0.3, linear_phase=False, segment_ids=None)   # A = 3, P = 7

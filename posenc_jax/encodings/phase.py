@@ -5,10 +5,14 @@ No positional transform of q, k or v: the distance enters the logits inside
 theta = 0.5 (the paper's), keyword-only. phase_scale (default 1, the paper's form) multiplies
 phi by scaling the phase channels (q_P for the quadratic phase; q_P and k_P for the linear): not
 in the paper, a diagnostic of the phase's random start (at 1 and our initialisation phi spreads
-over several radians from step 0).
+over several radians from step 0). phase_norm (default False, the paper's form) divides q_P and
+k_P by their root mean square over the phase channels before that scaling, so that phi stays
+within +-sqrt(P) phase_scale however large the projections grow: not in the paper either; why
+in docs/encodings/tapa.md#tapa.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from posenc_jax.encodings import Prepared
@@ -16,7 +20,7 @@ from posenc_jax.encodings import register
 from posenc_jax.encodings import resolve_hparams
 from posenc_jax.encodings import split_layer_args
 
-HPARAMS = {"alpha": 0.1, "theta": 0.5, "phase_scale": 1.0}
+HPARAMS = {"alpha": 0.1, "theta": 0.5, "phase_scale": 1.0, "phase_norm": False}
 
 
 def _check_dims(name, *, theta):
@@ -37,6 +41,14 @@ def _scale_phase(x_BTHD, theta, scale):
   return x_BTHD * factor
 
 
+def _normalise_phase(x_BTHD, theta):
+  """x with its phase channels divided by their root mean square (in float32)."""
+  A = int(round(theta * x_BTHD.shape[-1]))
+  amp, ph = x_BTHD[..., :A], x_BTHD[..., A:].astype(jnp.float32)
+  ph = ph * jax.lax.rsqrt(jnp.mean(ph * ph, axis=-1, keepdims=True) + 1e-6)
+  return jnp.concatenate([amp, ph.astype(x_BTHD.dtype)], axis=-1)
+
+
 def _add(name: str, linear_phase: bool):
   def init(key, dims, **hp):
     del key
@@ -48,6 +60,8 @@ def _add(name: str, linear_phase: bool):
     layer, hp = split_layer_args(kw)
     hp = resolve_hparams(name, hp, HPARAMS)
     q, k = layer["q"], layer["k"]
+    if hp["phase_norm"]:
+      q, k = _normalise_phase(q, hp["theta"]), _normalise_phase(k, hp["theta"])
     if hp["phase_scale"] != 1.0:
       q = _scale_phase(q, hp["theta"], hp["phase_scale"])
       if linear_phase:
