@@ -6,9 +6,9 @@ theta = 0.5 (the paper's), keyword-only. phase_scale (default 1, the paper's for
 phi by scaling the phase channels (q_P for the quadratic phase; q_P and k_P for the linear): not
 in the paper, a diagnostic of the phase's random start (at 1 and our initialisation phi spreads
 over several radians from step 0). phase_norm (default False, the paper's form) divides q_P and
-k_P by their root mean square over the phase channels before that scaling, so that phi stays
-within +-sqrt(P) phase_scale however large the projections grow: not in the paper either; why
-in docs/encodings/tapa.md#tapa.
+k_P by their root mean square over the phase channels before that scaling, so that |phi| stays
+within sqrt(P) phase_scale (2 sqrt(P) phase_scale for the linear phase) however large the
+projections grow: not in the paper either; why in docs/encodings/tapa.md#tapa.
 """
 from __future__ import annotations
 
