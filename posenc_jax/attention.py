@@ -19,22 +19,13 @@ forgetting_attention and softmax_attention run their context-parallel form
 round a ring. `implementation` then picks the per-device local attention: the Pallas kernel
 for "pallas" (and None on a GPU or TPU), blockwise jnp otherwise.
 
-`implementation=None` asks `auto_implementation`, one table for every family:
-  CPU        the dense reference up to the family's CPU_DENSE_MAX_T (measured: the faster
-             exact form there), chunked beyond; PaTH chunked at every T
-  GPU/TPU    the Pallas kernel for path and forgetting; for softmax on the GPU the choice of
-             `softmax_gpu_path` (cuDNN, else the Pallas kernel, else XLA); the Triton kernels
-             of GRAPE-A, TAPA and GRAPE-AP on the GPU; for SBA on the GPU the choice of
-             `sba_gpu_path` (the dense reference below SBA_GPU_KERNEL_MIN_T, else the Triton
-             kernel, else chunked); chunked for the rest at every T.
+`implementation=None` asks `dispatch.auto_implementation` (posenc_jax/dispatch.py), one table
+for every family of what runs where, and why.
 
 Shape letters: B batch, T time, H query heads, K kv heads (H % K == 0), D head dim,
 Dv value head dim.
 """
 from __future__ import annotations
-
-import importlib
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +33,7 @@ import jax.numpy as jnp
 from posenc_jax import _checks
 from posenc_jax import blockwise
 from posenc_jax import context_parallel
+from posenc_jax import dispatch
 from posenc_jax import grape_a
 from posenc_jax import householder
 from posenc_jax import masking
@@ -49,251 +41,6 @@ from posenc_jax import path_integral
 from posenc_jax import stick_breaking
 from posenc_jax import tapa
 from posenc_jax import unipotent
-
-# The longest T at which `implementation=None` would hold a T x T array per head on a CPU
-# (4 B H T^2 bytes in float32: 256 MiB per array at B=4, H=4, T=2048); beyond it, chunked.
-AUTO_DENSE_MAX_T = 2048
-
-# The CPU rule per family: the dense reference up to this T, chunked beyond; 0 = chunked at
-# every T. Each is the faster exact form by measurement of jit(grad(sum(attention))) in
-# float32 with packed documents (the table is docs/benchmarks/cpu_auto.md): PaTH's dense form
-# (a lax.scan over T steps) loses at every T; the others' dense forms win or tie up to
-# AUTO_DENSE_MAX_T. Beyond it (not measured) memory decides: chunked.
-CPU_DENSE_MAX_T = {"softmax": 256, "grape_a": 256, "path": 0, "forgetting": AUTO_DENSE_MAX_T,
-                   "path_integral": AUTO_DENSE_MAX_T, "tapa": AUTO_DENSE_MAX_T,
-                   "stick_breaking": 256}
-
-# SBA on a GPU: the Triton kernel from this T on, the dense reference below it. Timed on one
-# H200 in bfloat16 (docs/benchmarks/path_kernel.md), forward+backward: from T 512 on the
-# kernel beat the blockwise jnp form 5-10x and the dense form 1.2-2.2x (and held no T x T
-# array); at T 64 the dense form tied or won, and its T x T array is small there.
-SBA_GPU_KERNEL_MIN_T = 256
-# The dtypes the SBA kernel runs in on a GPU under `implementation=None`. Its GPU runs (the
-# -m gpu test, the timings) were bfloat16; float16 has the same tile bytes. float32 doubles
-# them and has not run on a GPU (PaTH's float32 tiles outgrow shared memory at head dim 128),
-# so it stays on the blockwise jnp form.
-SBA_GPU_DTYPES = ("bfloat16", "float16")
-
-# The GPU softmax path when segment_ids are given, which is every training step (packed
-# documents). jax's public API has no segment ids for cuDNN, so cuDNN reads a dense
-# [B, 1, T, T] mask, which jax turns into a bias in q's dtype: 2 B T^2 bytes per layer call
-# (512 MiB at B=4, T=8192; 8 GiB per row at T=65536). The project's Pallas flash kernel masks
-# segments tile by tile in O(T) memory but is slower: in the 12-layer bf16 train step cuDNN
-# with the mask was the faster at the same peak memory (docs/benchmarks/train_throughput.md).
-# So packed documents go to cuDNN up to this length and to the Pallas kernel beyond it, where
-# the mask would grow to gigabytes (0 sends them all to Pallas).
-CUDNN_SEGMENT_MASK_MAX_T = 16384
-
-CUDNN_DTYPES = ("bfloat16", "float16")
-# cuDNN flash attention takes head dims that are multiples of 8 up to 128 (256 on Hopper and
-# later; the rule stays device-free, so it keeps the bound every cuDNN GPU accepts).
-CUDNN_MAX_HEAD_DIM = 128
-PALLAS_DTYPES = ("float32", "bfloat16", "float16")
-# The Pallas kernel takes power-of-two head dims >= 16; its tiles are tuned up to 128.
-PALLAS_MAX_HEAD_DIM = 128
-
-FAMILIES = ("softmax", "grape_a", "path", "forgetting", "path_integral", "tapa",
-            "stick_breaking")
-_KERNEL_FAMILIES = ("path", "forgetting")
-# Families with a Triton kernel only (kernels_pallas.tapa_attention, grape_ap_attention): the GPU
-# runs it; the TPU has no form of it and runs the blockwise jnp.
-_TRITON_FAMILIES = {"tapa": "TAPA", "path_integral": "GRAPE-AP"}
-# kernels_pallas.path_attention.plan.GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM (the kernels are imported
-# lazily; tests/kernels/test_plan.py checks the two agree)
-GPU_FLOAT32_PATH_MAX_HEAD_DIM = 64
-
-
-class Choice(NamedTuple):
-  """An implementation name and the one-line reason it was chosen (for logs and benchmarks)."""
-  implementation: str
-  reason: str
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
-def cudnn_head_dim(D: int, Dv: int) -> int:
-  """The one head dim cuDNN runs at: q, k, v zero-padded to max(D, Dv), a multiple of 8."""
-  return _round_up(max(D, Dv), 8)
-
-
-def pallas_head_dim(D: int, Dv: int) -> int:
-  """The one head dim the Pallas kernel runs at: the next power of two >= max(D, Dv, 16)."""
-  return max(16, 1 << (max(D, Dv) - 1).bit_length())
-
-
-def _dtype_or_width_problem(dtype, dtypes, width: int, max_width: int, max_name: str, *,
-                            joiner: str, prefix: str = "") -> str | None:
-  """The dtype / padded head-dim limits both fused attention paths have (None when met)."""
-  name = jnp.dtype(dtype).name
-  if name not in dtypes:
-    return f"dtype {name} is not {prefix}{joiner.join(dtypes)}"
-  if width > max_width:
-    return f"head dim {width} > {max_name}={max_width}"
-  return None
-
-
-def cudnn_unsupported(dtype, D: int, Dv: int, *, T: int, has_segments: bool) -> str | None:
-  """Why cuDNN flash attention cannot run this call (None when it can), from shapes alone.
-
-  The conditions are jax's (jax/_src/cudnn/fused_attention_stablehlo.py, check_layout and
-  check_is_flash_attention), which raise only when the call is lowered on a GPU.
-  """
-  problem = _dtype_or_width_problem(dtype, CUDNN_DTYPES, cudnn_head_dim(D, Dv),
-                                    CUDNN_MAX_HEAD_DIM, "CUDNN_MAX_HEAD_DIM", joiner=" or ")
-  if problem:
-    return problem
-  if has_segments and T % 2:
-    return f"odd T={T} with a segment mask: cuDNN's bias backward needs an even length"
-  return None
-
-
-def pallas_unsupported(dtype, D: int, Dv: int) -> str | None:
-  """Why the Pallas flash kernel cannot run softmax attention (None when it can)."""
-  return _dtype_or_width_problem(dtype, PALLAS_DTYPES, pallas_head_dim(D, Dv),
-                                 PALLAS_MAX_HEAD_DIM, "PALLAS_MAX_HEAD_DIM", joiner=", ",
-                                 prefix="one of ")
-
-
-def softmax_gpu_path(dtype, D: int, Dv: int, *, has_segments: bool, T: int) -> Choice:
-  """Which implementation runs causal softmax attention on a GPU, and why.
-
-  Preference: cuDNN (bf16/fp16, supported head dim; with segment_ids only up to
-  CUDNN_SEGMENT_MASK_MAX_T), else the Pallas flash kernel (segments, GQA, float32), else
-  XLA's T x T form.
-  """
-  name = jnp.dtype(dtype).name
-  no_cudnn = cudnn_unsupported(dtype, D, Dv, T=T, has_segments=has_segments)
-  no_pallas = pallas_unsupported(dtype, D, Dv)
-  mask_too_long = has_segments and T > CUDNN_SEGMENT_MASK_MAX_T
-  if no_cudnn is None and (not mask_too_long or no_pallas is not None):
-    masked = ", segments as a dense [B,1,T,T] mask" if has_segments else ""
-    fallback = f" (the Pallas kernel cannot: {no_pallas})" if mask_too_long else ""
-    return Choice("cudnn", f"{name}, head dim {cudnn_head_dim(D, Dv)}: cuDNN flash attention"
-                           f"{masked}{fallback}")
-  if no_pallas is None:
-    why = (f"cuDNN cannot: {no_cudnn}" if no_cudnn else
-           f"T={T} > CUDNN_SEGMENT_MASK_MAX_T={CUDNN_SEGMENT_MASK_MAX_T} (cuDNN's dense mask)")
-    per_tile = " masks segments per tile" if has_segments else ""
-    return Choice("pallas", f"{why}; the Pallas flash kernel{per_tile}")
-  return Choice("xla", f"neither cuDNN ({no_cudnn}) nor the Pallas kernel ({no_pallas}): "
-                       "XLA, which holds a T x T array")
-
-
-def sba_gpu_path(dtype, D: int, Dv: int, *, T: int) -> Choice:
-  """Which implementation runs stick-breaking attention on a GPU, and why.
-
-  Below SBA_GPU_KERNEL_MIN_T the dense reference (as fast, its T x T array small); from it
-  the Triton kernel where it has run (SBA_GPU_DTYPES; head dims padded up to
-  PALLAS_MAX_HEAD_DIM, the widest it ran at), else the blockwise jnp form, which never holds a
-  T x T array. The kernel takes segments and grouped heads itself: they set no condition.
-  """
-  if T < SBA_GPU_KERNEL_MIN_T:
-    return Choice("reference", f"gpu: dense jnp below SBA_GPU_KERNEL_MIN_T={SBA_GPU_KERNEL_MIN_T} "
-                               "(ties or beats the Triton SBA kernel there)")
-  problem = _dtype_or_width_problem(dtype, SBA_GPU_DTYPES, pallas_head_dim(D, Dv),
-                                    PALLAS_MAX_HEAD_DIM, "PALLAS_MAX_HEAD_DIM", joiner=" or ")
-  if problem:
-    return Choice("chunked", f"gpu: blockwise jnp for stick_breaking; the Triton SBA kernel "
-                             f"is not used: {problem}")
-  return Choice("pallas", f"gpu: the Triton SBA kernel (T={T} >= SBA_GPU_KERNEL_MIN_T="
-                          f"{SBA_GPU_KERNEL_MIN_T})")
-
-
-def preload_kernels(family: str, implementation: str | None, dtype, *,
-                    backend: str | None = None) -> bool:
-  """Imports kernels_pallas now, outside any trace, where `family`'s attention under
-  `implementation` may run a Pallas kernel on `backend` (default: jax's); returns whether it
-  did. Models call it when they are built.
-
-  Why: importing the kernels loads Pallas's GPU lowerings, and under jax 0.11 these add a value
-  to JAX's tracing context. Imported inside a jitted function's first trace (the lazy imports
-  below), the function misses its trace cache at its second call and XLA compiles it again: a
-  PaTH train step compiled twice. Imported before, the context is complete at the first call.
-  """
-  impl = implementation or ""
-  backend = backend or jax.default_backend()
-  if impl.startswith("pallas"):
-    need = True
-  elif impl or backend not in ("gpu", "tpu"):
-    need = False
-  else:   # auto: softmax runs cuDNN unless it cannot (float32 here: the Pallas flash kernel)
-    need = family != "softmax" or jnp.dtype(dtype).itemsize == 4
-  if need:
-    importlib.import_module("kernels_pallas")   # the import is the point
-  return need
-
-
-def auto_implementation(family: str, *, T: int, dtype, head_dim: int, v_head_dim: int | None = None,
-                        has_segments: bool = False, backend: str | None = None,
-                        batch: int | None = None, heads: int | None = None,
-                        kv_heads: int | None = None, gate: bool = False,
-                        kernel_options=None) -> Choice:
-  """What `implementation=None` runs for `family` on `backend` (default: jax's), and why.
-
-  head_dim is q's (after any encoding lifts it, e.g. GRAPE-A); v_head_dim defaults to it. With
-  batch and heads (kv_heads: default heads; gate: PaTH-FoX or FoX's gate; kernel_options: the
-  kernel's BlockSizes fields), the reason for a Pallas PaTH / FoX kernel also gives the plan it
-  runs (kernels_pallas.explain).
-  """
-  if family not in FAMILIES:
-    raise ValueError(f"family={family!r} is not one of {FAMILIES}")
-  backend = backend or jax.default_backend()
-  Dv = head_dim if v_head_dim is None else v_head_dim
-  if backend not in ("gpu", "tpu"):
-    limit = min(CPU_DENSE_MAX_T[family], AUTO_DENSE_MAX_T)
-    name = f"CPU_DENSE_MAX_T[{family!r}]={limit}"
-    if T <= limit:
-      return Choice("reference", f"{backend}: dense jnp up to {name} (faster than chunked there)")
-    if limit == 0:
-      return Choice("chunked", f"{backend}: blockwise jnp at every T ({name}: faster than dense)")
-    return Choice("chunked", f"{backend}: T={T} > {name}, blockwise jnp")
-  if (family == "path" and backend == "gpu" and jnp.dtype(dtype).itemsize == 4
-      and head_dim > GPU_FLOAT32_PATH_MAX_HEAD_DIM):
-    return Choice("chunked", f"gpu: blockwise jnp; the Pallas PaTH kernel has no float32 "
-                  f"backward at head_dim {head_dim} > {GPU_FLOAT32_PATH_MAX_HEAD_DIM} (shared "
-                  "memory); bfloat16 runs it")
-  if family in _KERNEL_FAMILIES:
-    reason = f"{backend}: the Pallas {family} kernel"
-    if batch is not None and heads is not None:
-      reason += "; its plan:\n  " + _kernel_plan(
-          family, batch=batch, T=T, heads=heads, kv_heads=kv_heads or heads, D=head_dim,
-          dtype=dtype, gate=gate, segments=has_segments, backend=backend,
-          kernel_options=kernel_options).replace("\n", "\n  ")
-    return Choice("pallas", reason)
-  if family == "softmax" and backend == "gpu":
-    return softmax_gpu_path(dtype, head_dim, Dv, has_segments=has_segments, T=T)
-  if family == "grape_a" and backend == "gpu" and max(head_dim, Dv) <= PALLAS_MAX_HEAD_DIM:
-    # faster in the training step than the lift on cuDNN, which reads packed documents as a
-    # dense mask (the kernel masks by tile) at the lifted head dim
-    return Choice("pallas", "gpu: the Triton GRAPE-A kernel (the bias in each tile)")
-  if family == "grape_a":   # lifted into extra channels: softmax at the lifted head dim
-    lifted = grape_a.augmented_head_dim(T, head_dim, dtype, q_gate=True, k_gate=True)
-    inner = auto_implementation("softmax", T=T, dtype=dtype, head_dim=lifted, v_head_dim=Dv,
-                                has_segments=has_segments, backend=backend)
-    return Choice(inner.implementation, f"GRAPE-A lifted to head dim {lifted}; {inner.reason}")
-  if family == "stick_breaking" and backend == "gpu":
-    return sba_gpu_path(dtype, head_dim, Dv, T=T)
-  if family in _TRITON_FAMILIES and backend == "gpu":
-    return Choice("pallas", f"gpu: the Triton {_TRITON_FAMILIES[family]} kernel")
-  return Choice("chunked", f"{backend}: blockwise jnp for {family}, never a T x T array per head")
-
-
-def _kernel_plan(family, *, batch, T, heads, kv_heads, D, dtype, gate, segments, backend,
-                 kernel_options) -> str:
-  """kernels_pallas.explain's text for a call of these shapes (no arrays needed)."""
-  import kernels_pallas  # imported lazily: importing the kernels costs a second or two
-  sd = jax.ShapeDtypeStruct
-  q = sd((batch, T, heads, D), dtype)
-  kv = sd((batch, T, kv_heads, D), dtype)
-  path = family == "path"
-  return str(kernels_pallas.explain(
-      q, kv, kv, sd(kv.shape, jnp.float32) if path else None,
-      sd((batch, T, kv_heads), jnp.float32) if path else None,
-      sd((batch, T, heads), jnp.float32) if gate else None,
-      segment_ids=sd((batch, T), jnp.int32) if segments else None,
-      block_sizes=_checks.kernel_block_sizes("pallas", kernel_options), backend=backend))
 
 
 def _check_triton_kernel(what: str) -> None:
@@ -307,7 +54,7 @@ def _pick(implementation, family: str, allowed, q, v, segment_ids, *, kernel_opt
   """-> the implementation to run; with kernel_options "pallas:..." stays whole (the PaTH / FoX
   kernels read their block sizes from it: _checks.kernel_block_sizes)."""
   if implementation is None:
-    return auto_implementation(family, T=q.shape[1], dtype=q.dtype, head_dim=q.shape[-1],
+    return dispatch.auto_implementation(family, T=q.shape[1], dtype=q.dtype, head_dim=q.shape[-1],
                                v_head_dim=v.shape[-1],
                                has_segments=segment_ids is not None).implementation
   _checks.check_implementation(implementation, allowed, kernel_options=kernel_options)
@@ -336,21 +83,23 @@ def _check_explicit(implementation: str, problem: str | None, *, gpu_only: bool)
 
 def _cudnn_attention(q, k, v, segment_ids, scale):
   T, D, Dv = q.shape[1], q.shape[-1], v.shape[-1]
-  _check_explicit("cudnn", cudnn_unsupported(q.dtype, D, Dv, T=T,
-                                             has_segments=segment_ids is not None), gpu_only=True)
+  _check_explicit("cudnn", dispatch.cudnn_unsupported(
+      q.dtype, D, Dv, T=T, has_segments=segment_ids is not None), gpu_only=True)
   # is_causal lets cuDNN skip the blocks above the diagonal; the mask matters for segments.
   mask = None if segment_ids is None else masking.causal_dense_mask(T, segment_ids)
-  o = jax.nn.dot_product_attention(*_pad_head_dims(q, k, v, cudnn_head_dim(D, Dv)), scale=scale,
-                                   is_causal=True, mask=mask, implementation="cudnn")
+  q, k, v = _pad_head_dims(q, k, v, dispatch.cudnn_head_dim(D, Dv))
+  o = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, mask=mask,
+                                   implementation="cudnn")
   return o[..., :Dv]
 
 
 def _pallas_softmax(q, k, v, segment_ids, scale, kernel_options):
   D, Dv = q.shape[-1], v.shape[-1]
-  _check_explicit("pallas", pallas_unsupported(q.dtype, D, Dv), gpu_only=False)
+  _check_explicit("pallas", dispatch.pallas_unsupported(q.dtype, D, Dv), gpu_only=False)
   import kernels_pallas  # imported lazily: the kernels are optional on CPU
   # The FoX kernel with no gate is plain causal softmax attention (segments and GQA included).
-  o = kernels_pallas.forgetting_attention(*_pad_head_dims(q, k, v, pallas_head_dim(D, Dv)), None,
+  q, k, v = _pad_head_dims(q, k, v, dispatch.pallas_head_dim(D, Dv))
+  o = kernels_pallas.forgetting_attention(q, k, v, None,
                                           scale=scale, segment_ids=segment_ids,
                                           block_sizes=_checks.kernel_block_sizes(
                                               "pallas", kernel_options),
@@ -375,8 +124,8 @@ def softmax_attention(q, k, v, *, segment_ids=None, scale=None, implementation=N
     # The Pallas kernel gives the lse the ring merges by (cuDNN's public API does not); it
     # runs at the head dims it takes unpadded, jnp elsewhere.
     Dv = v.shape[-1]
-    kernel = (impl in ("pallas", "cudnn") and pallas_unsupported(q.dtype, D, Dv) is None
-              and D == Dv == pallas_head_dim(D, Dv))
+    kernel = (impl in ("pallas", "cudnn") and dispatch.pallas_unsupported(q.dtype, D, Dv) is None
+              and D == Dv == dispatch.pallas_head_dim(D, Dv))
     return context_parallel.softmax_attention(
         q, k, v, segment_ids=segment_ids, scale=scale, kernel=kernel,
         kernel_options=_checks.kernel_block_sizes("pallas", kernel_options) if kernel else None)
@@ -493,7 +242,7 @@ def path_integral_attention(q, k, v, p, alpha, *, segment_ids=None, scale=None,
   raw query probes, RMS-normalised key probes), or None to use p on both sides (the paper).
   implementation "pallas": kernels_pallas.grape_ap_attention (Triton on a GPU, the Pallas
   interpreter on a CPU; no TPU form); None picks "reference" or "chunked"
-  (auto_implementation).
+  (dispatch.auto_implementation).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_rank("p", p, 4, "BTHP")
@@ -532,7 +281,7 @@ def grape_a_attention(q, k, v, rate_q, rate_k, *, segment_ids=None, scale=None,
   computed in each tile (Triton on a GPU, the Pallas interpreter on a CPU; on a TPU the lift
   below on the softmax Pallas kernel; under context parallelism the lift). Every other value
   lifts the bias into extra q / k channels (grape_a.grape_a_augment) and runs softmax_attention
-  with it. None: auto_implementation("grape_a"): the kernel on a GPU; elsewhere the closed
+  with it. None: dispatch.auto_implementation("grape_a"): the kernel on a GPU; elsewhere the closed
   form at short T ("reference") and the lift on softmax's automatic choice beyond.
 
   The lift drops each row's constant -(i rate_q_i), which softmax ignores, so its gradients
@@ -553,7 +302,7 @@ def grape_a_attention(q, k, v, rate_q, rate_k, *, segment_ids=None, scale=None,
   scale = _scale(scale, D)
   backend = jax.default_backend()
   one_device = context_parallel.context_size() == 1
-  impl = implementation or auto_implementation(
+  impl = implementation or dispatch.auto_implementation(
       "grape_a", T=T, dtype=q.dtype, head_dim=D, v_head_dim=v.shape[-1],
       has_segments=segment_ids is not None, backend=backend).implementation
   omega = jnp.ones((H,), jnp.float32)   # the rates already hold omega_h
@@ -580,7 +329,7 @@ def tapa_attention(q, k, v, *, alpha=0.1, theta=0.5, linear_phase=False, segment
   part, the rest the phase part. `linear_phase` is the paper's ablation (`tapa_linear`).
   implementation "pallas": kernels_pallas.tapa_attention (Triton on a GPU, the Pallas
   interpreter on a CPU; no TPU form); None picks "reference" or "chunked"
-  (auto_implementation).
+  (dispatch.auto_implementation).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)
@@ -610,9 +359,10 @@ def stick_breaking_attention(q, k, v, *, segment_ids=None, scale=None, attend_cu
   q [B, T, H, D]; k [B, T, K, D]; v [B, T, K, Dv] -> o [B, T, H, Dv]. attend_current: key j = i
   is visible too; remainder "current" adds the leftover stick r_i times v_i, "none" drops it.
   implementation "pallas": kernels_pallas.stick_breaking_attention (Triton on a GPU, the
-  Pallas interpreter on a CPU; no TPU form); None: auto_implementation (on a GPU
-  `sba_gpu_path`: the kernel from T 256, the dense form below). Under a mesh with a "context"
-  axis it has no context-parallel form: it runs as without one (docs/context_parallel.md).
+  Pallas interpreter on a CPU; no TPU form); None: dispatch.auto_implementation (on a GPU
+  `dispatch.sba_gpu_path`: the kernel from T 256, the dense form below). Under a mesh with a
+  "context" axis it has no context-parallel form: it runs as without one
+  (docs/context_parallel.md).
   """
   B, T, H, K, D = _checks.check_qkv(q, k, v)
   _checks.check_segment_ids(segment_ids, B, T)

@@ -46,7 +46,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from posenc_jax import attention
+
+from posenc_jax import dispatch
 from posenc_jax.context_parallel import mesh as cp_mesh
 from posenc_jax import encodings
 from posenc_jax import kv_cache
@@ -124,9 +125,9 @@ class ModelConfig:
 
 
 def attention_choice(cfg: ModelConfig, *, batch: int, seq_len: int, segments: bool = True,
-                     backend: str | None = None) -> attention.Choice:
+                     backend: str | None = None) -> dispatch.Choice:
   """What each attention layer of this model runs at [batch, seq_len] (implementation=None:
-  posenc_jax.attention.auto_implementation's choice and reason; with a Pallas PaTH / FoX
+  posenc_jax.dispatch.auto_implementation's choice and reason; with a Pallas PaTH / FoX
   kernel, the kernel's plan), from shapes alone. segments: the call passes segment ids (the
   training step does)."""
   enc = cfg.encoding_fn()
@@ -148,8 +149,8 @@ def attention_choice(cfg: ModelConfig, *, batch: int, seq_len: int, segments: bo
   q, v = jax.eval_shape(prepare, params, sd((B, T, cfg.d_model), dt), sd((B, T, H, D), dt),
                         sd((B, T, K, D), dt), sd((B, T, K, D), dt))
   if cfg.implementation is not None:
-    return attention.Choice(cfg.implementation, "set by model.implementation")
-  return attention.auto_implementation(
+    return dispatch.Choice(cfg.implementation, "set by model.implementation")
+  return dispatch.auto_implementation(
       found["family"], T=T, dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
       has_segments=segments, backend=backend, batch=B, heads=q.shape[2], kv_heads=K,
       gate=found["gate"], kernel_options=dict(cfg.kernel_options) or None)
@@ -201,7 +202,7 @@ class Attention(nnx.Module):
       self.q_norm = _norm(cfg, D, ("head_dim",), rngs)
       self.k_norm = _norm(cfg, D, ("head_dim",), rngs)
     self.enc = cfg.encoding_fn()
-    attention.preload_kernels(self.enc.family, cfg.implementation, DTYPES[cfg.dtype])
+    dispatch.preload_kernels(self.enc.family, cfg.implementation, DTYPES[cfg.dtype])
     self.enc_params = _as_params(self.enc.init(rngs.params(), cfg.dims))
     if cfg.kv_shift:
       self.kv_shift_params = _as_params(kv_shift_init(rngs.params(), cfg.dims))

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from posenc_jax import attention
+
+from posenc_jax import dispatch
 from tests.util import assert_rel_rms
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -25,7 +27,7 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
     (jnp.float64, 64, 64, False, 16, "xla", "dtype float64 is not one of"),
 ])
 def test_softmax_gpu_path_table(dtype, D, Dv, segments, T, expected, why):
-  choice = attention.softmax_gpu_path(dtype, D, Dv, has_segments=segments, T=T)
+  choice = dispatch.softmax_gpu_path(dtype, D, Dv, has_segments=segments, T=T)
   assert choice.implementation == expected, choice
   assert why in choice.reason, choice
 
@@ -37,25 +39,25 @@ def test_softmax_gpu_path_table(dtype, D, Dv, segments, T, expected, why):
 ])
 def test_softmax_gpu_path_segments_via_cudnn(dtype, T, expected, why):
   """Packed documents go to cuDNN (dense mask) where it can take them, else to Pallas."""
-  choice = attention.softmax_gpu_path(dtype, 64, 64, has_segments=True, T=T)
+  choice = dispatch.softmax_gpu_path(dtype, 64, 64, has_segments=True, T=T)
   assert (choice.implementation, why in choice.reason) == (expected, True), choice
 
 
 def test_softmax_gpu_path_segment_mask_limit_is_a_switch(monkeypatch):
   """CUDNN_SEGMENT_MASK_MAX_T=0 sends every packed batch to the Pallas kernel."""
-  monkeypatch.setattr(attention, "CUDNN_SEGMENT_MASK_MAX_T", 0)
-  choice = attention.softmax_gpu_path(BF16, 64, 64, has_segments=True, T=2048)
+  monkeypatch.setattr(dispatch, "CUDNN_SEGMENT_MASK_MAX_T", 0)
+  choice = dispatch.softmax_gpu_path(BF16, 64, 64, has_segments=True, T=2048)
   assert choice.implementation == "pallas", choice
   assert "T=2048 > CUDNN_SEGMENT_MASK_MAX_T=0" in choice.reason, choice
-  assert attention.softmax_gpu_path(BF16, 64, 64, has_segments=False,
+  assert dispatch.softmax_gpu_path(BF16, 64, 64, has_segments=False,
                                     T=2048).implementation == "cudnn"
 
 
 def test_softmax_gpu_path_long_segments_fall_back_to_cudnn(monkeypatch):
   """Beyond the mask limit, where the Pallas kernel cannot run, packed documents still go to
   cuDNN, not to XLA's T x T form."""
-  monkeypatch.setattr(attention, "PALLAS_MAX_HEAD_DIM", 64)
-  choice = attention.softmax_gpu_path(BF16, 96, 96, has_segments=True, T=32768)
+  monkeypatch.setattr(dispatch, "PALLAS_MAX_HEAD_DIM", 64)
+  choice = dispatch.softmax_gpu_path(BF16, 96, 96, has_segments=True, T=32768)
   assert choice.implementation == "cudnn", choice
   assert "the Pallas kernel cannot: head dim 128 > PALLAS_MAX_HEAD_DIM=64" in choice.reason, choice
 
@@ -78,7 +80,7 @@ def test_softmax_gpu_path_long_segments_fall_back_to_cudnn(monkeypatch):
     ("stick_breaking", "tpu", 64, "chunked"), ("stick_breaking", "tpu", 2048, "chunked"),
 ])
 def test_auto_implementation_table(family, backend, T, expected):
-  choice = attention.auto_implementation(family, T=T, dtype=BF16, head_dim=64, has_segments=True,
+  choice = dispatch.auto_implementation(family, T=T, dtype=BF16, head_dim=64, has_segments=True,
                                          backend=backend)
   assert choice.implementation == expected, choice
   assert choice.reason.startswith(backend) or family == "softmax", choice
@@ -90,11 +92,11 @@ CPU_THRESHOLDS = {"softmax": 256, "grape_a": 256, "path": 0, "forgetting": 2048,
                   "tapa": 2048, "stick_breaking": 256}
 
 
-@pytest.mark.parametrize("family", attention.FAMILIES)
+@pytest.mark.parametrize("family", dispatch.FAMILIES)
 def test_cpu_dense_threshold_per_family(family):
   limit = CPU_THRESHOLDS[family]
-  assert attention.CPU_DENSE_MAX_T[family] == limit
-  pick = lambda T: attention.auto_implementation(family, T=T, dtype=F32, head_dim=32,  # noqa: E731
+  assert dispatch.CPU_DENSE_MAX_T[family] == limit
+  pick = lambda T: dispatch.auto_implementation(family, T=T, dtype=F32, head_dim=32,  # noqa: E731
                                                  has_segments=True, backend="cpu")
   if limit:
     assert pick(limit).implementation == "reference", pick(limit)
@@ -103,12 +105,12 @@ def test_cpu_dense_threshold_per_family(family):
   assert choice.implementation == "chunked", choice
   assert choice.reason.startswith("cpu: "), choice
   assert f"CPU_DENSE_MAX_T[{family!r}]={limit}" in choice.reason, choice
-  assert pick(2 * attention.AUTO_DENSE_MAX_T).implementation == "chunked"
+  assert pick(2 * dispatch.AUTO_DENSE_MAX_T).implementation == "chunked"
 
 
 def test_auto_implementation_unknown_family_raises():
   with pytest.raises(ValueError, match="family='rope'"):
-    attention.auto_implementation("rope", T=16, dtype=F32, head_dim=8)
+    dispatch.auto_implementation("rope", T=16, dtype=F32, head_dim=8)
 
 
 def test_none_on_a_tpu_runs_the_blockwise_tapa(monkeypatch, key):
@@ -163,17 +165,17 @@ def test_none_on_a_gpu_runs_the_triton_kernel(monkeypatch, key, family):
     (BF16, 64, 136, 512, "chunked", "head dim 256 > PALLAS_MAX_HEAD_DIM=128"),   # Dv padded
 ])
 def test_sba_gpu_path_table(dtype, D, Dv, T, expected, why):
-  choice = attention.auto_implementation("stick_breaking", T=T, dtype=dtype, head_dim=D,
+  choice = dispatch.auto_implementation("stick_breaking", T=T, dtype=dtype, head_dim=D,
                                          v_head_dim=Dv, has_segments=True, backend="gpu")
-  assert choice == attention.sba_gpu_path(dtype, D, Dv, T=T)
+  assert choice == dispatch.sba_gpu_path(dtype, D, Dv, T=T)
   assert choice.implementation == expected, choice
   assert why in choice.reason and choice.reason.startswith("gpu: "), choice
 
 
 def test_sba_gpu_kernel_threshold_is_a_switch(monkeypatch):
   """SBA_GPU_KERNEL_MIN_T is the one place the GPU switch lives: moved, the rule follows."""
-  monkeypatch.setattr(attention, "SBA_GPU_KERNEL_MIN_T", 1024)
-  pick = lambda T: attention.sba_gpu_path(BF16, 64, 64, T=T).implementation  # noqa: E731
+  monkeypatch.setattr(dispatch, "SBA_GPU_KERNEL_MIN_T", 1024)
+  pick = lambda T: dispatch.sba_gpu_path(BF16, 64, 64, T=T).implementation  # noqa: E731
   assert (pick(1023), pick(1024)) == ("reference", "pallas")
 
 
@@ -193,7 +195,7 @@ def test_none_on_a_gpu_runs_the_sba_kernel(monkeypatch, key):
   record(kernels_pallas, "stick_breaking_attention", "pallas", interpret=True)
   record(stick_breaking, "stick_breaking_attention_reference", "reference")
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(attention, "SBA_GPU_KERNEL_MIN_T", 16)
+  monkeypatch.setattr(dispatch, "SBA_GPU_KERNEL_MIN_T", 16)
   ks = jax.random.split(key, 3)
   q = jax.random.normal(ks[0], (1, 16, 4, 16), BF16)
   k, v = (jax.random.normal(k_, (1, 16, 2, 16), BF16) for k_ in ks[1:])
@@ -405,18 +407,18 @@ def test_auto_implementation_gives_the_kernel_plan():
   """With batch and heads, the reason for a Pallas PaTH / FoX kernel ends with the plan it runs
   (kernels_pallas.explain), kernel_options included; without them it names the kernel only."""
   kw = dict(T=2048, dtype=BF16, head_dim=64, has_segments=True, backend="gpu")
-  plain = attention.auto_implementation("path", **kw)
+  plain = dispatch.auto_implementation("path", **kw)
   assert plain.implementation == "pallas" and "plan" not in plain.reason, plain
-  choice = attention.auto_implementation("path", **kw, batch=16, heads=12, gate=True)
+  choice = dispatch.auto_implementation("path", **kw, batch=16, heads=12, gate=True)
   lines = choice.reason.splitlines()
   assert lines[0] == "gpu: the Pallas path kernel; its plan:", choice.reason
   assert lines[1].startswith("  PaTH on gpu") and "B=16 T=2048 H=12 K=12 D=64" in lines[1]
   assert "gate, segments" in lines[1]
   assert any(line.startswith("  backward:  span-parallel: far dq on mosaic") for line in lines)
-  walk = attention.auto_implementation("path", **kw, batch=16, heads=12, gate=True,
+  walk = dispatch.auto_implementation("path", **kw, batch=16, heads=12, gate=True,
                                        kernel_options={"span": 0})
   assert "  backward:  walk: dq/dP on 2 lanes a kv head, then dk/dv" in walk.reason.splitlines()
-  fox = attention.auto_implementation("forgetting", **kw, batch=2, heads=4, kv_heads=2,
+  fox = dispatch.auto_implementation("forgetting", **kw, batch=2, heads=4, kv_heads=2,
                                       gate=True)
   assert "  FoX on gpu" in fox.reason and "K=2" in fox.reason, fox.reason
 
@@ -437,15 +439,15 @@ def test_grape_a_auto_is_its_kernel_on_gpu_and_the_lift_elsewhere():
   """implementation=None runs GRAPE-A's Triton kernel on a GPU up to head dim 128; beyond it,
   and on a TPU, it lifts the bias into extra channels and takes softmax's choice at the lifted
   head dim (72 for a bf16 head of 64)."""
-  choice = attention.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=64,
+  choice = dispatch.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=64,
                                          has_segments=True, backend="gpu")
   assert choice.implementation == "pallas", choice
-  wide = attention.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=256,
+  wide = dispatch.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=256,
                                        has_segments=True, backend="gpu")
   assert wide.reason.startswith("GRAPE-A lifted"), wide   # beyond the kernel's tuned tiles
-  choice = attention.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=64,
+  choice = dispatch.auto_implementation("grape_a", T=2048, dtype=jnp.bfloat16, head_dim=64,
                                          has_segments=True, backend="tpu")
-  softmax = attention.auto_implementation("softmax", T=2048, dtype=jnp.bfloat16, head_dim=72,
+  softmax = dispatch.auto_implementation("softmax", T=2048, dtype=jnp.bfloat16, head_dim=72,
                                           has_segments=True, backend="tpu")
   assert choice.implementation == softmax.implementation, (choice, softmax)
   assert choice.reason.startswith("GRAPE-A lifted to head dim 72; "), choice

@@ -119,7 +119,7 @@ def test_bfloat16_precision_policy(name, key):
   """model.py's precision policy: q, k, v and the output stay in the model dtype (bf16), the
   sensitive transport inputs are float32, and so every softmax encoding of a bf16 model reaches
   cuDNN on the GPU (a float32 q would silently take a slower path)."""
-  from posenc_jax import attention
+  from posenc_jax import dispatch
   _registered(name)
   enc = encodings.get(name)
   kp, kx, kq, kk, kv, kr = jax.random.split(key, 6)
@@ -139,7 +139,7 @@ def test_bfloat16_precision_policy(name, key):
     assert prep.out_angles.dtype == jnp.float32
   assert encodings.attend(prep, implementation="reference").dtype == bf16
   if prep.family == "softmax":
-    choice = attention.auto_implementation("softmax", T=T, dtype=prep.q.dtype,
+    choice = dispatch.auto_implementation("softmax", T=T, dtype=prep.q.dtype,
                                            head_dim=prep.q.shape[-1], v_head_dim=prep.v.shape[-1],
                                            backend="gpu")
     assert choice.implementation == "cudnn", choice

@@ -1,11 +1,12 @@
-"""attention.preload_kernels: a model imports the Pallas kernels when it is built, not inside
+"""dispatch.preload_kernels: a model imports the Pallas kernels when it is built, not inside
 the first trace of a function that calls them (see its docstring for why)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
 
-from posenc_jax import attention
+
+from posenc_jax import dispatch
 from tests.util import fresh_process_json
 
 
@@ -19,7 +20,7 @@ from tests.util import fresh_process_json
     ("softmax", "pallas:block_q=64", jnp.float32, "cpu", True),   # named: interpreted
 ])
 def test_which_models_load_the_kernels(family, implementation, dtype, backend, want):
-  assert attention.preload_kernels(family, implementation, dtype, backend=backend) is want
+  assert dispatch.preload_kernels(family, implementation, dtype, backend=backend) is want
 
 
 _PROBE = """

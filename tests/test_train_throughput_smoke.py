@@ -36,7 +36,7 @@ def test_one_row_measures(rows, name):
   assert row["tokens_per_s"] > 0 and len(row["step_ms_all"]) == 2
   assert row["compile_s"] > 0 and row["params"] > row["params_dense"] > 0
   assert row["mfu"] > 0 and row["peak_gib"] is None  # CPU has no memory_stats
-  # The auto rule on CPU at T=64 (attention.CPU_DENSE_MAX_T): dense softmax, chunked PaTH;
+  # The auto rule on CPU at T=64 (dispatch.CPU_DENSE_MAX_T): dense softmax, chunked PaTH;
   # neither is a Pallas kernel, so neither row has a plan.
   assert row["attention_impl"] == {"rope": "reference", "path": "chunked"}[name]
   assert row["plan"] is None

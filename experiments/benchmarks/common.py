@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas as kp
-from posenc_jax import attention
+from posenc_jax import dispatch
 from posenc_jax import model as model_lib
 
 # The anchor shapes (B, T, H, D) of the kernel benchmarks; 5 is one layer of the 125M model
@@ -221,13 +221,13 @@ def model_plan(mcfg, *, batch: int, seq_len: int, segments: bool, backend: str) 
   kernel_args = lambda p, l: (lambda r: (r.q, r.k, r.v, r.inputs))(
       enc.prepare(p, rng=None, train=False, **l))
   q, k, v, x = jax.eval_shape(kernel_args, params, layer)
-  impl = mcfg.implementation or attention.auto_implementation(
+  impl = mcfg.implementation or dispatch.auto_implementation(
       enc.family, T=T, dtype=dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
       has_segments=segments, backend=backend).implementation
   if impl.partition(":")[0] != "pallas":
     return None
   if enc.family == "softmax":
-    width = attention.pallas_head_dim(q.shape[-1], v.shape[-1])
+    width = dispatch.pallas_head_dim(q.shape[-1], v.shape[-1])
     q, k, v = (sd(a.shape[:-1] + (width,), a.dtype) for a in (q, k, v))
   return str(kp.explain(q, k, v, x.get("w"), x.get("beta"), x.get("log_forget"),
                         segment_ids=seg, block_sizes=_model_block_sizes(mcfg),

@@ -4,7 +4,7 @@ r"""CPU: dense reference vs blockwise (chunked) attention, forward + backward, p
         [--ts 64,128,256,512,1024,2048] [--batch 8 --heads 2 --head-dim 32] [--runs 5] \
         [--path-scan] [--max-seconds 8] [--no-pin] [--out docs/benchmarks/cpu_auto.md]
 
-Issue 15: what `implementation=None` runs on a CPU (posenc_jax.attention.auto_implementation,
+Issue 15: what `implementation=None` runs on a CPU (posenc_jax.dispatch.auto_implementation,
 CPU_DENSE_MAX_T) is decided by this measurement. For each family and T it times, in one
 process, a jitted `jax.grad` of `sum(attention(...))` with respect to every float input (q, k,
 v and the family's own: w, beta, log_forget, p, alpha), as a training step differentiates it,

@@ -60,6 +60,7 @@ import kernels_pallas as kp  # noqa: E402
 from experiments.benchmarks import common  # noqa: E402
 from experiments.benchmarks import fla_parity  # noqa: E402
 from posenc_jax import attention  # noqa: E402
+from posenc_jax import dispatch  # noqa: E402
 from posenc_jax import grape_a  # noqa: E402
 from posenc_jax import householder  # noqa: E402
 from posenc_jax import unipotent  # noqa: E402
@@ -68,7 +69,7 @@ OURS = ("path", "path_fox", "fox")
 # TAPA on its Pallas kernel (quadratic and linear phase) and as implementation=None runs it
 TAPA = ("tapa", "tapa_linear", "tapa_auto", "tapa_linear_auto")
 # SBA as implementation=None runs it (sba), its T x T reference (sba_dense) and its Pallas
-# kernel (sba_pallas): attention.SBA_GPU_KERNEL_MIN_T comes from these
+# kernel (sba_pallas): dispatch.SBA_GPU_KERNEL_MIN_T comes from these
 SBA = {"sba": None, "sba_dense": "reference", "sba_pallas": "pallas"}
 VARIANTS = OURS + TAPA + ("grape_ap", "grape_a", "grape_a_lift", *SBA, "cudnn", "jax_mha",
                           "jax_mgpu", "cudnn_nc", "jax_mha_nc", "jax_mgpu_nc")
@@ -237,8 +238,8 @@ def _sba(segs, q, v, *, implementation=None):
   """Stick-breaking attention as the model calls it (implementation None) or in the named
   form: (function, the implementation and why)."""
   reason = {"reference": "dense T x T jnp", "pallas": "the Triton kernel"}
-  choice = attention.Choice(implementation, reason.get(implementation)) if implementation else (
-      attention.auto_implementation("stick_breaking", T=q.shape[1], dtype=q.dtype,
+  choice = dispatch.Choice(implementation, reason.get(implementation)) if implementation else (
+      dispatch.auto_implementation("stick_breaking", T=q.shape[1], dtype=q.dtype,
                                     head_dim=q.shape[-1], v_head_dim=v.shape[-1],
                                     has_segments=segs is not None))
   fn = lambda q, k, v: attention.stick_breaking_attention(  # noqa: E731
@@ -251,7 +252,7 @@ def _tapa(name, segs, q, v):
   attention.tapa_attention runs with implementation None: (function, what it runs)."""
   linear = name.startswith("tapa_linear")
   impl = None if name.endswith("_auto") else "pallas"
-  label = impl or attention.auto_implementation(
+  label = impl or dispatch.auto_implementation(
       "tapa", T=q.shape[1], dtype=q.dtype, head_dim=q.shape[-1], v_head_dim=v.shape[-1],
       has_segments=segs is not None).implementation
   fn = lambda q, k, v: attention.tapa_attention(q, k, v, linear_phase=linear, segment_ids=segs,

@@ -107,7 +107,7 @@ from experiments.benchmarks.throughput_common import (  # noqa: E402
 from experiments.benchmarks.throughput_tables import (  # noqa: E402
     ANCHORS, MATMUL, print_table, read_rows, render_markdown, runnable_encodings)
 from experiments.configs import base  # noqa: E402
-from posenc_jax import attention  # noqa: E402
+from posenc_jax import dispatch  # noqa: E402
 from posenc_jax import model as model_lib  # noqa: E402
 
 # --- one JAX row ---------------------------------------------------------------------------
@@ -126,13 +126,13 @@ def attention_kernels(hlo_text: str) -> list[str]:
 def attention_label(*, kernels: list[str], implementation: str, family: str, seq_len: int,
                     dtype: str, head_dim: int, backend: str) -> str:
   """Which attention ran: a kernel seen in the compiled step, else what the auto rule picks
-  (posenc_jax.attention.auto_implementation; the training step always passes segment_ids)."""
+  (posenc_jax.dispatch.auto_implementation; the training step always passes segment_ids)."""
   for label, pattern in _KERNEL_PATTERNS.items():
     if any(pattern.search(k) for k in kernels):
       return label
   if implementation != "auto":
     return implementation
-  return attention.auto_implementation(family, T=seq_len, dtype=dtype, head_dim=head_dim,
+  return dispatch.auto_implementation(family, T=seq_len, dtype=dtype, head_dim=head_dim,
                                        has_segments=True, backend=backend).implementation
 
 

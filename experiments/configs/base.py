@@ -11,7 +11,7 @@ Experiment files start from `base.get_config()` and override what they study. Fi
   model.block             "llama" (RMSNorm, SwiGLU, optional qk_norm) | "acc_rot" (LayerNorm,
                           GELU, dropout)
   model.dtype             "float32" | "bfloat16" compute (parameters stay float32)
-  model.implementation    None = auto (posenc_jax.attention.auto_implementation: Pallas or
+  model.implementation    None = auto (posenc_jax.dispatch.auto_implementation: Pallas or
                           cuDNN on GPU, Pallas / blockwise on TPU; on CPU the faster of dense
                           jnp and blockwise by measurement, CPU_DENSE_MAX_T), or one
                           of reference / xla / cudnn / scan / chunked / pallas

@@ -140,7 +140,7 @@ def test_the_train_step_compiles_once(encoding):
   """Importing kernels_pallas loads pallas_call's GPU lowerings, which add a config state to
   JAX's tracing context (jax 0.11). Imported lazily inside the train step's first trace, the
   step misses its trace cache at its second call and compiles again; the model imports the
-  kernels when it is built (attention.preload_kernels). In a fresh process, as the CLI runs:
+  kernels when it is built (dispatch.preload_kernels). In a fresh process, as the CLI runs:
   here pytest has imported the kernels long before."""
   script = ("import json, sys; from tests.kernels.test_gpu_training import _first_steps; "
             "print(json.dumps(_first_steps(sys.argv[1])))")

@@ -13,7 +13,7 @@ import pytest
 
 import kernels_pallas as kp
 from kernels_pallas.path_attention import plan as plan_lib
-from posenc_jax import attention
+from posenc_jax import dispatch
 from tests.kernels import kernel_check
 from tests.kernels import test_path_kernel
 
@@ -347,8 +347,8 @@ def test_float32_path_at_head_dim_128_on_the_gpu_has_no_backward():
                                        r"inputs at head_dim 128 > 64: .*bfloat16"):
     jax.eval_shape(jax.grad(loss, argnums=1), q, w)
 
-  assert attention.GPU_FLOAT32_PATH_MAX_HEAD_DIM == plan_lib.GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM
-  pick = lambda dtype, D, family="path": attention.auto_implementation(
+  assert dispatch.GPU_FLOAT32_PATH_MAX_HEAD_DIM == plan_lib.GPU_FLOAT32_BACKWARD_MAX_HEAD_DIM
+  pick = lambda dtype, D, family="path": dispatch.auto_implementation(
       family, T=620, dtype=dtype, head_dim=D, backend="gpu").implementation
   assert (pick(F32, 128), pick(BF16, 128), pick(F32, 64), pick(F32, 128, "forgetting")) == (
       "chunked", "pallas", "pallas", "pallas")
