@@ -9,7 +9,9 @@ the data too. Paper numbers are quoted from the papers' tables.
 """
 from __future__ import annotations
 
+from experiments.claims import convert
 from experiments.claims import language as lm
+from experiments.claims import probes
 from experiments.claims import synthetic as syn
 from experiments.claims.base import PAPER_ORDER  # noqa: F401
 from experiments.claims.base import Page  # noqa: F401
@@ -35,9 +37,9 @@ PAGES = {
     "mqrar_gpu/rope_lr3e-4": syn.ROPE_MQRAR_LR3E4, "mqrar_gpu/sba": syn.SBA_MQRAR_GPU,
     "word_problem": syn.WORD_PROBLEM, "word_problem/generators_words16": syn.WORD_PROBLEM_CPU_GEN,
     "word_problem_gpu": syn.WORD_PROBLEM_GPU, **syn.A5_SUBPAGES,
-    "distance_bias": lm.DISTANCE_BIAS, "mixing_window": lm.MIXING_WINDOW,
-    "distance_bias_gpu": lm.DISTANCE_BIAS_GPU, "mixing_window_gpu": lm.MIXING_WINDOW_GPU,
-    "convert": lm.CONVERT,
+    "distance_bias": probes.DISTANCE_BIAS, "mixing_window": probes.MIXING_WINDOW,
+    "distance_bias_gpu": probes.DISTANCE_BIAS_GPU, "mixing_window_gpu": probes.MIXING_WINDOW_GPU,
+    "convert": convert.CONVERT,
 }
 
 # Paper claims no folder tests yet: they belong in the index as much as the tested ones.
