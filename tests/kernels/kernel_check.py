@@ -42,6 +42,19 @@ def kernel_and_oracle(kernel, oracle, args, ct):
   return got, want
 
 
+def assert_matches(got, want, tol, *, names=("o", "dq", "dk", "dv"), dtypes=None) -> None:
+  """kernel_and_oracle's kernel result got = (o, grads) against the oracle's want, each array
+  within tol (relative RMS) under its name; with dtypes (one per name), each array's dtype is
+  asserted first."""
+  (o, grads), (o_want, grads_want) = got, want
+  arrays, wanted = (o, *grads), (o_want, *grads_want)
+  assert len(names) == len(arrays), f"{len(arrays)} arrays, names {names}"
+  for i, (name, a, b) in enumerate(zip(names, arrays, wanted)):
+    if dtypes is not None:
+      assert a.dtype == dtypes[i], name
+    assert_rel_rms(a, b, tol, name)
+
+
 def cuda_kernels(fn, arrays) -> set[str]:
   """The Pallas kernels (by name, "..._kernel") that jit(fn) at `arrays` (ShapeDtypeStructs)
   lowers to through Triton for "cuda" on this host: the lowering tests' check that a kernel is

@@ -46,12 +46,8 @@ def _compare(key, *, interpret, tol, B, T, H, K, D, Dv, dtype, segments, blocks=
   def exact(q, k, v):
     return oracle(q.astype(F32), k.astype(F32), v.astype(F32), segment_ids=seg, **hp)
 
-  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(kernel, exact, args, ct)
-  assert o.dtype == dtype
-  assert_rel_rms(o, o_want, tol, "o")
-  for name, g, g_want in zip(("dq", "dk", "dv"), grads, grads_want):
-    assert g.dtype == dtype, name
-    assert_rel_rms(g, g_want, tol, name)
+  kernel_check.assert_matches(*kernel_check.kernel_and_oracle(kernel, exact, args, ct), tol,
+                              dtypes=(dtype,) * 4)
 
 
 SMALL = dict(B=2, T=40, H=4, K=2, D=24, Dv=20, blocks=(16, 32))

@@ -18,7 +18,6 @@ from kernels_pallas import tapa_attention
 from posenc_jax import tapa
 from tests.kernels import kernel_check
 from tests.kernels.kernel_check import TOL
-from tests.util import assert_rel_rms
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -47,12 +46,8 @@ def _compare(key, *, interpret, tol, B, T, H, K, D, Dv, dtype, hp, segments, blo
     return tapa.tapa_attention_reference(q.astype(F32), k.astype(F32), v.astype(F32),
                                          segment_ids=seg, **hp)
 
-  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(kernel, oracle, args, ct)
-  assert o.dtype == dtype
-  assert_rel_rms(o, o_want, tol, "o")
-  for name, g, g_want in zip(("dq", "dk", "dv"), grads, grads_want):
-    assert g.dtype == dtype, name
-    assert_rel_rms(g, g_want, tol, name)
+  kernel_check.assert_matches(*kernel_check.kernel_and_oracle(kernel, oracle, args, ct), tol,
+                              dtypes=(dtype,) * 4)
 
 
 SMALL = dict(B=2, T=40, H=4, K=2, D=24, Dv=16, blocks=(16, 32))
@@ -138,8 +133,5 @@ def test_tapa_kernel_on_gpu(key, linear_phase):
     return tapa.tapa_attention_chunked(q.astype(F32), k.astype(F32), v.astype(F32),
                                        segment_ids=seg, **hp)
 
-  (o, grads), (o_want, grads_want) = kernel_check.kernel_and_oracle(kernel, oracle, args, ct)
-  tol = TOL[jnp.dtype(BF16)]
-  assert_rel_rms(o, o_want, tol, "o")
-  for name, g, g_want in zip(("dq", "dk", "dv"), grads, grads_want):
-    assert_rel_rms(g, g_want, tol, name)
+  kernel_check.assert_matches(*kernel_check.kernel_and_oracle(kernel, oracle, args, ct),
+                              TOL[jnp.dtype(BF16)])
