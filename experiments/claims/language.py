@@ -31,16 +31,21 @@ def paper_ratio(name: str, factor: int) -> float:
   return ppl[512 * factor] / ppl[512]
 
 
+def _ratios(load, name: str, factor: int, sub: str = ".") -> list[float]:
+  """Per seed, perplexity at factor x the training length over perplexity at it."""
+  return results_render.length_ratios(load.results(sub), name, factor)
+
+
 def _ratio(load, name: str, factor: int, sub: str = ".") -> str:
-  return seeds(results_render.length_ratios(load.results(sub), name, factor))
+  return seeds(_ratios(load, name, factor, sub))
 
 
-def _worst(load, name: str, factor: int) -> float:
-  return max(results_render.length_ratios(load.results(), name, factor))
+def _worst(load, name: str, factor: int, sub: str = ".") -> float:
+  return max(_ratios(load, name, factor, sub))
 
 
-def _best(load, name: str, factor: int) -> float:
-  return min(results_render.length_ratios(load.results(), name, factor))
+def _best(load, name: str, factor: int, sub: str = ".") -> float:
+  return min(_ratios(load, name, factor, sub))
 
 
 def _paper_table(load) -> list[str]:
@@ -62,8 +67,7 @@ def _paper_table(load) -> list[str]:
 
 
 def _learned_v(load, n: int) -> Verdict:
-  ours = results_render.length_ratios(load.results(), "acc_rot_learned_v", 16)
-  rope = results_render.length_ratios(load.results(), "rope", 16)
+  ours, rope = _ratios(load, "acc_rot_learned_v", 16), _ratios(load, "rope", 16)
   verdict, how = (("reproduced", "near flat") if max(ours) < 1.3 else
                   ("partly", "below RoPE's" + (" in every seed" if n > 1 else "")
                    + ", far from flat")
@@ -255,8 +259,7 @@ def _tapa_claims(load, *, linear: str = ".") -> list[Verdict]:
   quad, lin_means = (load.results()["encodings"]["tapa"],   # per length: the seeds' means
                      load.results(linear)["encodings"]["tapa_linear"])
   quad_wins = sorted(int(L) for L in quad if quad[L] < lin_means[L])
-  rope_ratio = results_render.length_ratios(load.results(".."), "rope", 32)[0]
-  gentler = _worst(load, "tapa", 32) < rope_ratio
+  gentler = _worst(load, "tapa", 32) < _best(load, "rope", 32, "..")
   return [
       Verdict("TAPA Tables 1-2", "TAPA degrades gracefully far past its training length "
               "(RoPE collapses)", "partly" if gentler else "contradicted",
@@ -306,8 +309,8 @@ TAPA_LINEAR_PS003 = Page(
     "TAPA-linear with phase_scale 0.03 at the shared lr 1e-3 (GPU length extrapolation)",
     lambda load: [Verdict(
         "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length",
-        "contradicted" if _best(load, "tapa_linear", 32) > results_render.length_ratios(
-            load.results(".."), "rope", 32)[0] else "partly",
+        "contradicted" if _best(load, "tapa_linear", 32) > _worst(load, "rope", 32, "..")
+        else "partly",
         f"TAPA-linear 32x / 1x {_ratio(load, 'tapa_linear', 32)} against RoPE's "
         f"{_ratio(load, 'rope', 32, '..')} (../, 1 seed); at 1x "
         f"{seeds(_at(load, '.', 'tapa_linear'))} against RoPE's "
@@ -383,9 +386,8 @@ def _acc_rot_claims(load) -> list[Verdict]:
   p = paper_ratio
   # every seed of a below b's
   below = lambda a, b, f: _worst(load, a, f) < _best(load, b, f)  # noqa: E731
-  ratios = lambda name: results_render.length_ratios(load.results(), name, 128)  # noqa: E731
   # the same seed with and without values rotated; the paper's gain at 65K/512 is 4.7x
-  pairs = list(zip(ratios("acc_rot_random"), ratios("acc_rot_random_v")))
+  pairs = list(zip(_ratios(load, "acc_rot_random", 128), _ratios(load, "acc_rot_random_v", 128)))
   gain = sum(qk / qkv for qk, qkv in pairs) / len(pairs)
   paper_gain = p("acc_rot_random", 128) / p("acc_rot_random_v", 128)
   v_helps_random = ("contradicted" if not all(qkv < qk for qk, qkv in pairs) else
