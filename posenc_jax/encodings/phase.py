@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from posenc_jax import tapa
 from posenc_jax.encodings import Prepared
 from posenc_jax.encodings import register
 from posenc_jax.encodings import resolve_hparams
@@ -25,7 +26,7 @@ HPARAMS = {"alpha": 0.1, "theta": 0.5, "phase_scale": 1.0, "phase_norm": False}
 
 def _check_dims(name, *, theta):
   def check(dims):
-    A = int(round(theta * dims.head_dim))
+    A, _ = tapa.split_sizes(theta, dims.head_dim)
     if not 1 <= A <= dims.head_dim - 1:
       raise ValueError(f"theta={theta} with head_dim={dims.head_dim} leaves an empty amplitude "
                        f"or phase part for encoding {name!r}")
@@ -36,14 +37,14 @@ def _check_dims(name, *, theta):
 
 def _scale_phase(x_BTHD, theta, scale):
   """x with its phase channels (the last D - round(theta D)) multiplied by scale."""
-  A = int(round(theta * x_BTHD.shape[-1]))
+  A, _ = tapa.split_sizes(theta, x_BTHD.shape[-1])
   factor = jnp.where(jnp.arange(x_BTHD.shape[-1]) < A, 1.0, scale).astype(x_BTHD.dtype)
   return x_BTHD * factor
 
 
 def _normalise_phase(x_BTHD, theta):
   """x with its phase channels divided by their root mean square (in float32)."""
-  A = int(round(theta * x_BTHD.shape[-1]))
+  A, _ = tapa.split_sizes(theta, x_BTHD.shape[-1])
   amp, ph = x_BTHD[..., :A], x_BTHD[..., A:].astype(jnp.float32)
   ph = ph * jax.lax.rsqrt(jnp.mean(ph * ph, axis=-1, keepdims=True) + 1e-6)
   return jnp.concatenate([amp, ph.astype(x_BTHD.dtype)], axis=-1)
