@@ -23,6 +23,7 @@ G = H // K, D head dim, Dv value dim, n chunks, C chunk length.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -347,6 +348,15 @@ def boundary_transport(q, k, w, beta, *, chunk_size: int = 64):
   q [B, T, H, D]; k, w [B, T, K, D]; beta [B, T, K] -> q_start [B, T, H, D], k_end [B, T, K, D],
   P [B, K, D, D], float32. Linear in T: the UT form inside chunks, D x D products across them.
   """
+  # Recomputed in the gradient rather than kept: the UT form and the running products hold
+  # dozens of [T / 64, K, 64, 64] float32 stacks, gigabytes a layer at T / N = 32,768, and the
+  # ring's memory has to stay that of its T / N tokens; recomputing costs this function's
+  # forward again, which is linear in T / N.
+  return jax.checkpoint(functools.partial(_boundary_transport, chunk_size=chunk_size))(
+      q, k, w, beta)
+
+
+def _boundary_transport(q, k, w, beta, *, chunk_size: int):
   B, T, H, D = q.shape
   K = k.shape[2]
   C = chunk_size
