@@ -57,13 +57,19 @@ def section(cfg, results: dict, prov: dict, out_dir: str | None, *, img: str = "
                 + [results_render.seeds_cell(r["probe_error"][c], ".1f", scale=100, unit="%")
                    if c in r["probe_error"] else "-" for c in probe_cols])
   n = results.get("seeds", 1)
+  e = cfg.eval
+  per_length = ", ".join(f"{e.num_batches * e.batch_size * L:,} at {L}" for L in lengths)
   lines = header(cfg, prov) + [
       f"- seeds: {n} (the whole experiment, teacher included, once per seed)", "",
       "Held-out loss (nats per byte) at each evaluation length, and the read error of the "
       "flip-flop probe (each run fine-tuned on flip-flop in byte tokens from its parameters) "
       "at the probe's training length and 4x it; with several seeds, mean ± half the spread "
       "(each seed's value). `tokens`: what the run trained on, a conversion's teacher "
-      "included.", "", report.markdown_table(head, rows), ""]
+      f"included. Each length is scored on its own held-out rows ({e.num_batches} batches of "
+      f"{e.batch_size} rows: {per_length} tokens), the same rows for every run: compare runs "
+      "within a column; a run's columns are not the same tokens (a longer row also gives "
+      "each token more context, which lowers the loss of source code).", "",
+      report.markdown_table(head, rows), ""]
   if out_dir is not None:
     _plot(runs, lengths, os.path.join(out_dir, PLOT), cfg)
   lines += [f"![held-out loss against evaluation length]({img}{PLOT})", ""]

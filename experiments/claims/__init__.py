@@ -39,7 +39,7 @@ PAGES = {
     "word_problem_gpu": syn.WORD_PROBLEM_GPU, **syn.A5_SUBPAGES,
     "distance_bias": probes.DISTANCE_BIAS, "mixing_window": probes.MIXING_WINDOW,
     "distance_bias_gpu": probes.DISTANCE_BIAS_GPU, "mixing_window_gpu": probes.MIXING_WINDOW_GPU,
-    "convert": convert.CONVERT,
+    "convert": convert.CONVERT, "convert_gpu": convert.CONVERT_GPU,
 }
 
 # Paper claims no folder tests yet: they belong in the index as much as the tested ones.
