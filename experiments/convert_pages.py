@@ -82,21 +82,27 @@ def section(cfg, results: dict, prov: dict, out_dir: str | None, *, img: str = "
 
 def _plot(runs: dict, lengths: list[int], path: str, cfg) -> None:
   fig, ax = plt.subplots(figsize=(7, 4.2))
-  for name, r in runs.items():
+  names = list(runs)
+  for i, (name, r) in enumerate(runs.items()):
     xs = [n for n in lengths if str(n) in r["loss"]]
     per = [r["loss"][str(n)] for n in xs]
     st = plot_style.encoding(r["encoding"])
+    # Wider than the later runs of its kind (same line style): PaTH-FoX converted, drawn over
+    # PaTH converted with the same losses, must not hide it.
+    later = sum(kind(n) == kind(name) for n in names[i + 1:])
     ax.plot(xs, [np.mean(v) for v in per], linestyle=LINES[kind(name)],
-            marker=st["marker"], markersize=4, color=st["color"], label=name)
+            marker=st["marker"], markersize=4, color=st["color"], label=name, lw=1.5 + later)
     if max(len(v) for v in per) > 1:   # every seed inside the band
       ax.fill_between(xs, [min(v) for v in per], [max(v) for v in per], color=st["color"],
                       alpha=0.12, lw=0)
   ax.set_xscale("log", base=2)
-  ax.set_xlabel("evaluation length (tokens)")
+  ax.set_xlabel("evaluation length (tokens; each length scores its own held-out rows)")
   ax.set_ylabel("held-out loss (nats / byte)")
   m = cfg.model
+  several = any(len(v) > 1 for r in runs.values() for v in r["loss"].values())
   ax.set_title(f"RoPE -> PaTH conversion: {m.num_layers} x {m.d_model}, trained at "
-               f"{cfg.data.seq_len} (band: min-max over seeds)")
+               f"{cfg.data.seq_len}" + ("\n(band: min-max over seeds)" if several else ""),
+               fontsize=10)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
