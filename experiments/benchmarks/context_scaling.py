@@ -19,7 +19,9 @@ the program (xla_temp_gib: its temporaries per device; arguments, outputs); comm
 share: one more step under jax.profiler, the device time of collective ops (all-gather, all-reduce, reduce-scatter,
 collective-permute, all-to-all, NCCL kernels) over all device time. The markdown table gives
 each context-N row's scaling (its tokens/s per GPU over the same encoding's one-GPU row at
-T / N) and memory ratio (its peak over that row's).
+T / N), the ideal scaling (that row's training FLOPs per token over this one's,
+throughput_common.train_flops: causal attention does more work per token at a longer T, so
+perfect scaling is below 1) and memory ratio (its peak over that row's).
 """
 from __future__ import annotations
 
@@ -110,6 +112,7 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
   row = {}
   with jax.set_mesh(mesh):
     state = jax.block_until_ready(trainer.init_state(0))
+    total, embedding = shared.count_params(state["params"])
     batches = [trainer.put(b) for b in host]
     progress("state initialised, batches on the devices")
     t0 = time.perf_counter()
@@ -136,6 +139,10 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
           jax.block_until_ready((state, metrics))
         row["comm_share"], row["top_ops"] = _profile(trace, context)
   med = statistics.median(step_s)
+  flops = shared.train_flops(family=shared.family_of(encoding), dense_params=total - embedding,
+                             num_layers=args.layers, num_heads=args.heads,
+                             head_dim=args.head_dim, seq_len=seq_len, batch=args.batch)
+  row["flops_per_token"] = flops["total"] / (args.batch * seq_len)
   stats = [d.memory_stats() or {} for d in devices]
   peaks = [s.get("peak_bytes_in_use") for s in stats]
   row.update(step_ms=med * 1e3, step_ms_all=[round(s * 1e3, 2) for s in step_s],
@@ -251,21 +258,28 @@ def render_markdown(rows: list[dict]) -> str:
            "- model: llama-style, d_model 768, 12 heads of 64, vocabulary 32,000, bf16, batch 1 "
            "(the text task); command in experiments/benchmarks/context_scaling.py",
            "- scaling: tokens/s per GPU over the same encoding's one-GPU row at T / context; "
+           "ideal: the best scaling the work allows, that row's training FLOPs per token over "
+           "this one's (causal attention's work per token grows with T); of ideal: scaling / "
+           "ideal; "
            "memory: peak GiB over that row's; XLA temp: the compiled step's temporaries per "
            "device (memory_analysis)", "",
-           "| encoding | layers | T | context | tokens/s per GPU | step ms | scaling | peak GiB | "
-           "XLA temp GiB | memory ratio | comm share | loss first > last |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| encoding | layers | T | context | tokens/s per GPU | step ms | scaling | ideal | "
+           "of ideal | peak GiB | XLA temp GiB | memory ratio | comm share | loss first > last |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for (e, n, t, c), r in sorted(latest.items(), key=lambda kv: kv[0]):
     if r.get("error"):
-      lines.append(f"| {e} | {n} | {t:,} | {c} | error: {r['error'][:120]} | | | | | | | |")
+      lines.append(f"| {e} | {n} | {t:,} | {c} | error: {r['error'][:120]} | | | | | | | | | |")
       continue
     base = ok.get((e, n, t // c, 1)) if c > 1 else None
     scale = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"] if base else None
+    ideal = (base["flops_per_token"] / r["flops_per_token"]
+             if base and base.get("flops_per_token") and r.get("flops_per_token") else None)
     mem = (r["peak_gib"] / base["peak_gib"]
            if base and r.get("peak_gib") and base.get("peak_gib") else None)
     lines.append(f"| {e} | {n} | {t:,} | {c} | {r['tokens_per_s_per_gpu']:,.0f} | "
-                 f"{r['step_ms']:.1f} | {_fmt(scale, '.2f')} | {_fmt(r.get('peak_gib'), '.1f')} | "
+                 f"{r['step_ms']:.1f} | {_fmt(scale, '.2f')} | {_fmt(ideal, '.2f')} | "
+                 f"{_fmt(scale / ideal if scale and ideal else None, '.2f')} | "
+                 f"{_fmt(r.get('peak_gib'), '.1f')} | "
                  f"{_fmt(r.get('xla_temp_gib'), '.1f')} | {_fmt(mem, '.2f')} | "
                  f"{_fmt(r.get('comm_share'), '.1%')} | "
                  f"{r['loss_first']:.2f} > {r['loss_last']:.2f}"

@@ -87,6 +87,13 @@ def train_flops(*, family: str, dense_params: int, num_layers: int, num_heads: i
   return out
 
 
+def count_params(params) -> tuple[int, int]:
+  """(all parameters, the embedding table's) of the Trainer's params dict."""
+  import jax  # here, not at the top: the benchmarks' parents never import jax
+  total = sum(int(x.size) for x in jax.tree.leaves(params))
+  return total, int(params["embed"]["embedding"].size)
+
+
 def mfu(flops: float, step_s: float, peak_tflops: float | None) -> float | None:
   return None if not peak_tflops or not step_s else flops / step_s / (peak_tflops * 1e12)
 

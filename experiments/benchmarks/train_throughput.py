@@ -102,8 +102,8 @@ from experiments.benchmarks import common  # noqa: E402
 from experiments.benchmarks import fla_anchor_model  # noqa: E402 (torch only inside it)
 from experiments.benchmarks import throughput_parent  # noqa: E402
 from experiments.benchmarks.throughput_common import (  # noqa: E402
-    EMBED, ROW_PREFIX, Schedule, Size, family_of, now_utc, row_identity, split_name, steps_to_run,
-    text_batches, timing_fields, train_flops, loss_summary)
+    EMBED, ROW_PREFIX, Schedule, Size, count_params, family_of, now_utc, row_identity, split_name,
+    steps_to_run, text_batches, timing_fields, train_flops, loss_summary)
 from experiments.benchmarks.throughput_tables import (  # noqa: E402
     ANCHORS, MATMUL, print_table, read_rows, render_markdown, runnable_encodings)
 from experiments.configs import base  # noqa: E402
@@ -141,12 +141,6 @@ def jax_peak_gib() -> float | None:
   if not stats or "peak_bytes_in_use" not in stats:
     return None
   return stats["peak_bytes_in_use"] / 2**30
-
-
-def count_params(params) -> tuple[int, int]:
-  """(all parameters, the embedding table's) of the Trainer's params dict."""
-  total = sum(int(x.size) for x in jax.tree.leaves(params))
-  return total, int(params["embed"]["embedding"].size)
 
 
 def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
