@@ -16,8 +16,8 @@ median, per GPU = that / N); the loss of each of the first --loss-steps steps (f
 falling: mean of the last 5 below the first 5); peak memory: the largest
 memory_stats()["peak_bytes_in_use"] of the N GPUs, beside XLA's compile-time account of
 the program (xla_temp_gib: its temporaries per device; arguments, outputs); communication
-share: one more step under jax.profiler, the device time of collective ops (all-gather, all-reduce, reduce-scatter,
-collective-permute, all-to-all, NCCL kernels) over all device time. The markdown table gives
+share: one more step under jax.profiler, the device time of collective ops (all-gather,
+all-reduce, reduce-scatter, collective-permute, all-to-all, NCCL kernels) over all device time. The markdown table gives
 each context-N row's scaling (its tokens/s per GPU over the same encoding's one-GPU row at
 T / N), the ideal scaling (that row's training FLOPs per token over this one's,
 throughput_common.train_flops: causal attention does more work per token at a longer T, so
@@ -108,7 +108,7 @@ def run_row(args, encoding: str, seq_len: int, context: int) -> dict:
   mesh = sharding.make_mesh(data=1, fsdp=1, context=context, devices=devices)
   trainer = train.Trainer(mcfg, base.get_config().train, mesh)
   count = max(args.loss_steps, args.warmup + args.steps) + 1
-  host, _ = shared.text_batches(seq_len=seq_len, batch=args.batch, count=count)
+  host, _ = shared.text_batches(seq_len=seq_len, batch=args.batch, count=count, vocab=args.vocab)
   row = {}
   with jax.set_mesh(mesh):
     state = jax.block_until_ready(trainer.init_state(0))

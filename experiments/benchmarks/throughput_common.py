@@ -101,11 +101,16 @@ def mfu(flops: float, step_s: float, peak_tflops: float | None) -> float | None:
 # --- batches and shared row fields ---------------------------------------------------------
 
 
-def text_batches(*, seq_len: int, batch: int, count: int) -> tuple[list[dict], object]:
+def text_batches(*, seq_len: int, batch: int, count: int,
+                 vocab: int | None = None) -> tuple[list[dict], object]:
   """(`count` host batches of the `text` task, the iterator that continues after them), as
-  experiments/train.py draws them."""
+  experiments/train.py draws them. vocab: the model's, checked against the task's (token ids
+  past a model's vocabulary give no error, only NaN losses)."""
   cfg = base.get_config().data
   cfg.task, cfg.seq_len = "text", seq_len
+  if vocab is not None and vocab < data.vocab_size(cfg):
+    raise ValueError(f"--vocab={vocab} is smaller than the text task's vocabulary "
+                     f"({data.vocab_size(cfg)}); use at least that")
   it = data.make_train_iter(cfg, batch_size=batch, seed=0)
   return [next(it) for _ in range(count)], it
 

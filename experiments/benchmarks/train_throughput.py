@@ -160,7 +160,8 @@ def run_jax(*, name: str, seq_len: int, batch: int, size: Size, dtype: str,
   train_cfg = base.get_config().train
   mesh = sharding.make_mesh(data=1, fsdp=1, devices=jax.devices()[:1])
   trainer = train.Trainer(mcfg, train_cfg, mesh)
-  host_batches, more = text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches)
+  host_batches, more = text_batches(seq_len=seq_len, batch=batch, count=schedule.num_batches,
+                                    vocab=mcfg.vocab_size)
   row = {}
   with jax.set_mesh(mesh):
     batches = jax.block_until_ready([trainer.put(b) for b in host_batches])
