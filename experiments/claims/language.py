@@ -316,16 +316,21 @@ TAPA_PS003 = Page(
     sections=(Section(heading="TAPA (quadratic phase)"),
               Section("../tapa_linear_ps003", heading="TAPA-linear")))
 
+def _linear_claims(load) -> list[Verdict]:
+  """A TAPA-linear folder's verdict, against RoPE's one seed in ../."""
+  return [Verdict(
+      "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length",
+      "contradicted" if _best(load, "tapa_linear", 32) > _worst(load, "rope", 32, "..")
+      else "partly",
+      f"TAPA-linear 32x / 1x {_ratio(load, 'tapa_linear', 32)} against RoPE's "
+      f"{_ratio(load, 'rope', 32, '..')} (../, 1 seed); at 1x "
+      f"{seeds(_at(load, '.', 'tapa_linear'))} against RoPE's "
+      f"{seeds(_at(load, '..', 'rope'))}", load.seeds())]
+
+
 TAPA_LINEAR_PS003 = Page(
     "TAPA-linear with phase_scale 0.03 at the shared lr 1e-3 (GPU length extrapolation)",
-    lambda load: [Verdict(
-        "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length",
-        "contradicted" if _best(load, "tapa_linear", 32) > _worst(load, "rope", 32, "..")
-        else "partly",
-        f"TAPA-linear 32x / 1x {_ratio(load, 'tapa_linear', 32)} against RoPE's "
-        f"{_ratio(load, 'rope', 32, '..')} (../, 1 seed); at 1x "
-        f"{seeds(_at(load, '.', 'tapa_linear'))} against RoPE's "
-        f"{seeds(_at(load, '..', 'rope'))}", load.seeds())],
+    _linear_claims,
     ("As ../tapa_ps003/ (the shared recipe, phase_scale 0.03), TAPA's linear phase (eq. 16).",
      "Seeds: 3."), index=False)
 
@@ -347,14 +352,7 @@ TAPA_NORM = Page(
 TAPA_LINEAR_NORM = Page(
     "TAPA-linear with normalised phase channels at the shared lr 1e-3 (GPU length "
     "extrapolation)",
-    lambda load: [Verdict(
-        "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length",
-        "contradicted" if _best(load, "tapa_linear", 32) > _worst(load, "rope", 32, "..")
-        else "partly",
-        f"TAPA-linear 32x / 1x {_ratio(load, 'tapa_linear', 32)} against RoPE's "
-        f"{_ratio(load, 'rope', 32, '..')} (../, 1 seed); at 1x "
-        f"{seeds(_at(load, '.', 'tapa_linear'))} against RoPE's "
-        f"{seeds(_at(load, '..', 'rope'))}", load.seeds())],
+    _linear_claims,
     ("As ../tapa_norm/ (the shared recipe, phase_scale 0.03, phase_norm), TAPA's linear "
      "phase (eq. 16).", "Seeds: 3."), index=False)
 
