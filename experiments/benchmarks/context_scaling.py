@@ -17,11 +17,11 @@ falling: mean of the last 5 below the first 5); peak memory: the largest
 memory_stats()["peak_bytes_in_use"] of the N GPUs, beside XLA's compile-time account of
 the program (xla_temp_gib: its temporaries per device; arguments, outputs); communication
 share: one more step under jax.profiler, the device time of collective ops (all-gather,
-all-reduce, reduce-scatter, collective-permute, all-to-all, NCCL kernels) over all device time. The markdown table gives
-each context-N row's scaling (its tokens/s per GPU over the same encoding's one-GPU row at
-T / N), the ideal scaling (that row's training FLOPs per token over this one's,
-throughput_common.train_flops: causal attention does more work per token at a longer T, so
-perfect scaling is below 1) and memory ratio (its peak over that row's).
+all-reduce, reduce-scatter, collective-permute, all-to-all, NCCL kernels) over all device
+time. The markdown table gives each context-N row's scaling (its tokens/s per GPU over the
+same encoding's one-GPU row at T / N), the ideal scaling (that row's training FLOPs per token
+over this one's, throughput_common.train_flops: causal attention does more work per token at
+a longer T, so perfect scaling is below 1) and memory ratio (its peak over that row's).
 """
 from __future__ import annotations
 
