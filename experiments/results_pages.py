@@ -69,8 +69,8 @@ class Folder:
     fewer than the folder gathered)."""
     if self.summaries:
       return tuple(sorted({s.get("seed", 0) for s in self.summaries}))
-    if self.kind == "convert":   # one whole experiment per seed, counted in its results
-      return tuple(range(self.results.get("seeds", 1)))
+    if "seeds" in self.results:   # results that count their seeds (convert: whole experiments)
+      return tuple(range(self.results["seeds"]))
     if "sweep" in self.config:
       return tuple(self.config.sweep.get("seeds", ()) or (self.config.train.seed,))
     return ()

@@ -30,13 +30,14 @@ def provenance(argv: list[str], wall_s: float, module: str = "experiments.sweeps
   except (OSError, StopIteration):
     pass
   return {"command": f"python -m {module} " + " ".join(argv[1:]),
-          "machine": f"{_devices(jax)}, {os.cpu_count()} cores ({cpu}), shared",
+          "machine": f"{_devices()}, {os.cpu_count()} cores ({cpu}), shared",
           "jax": jax.__version__, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
           "wall_time_s": round(wall_s)}
 
 
-def _devices(jax) -> str:
+def _devices() -> str:
   """'cpu', or the accelerator's kind and count ('NVIDIA H200 x4')."""
+  import jax
   d = jax.devices()[0]
   return d.platform if d.platform == "cpu" else f"{d.device_kind} x{jax.device_count()}"
 

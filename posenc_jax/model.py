@@ -46,7 +46,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-
 from posenc_jax import dispatch
 from posenc_jax.context_parallel import mesh as cp_mesh
 from posenc_jax import encodings

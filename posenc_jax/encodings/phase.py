@@ -35,19 +35,18 @@ def _check_dims(name, *, theta):
 
 
 
-def _scale_phase(x_BTHD, theta, scale):
-  """x with its phase channels (the last D - round(theta D)) multiplied by scale."""
+def _phase_channels(x_BTHD, theta, *, norm: bool, scale: float):
+  """x with its phase channels (the last D - round(theta D)) divided by their root mean square
+  (norm; in float32), then multiplied by scale; the amplitude channels pass through."""
+  if not norm and scale == 1.0:
+    return x_BTHD
   A, _ = tapa.split_sizes(theta, x_BTHD.shape[-1])
-  factor = jnp.where(jnp.arange(x_BTHD.shape[-1]) < A, 1.0, scale).astype(x_BTHD.dtype)
-  return x_BTHD * factor
-
-
-def _normalise_phase(x_BTHD, theta):
-  """x with its phase channels divided by their root mean square (in float32)."""
-  A, _ = tapa.split_sizes(theta, x_BTHD.shape[-1])
-  amp, ph = x_BTHD[..., :A], x_BTHD[..., A:].astype(jnp.float32)
-  ph = ph * jax.lax.rsqrt(jnp.mean(ph * ph, axis=-1, keepdims=True) + 1e-6)
-  return jnp.concatenate([amp, ph.astype(x_BTHD.dtype)], axis=-1)
+  amp, ph = x_BTHD[..., :A], x_BTHD[..., A:]
+  if norm:
+    ph32 = ph.astype(jnp.float32)
+    ph = (ph32 * jax.lax.rsqrt(jnp.mean(ph32 * ph32, axis=-1, keepdims=True) + 1e-6)
+          ).astype(x_BTHD.dtype)
+  return jnp.concatenate([amp, ph * jnp.asarray(scale, x_BTHD.dtype)], axis=-1)
 
 
 def _add(name: str, linear_phase: bool):
@@ -61,12 +60,12 @@ def _add(name: str, linear_phase: bool):
     layer, hp = split_layer_args(kw)
     hp = resolve_hparams(name, hp, HPARAMS)
     q, k = layer["q"], layer["k"]
-    if hp["phase_norm"]:
-      q, k = _normalise_phase(q, hp["theta"]), _normalise_phase(k, hp["theta"])
-    if hp["phase_scale"] != 1.0:
-      q = _scale_phase(q, hp["theta"], hp["phase_scale"])
-      if linear_phase:
-        k = _scale_phase(k, hp["theta"], hp["phase_scale"])
+    # phase_scale scales phi through q_P alone for the quadratic phase, q_P and k_P for the
+    # linear one (a sum of the two).
+    scale = hp["phase_scale"]
+    q = _phase_channels(q, hp["theta"], norm=hp["phase_norm"], scale=scale)
+    k = _phase_channels(k, hp["theta"], norm=hp["phase_norm"],
+                        scale=scale if linear_phase else 1.0)
     return Prepared("tapa", q, k, layer["v"],
                     {"alpha": hp["alpha"], "theta": hp["theta"], "linear_phase": linear_phase})
 
