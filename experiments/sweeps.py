@@ -104,16 +104,37 @@ def plan_runs(config, workdir: str) -> list[dict]:
   return runs
 
 
+# Fields that pick which runs to make (--config.train.seed=2 narrows a sweep to seed 2, as
+# sweep.seeds does), or say only how a run is executed, not what it computes.
+_NOT_FINGERPRINTED = {"sweep": ("encodings", "seeds", "axis_values"), "train": ("seed",
+                      "compile_cache_dir", "allow_config_change"),
+                      "data": ("read_threads", "prefetch_batches"), "": ("distributed", "mesh")}
+
+
 def config_fingerprint(config) -> str:
-  """The experiment config without the fields that pick which runs to make (encodings, seeds,
-  the swept axis's values) or only how fast the host feeds them (data.read_threads,
-  data.prefetch_batches): runs with equal fingerprints belong in one results table."""
+  """What an experiment config computes, as a short hash: runs with equal fingerprints belong
+  in one results table. `config` is a ConfigDict or its to_dict() (a results folder's stored
+  provenance config). Left out: the fields of _NOT_FINGERPRINTED, and every field at the base
+  config's default, so that a field added to the config later, at a default that changes
+  nothing, leaves the fingerprints of the runs made before it unchanged."""
   import hashlib
-  d = config.to_dict()
-  d["sweep"] = {k: v for k, v in d["sweep"].items()
-                if k not in ("encodings", "seeds", "axis_values")}
-  d["data"] = {k: v for k, v in d["data"].items() if k not in ("read_threads", "prefetch_batches")}
-  return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+  from experiments.configs import base
+
+  def plain(d):
+    return json.loads(json.dumps(d, default=str))   # tuples -> lists, as stored configs hold
+
+  def changed(d, default):
+    return {k: (changed(v, default[k]) if isinstance(v, dict) and isinstance(default.get(k), dict)
+                else v) for k, v in d.items() if k not in default or v != default[k]}
+
+  d = plain(config.to_dict() if hasattr(config, "to_dict") else config)
+  for section, names in _NOT_FINGERPRINTED.items():
+    node = d.get(section, {}) if section else d
+    for name in names:
+      node.pop(name, None)
+  d = changed(d, plain(base.get_config().to_dict()))
+  return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def run_sweep(config, workdir: str, *, log=print, only=None) -> list[dict]:

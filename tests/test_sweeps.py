@@ -27,6 +27,19 @@ def _summary(encoding, loss, seed=0):
 def test_config_fingerprint_ignores_only_the_run_selection():
   fp = lambda arg: sweeps.config_fingerprint(length_extrapolation.get_config(arg))  # noqa: E731
   assert fp("encodings=rope") == fp("encodings=path+alibi") == fp("encodings=rope,seeds=3")
+  seed2 = length_extrapolation.get_config("encodings=rope")
+  seed2.train.seed = 2   # what --config.train.seed=2 sets: seed 2's runs of the same sweep
+  assert sweeps.config_fingerprint(seed2) == fp("encodings=rope")
+  # A results folder's stored config (a plain dict, lists for tuples) gives the same hash.
+  stored = json.loads(json.dumps(length_extrapolation.get_config("encodings=rope").to_dict()))
+  assert sweeps.config_fingerprint(stored) == fp("encodings=rope")
+  # A field the config gained later, at its default, leaves older runs' fingerprints alone;
+  # set away from its default, it is part of what the run computes.
+  older = dict(stored, train={k: v for k, v in stored["train"].items() if k != "init_from"})
+  assert sweeps.config_fingerprint(older) == fp("encodings=rope")
+  other = length_extrapolation.get_config("encodings=rope")
+  other.train.init_from = "/some/checkpoint"
+  assert sweeps.config_fingerprint(other) != fp("encodings=rope")
   assert fp("encodings=rope") != fp("encodings=rope,steps=7")
   assert fp("encodings=rope") != fp("encodings=rope,train_len=128")
   from experiments.configs import word_problem
