@@ -13,6 +13,7 @@ from experiments.claims import convert
 from experiments.claims import language as lm
 from experiments.claims import probes
 from experiments.claims import synthetic as syn
+from experiments.claims import tapa_study
 from experiments.claims.base import PAPER_ORDER  # noqa: F401
 from experiments.claims.base import Page  # noqa: F401
 from experiments.claims.base import Section  # noqa: F401
@@ -30,8 +31,14 @@ PAGES = {
     "length_extrapolation_gpu/tapa_linear_ps003": lm.TAPA_LINEAR_PS003,
     "length_extrapolation_gpu/tapa_norm": lm.TAPA_NORM,
     "length_extrapolation_gpu/tapa_linear_norm": lm.TAPA_LINEAR_NORM,
-    "length_extrapolation_gpu/tapa_norm_1800": lm.TAPA_NORM_1800,
-    "length_extrapolation_gpu/rope_1800": lm.ROPE_1800,
+    "length_extrapolation_gpu/tapa_norm_1800": tapa_study.TAPA_NORM_1800,
+    "length_extrapolation_gpu/rope_1800": tapa_study.ROPE_1800,
+    "length_extrapolation_gpu/tapa_norm_3000": tapa_study.TAPA_NORM_3000,
+    "length_extrapolation_gpu/rope_3000": tapa_study.ROPE_3000,
+    "length_extrapolation_gpu/tapa_norm_hd128": tapa_study.TAPA_NORM_HD128,
+    "length_extrapolation_gpu/rope_hd128": tapa_study.ROPE_HD128,
+    "length_extrapolation_gpu/tapa_norm_recipe": tapa_study.TAPA_NORM_RECIPE,
+    "length_extrapolation_gpu/tapa_norm_alpha05": tapa_study.TAPA_NORM_ALPHA05,
     "length_extrapolation_gpu/nope": lm.NOPE_GPU,
     "length_extrapolation_gpu/grape_m": lm.GRAPE_M_LM,
     "length_extrapolation_gpu/acc_rot": lm.ACC_ROT_GPU,

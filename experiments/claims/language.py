@@ -371,44 +371,6 @@ TAPA_LINEAR_NORM = Page(
      "phase (eq. 16).", "Seeds: 3."), index=False)
 
 
-def _longer_claims(load) -> list[Verdict]:
-  tapa, rope = _at(load, ".", "tapa"), _at(load, "../rope_1800", "rope")
-  return [Verdict(
-      "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length (RoPE "
-      "collapses), trained three times longer",
-      "reproduced" if _worst(load, "tapa", 32) < _best(load, "rope", 32, "../rope_1800")
-      and max(_at(load, ".", "tapa", 32)) < min(_at(load, "../rope_1800", "rope", 32))
-      else "contradicted",
-      f"1,800 steps: TAPA 32x / 1x {_ratio(load, 'tapa', 32)} against RoPE's "
-      f"{_ratio(load, 'rope', 32, '../rope_1800')}; at 1x TAPA {seeds(tapa)}, RoPE "
-      f"{seeds(rope)} ({tapa[0] / rope[0] - 1:+.0%}); at 32x "
-      f"{seeds(_at(load, '.', 'tapa', 32))} against "
-      f"{seeds(_at(load, '../rope_1800', 'rope', 32))}", load.seeds())]
-
-
-TAPA_NORM_1800 = Page(
-    "TAPA with normalised phase channels and RoPE trained for 1,800 steps (GPU length "
-    "extrapolation)",
-    _longer_claims,
-    ("As ../tapa_norm/ (TAPA) and ../README.md (RoPE), trained for 1,800 steps (59M tokens) "
-     "instead of 600, the warmup and cosine decay stretched with them; RoPE's run is "
-     "../rope_1800/.",
-     "Seeds: 1 each.") + _LE_COMMON[:2],
-    sections=(Section(heading="TAPA (phase_norm)"),
-              Section("../rope_1800", heading="RoPE")))
-
-ROPE_1800 = Page(
-    "RoPE trained for 1,800 steps (GPU length extrapolation)",
-    lambda load: [Verdict(
-        "acc_rot Table 1", "RoPE's perplexity grows past the training length, trained three "
-        "times longer", "reproduced" if min(_ratios(load, "rope", 16)) > 2 else "partly",
-        f"16x / 1x {_ratio(load, 'rope', 16)}, 32x / 1x {_ratio(load, 'rope', 32)} after "
-        f"1,800 steps; {_ratio(load, 'rope', 16, '..')} and {_ratio(load, 'rope', 32, '..')} "
-        "after 600 (../)", load.seeds())],
-    ("As ../README.md, trained for 1,800 steps; the baseline of ../tapa_norm_1800/.",
-     "Seeds: 1."), index=False)
-
-
 def _nope_claims(load) -> list[Verdict]:
   return [Verdict(
       "acc_rot §3", "NoPE (identity transport) is length-stable, but creates no score gap "
