@@ -250,6 +250,13 @@ LENGTH_GPU = Page(
                       "[tapa_norm/](tapa_norm/README.md), "
                       "[tapa_linear_norm/](tapa_linear_norm/README.md), and trained for 1,800 "
                       "steps beside RoPE, [tapa_norm_1800/](tapa_norm_1800/README.md)."),
+              Section("tapa_norm_3000", heading="TAPA (phase_norm) trained for 3,000 steps",
+                      intro="Beside RoPE trained as long ([rope_3000/](rope_3000/README.md)): "
+                      "the gap at 1x closes with the budget. The paper's recipe shape, head "
+                      "dim 128 and alpha 0.5 leave it: [tapa_norm_recipe/]"
+                      "(tapa_norm_recipe/README.md), [tapa_norm_hd128/]"
+                      "(tapa_norm_hd128/README.md), [tapa_norm_alpha05/]"
+                      "(tapa_norm_alpha05/README.md); NOTES.md has the table."),
               Section("nope", heading="NoPE")))
 
 TAPA_LR = Page(

@@ -21,7 +21,10 @@ own results directory (length_extrapolation_gpu/tapa_lr2e-4/) and did not learn 
 phase starts random and moves too fast; with the paper's recipe and the phase started small it
 trains (length_extrapolation_gpu/tapa_stable/, NOTES.md there):
 `gpu,encodings=tapa,lr=2e-4,seeds=3 --config.model.encoding_kwargs.phase_scale=0.1
---config.train.warmup_steps=300 --config.train.weight_decay=0.0`.
+--config.train.warmup_steps=300 --config.train.weight_decay=0.0`. With its phase channels
+normalised it learns at the shared rate (`encodings=tapa --config.model.encoding_kwargs.
+phase_norm=True --config.model.encoding_kwargs.phase_scale=0.03`, tapa_norm/), and with
+`steps=3000` it comes within 6% of RoPE trained as long (tapa_norm_3000/, rope_3000/).
 
 `gpu` (one GPU; issue 15's scale): a 6-layer llama-style model (d_model 768, 12 heads x 64,
 ~43M parameters) in bfloat16, trained at L = 512 on batches of 64 rows (32,768 tokens a step)
