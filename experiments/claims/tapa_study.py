@@ -83,8 +83,8 @@ def _longer(steps: int, rope: str) -> Page:
       "extrapolation)",
       lambda load: [_graceful(load, rope, setting), _match(load, rope, f"{steps:,} steps")],
       (f"As ../tapa_norm/ (TAPA) and ../README.md (RoPE), trained for {steps:,} steps "
-       f"({steps * 32768 / 1e6:.0f}M tokens) instead of 600, the warmup and cosine decay "
-       f"stretched with them; RoPE's run is {rope}/.",
+       f"({steps * 32768 / 1e6:.0f}M tokens) instead of 600: the cosine decay stretched "
+       f"with them, the warmup kept at 60 steps; RoPE's run is {rope}/.",
        "Seeds: 1 each.") + _LE_COMMON[:2],
       sections=(Section(heading="TAPA (phase_norm)"), Section(rope, heading="RoPE")))
 
