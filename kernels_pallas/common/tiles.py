@@ -68,6 +68,34 @@ def causal_visible(dist, seg_r, seg_c, *, strict: bool = False):
   return ok
 
 
+def document_bounds(seg_BT, bq: int, bk: int):
+  """Which tile pairs can hold a visible (query, key) pair, from segment ids [B, T] (T a
+  multiple of both tiles; computed in XLA before a launch): lo [B, nq, 1, 1], the first key
+  tile any query of query tile i can see, and hi [B, nk, 1, 1], the last query tile that sees
+  any key of key tile j (int32; read in a kernel with `bound`).
+
+  Two tiles can share a document only if their id ranges [min, max] overlap, so outside
+  [lo_i, diagonal] (and [diagonal, hi_j]) every pair is masked whatever the ids' layout: a walk
+  that skips those tiles computes the same bits. With packed documents shorter than a row,
+  most tiles of a causal walk lie wholly before the query's document."""
+  B, T = seg_BT.shape
+  nq, nk = T // bq, T // bk
+  sq, sk = seg_BT.reshape(B, nq, bq), seg_BT.reshape(B, nk, bk)
+  qmin, qmax, kmin, kmax = sq.min(-1), sq.max(-1), sk.min(-1), sk.max(-1)
+  causal = (jnp.arange(nk) * bk)[None, :] <= (jnp.arange(nq) * bq + bq - 1)[:, None]
+  vis = ((qmin[:, :, None] <= kmax[:, None, :]) & (kmin[:, None, :] <= qmax[:, :, None])
+         & causal)                                       # [B, nq, nk]; each row's diagonal
+  lo = jnp.argmax(vis, axis=2).astype(jnp.int32)          # tile is visible (its own keys)
+  hi = (nq - 1 - jnp.argmax(vis[:, ::-1, :], axis=1)).astype(jnp.int32)
+  return lo[:, :, None, None], hi[:, :, None, None]
+
+
+def bound(ref, i):
+  """Entry i of a [n, 1, 1] int32 ref (document_bounds' lo or hi) as a scalar: a load and a
+  reduction, which both the Triton lowering and the interpreter take."""
+  return jnp.min(ref[i])
+
+
 def read_optional(ref, index):
   """ref[index], or None for an absent operand."""
   return None if ref is None else ref[index]

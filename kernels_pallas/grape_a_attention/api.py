@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.grape_a_attention import kernels
 from kernels_pallas.common import launch
+from kernels_pallas.common import tiles
 from kernels_pallas.common.launch import f32_shape, pad_axis
 
 DEFAULT_BLOCK_Q = 64
@@ -62,10 +63,18 @@ def _call(backend, kernel, grid, operands, outs, st):
                              backend=backend, warps=WARPS, stages=STAGES)
 
 
+def _bounds(st, seg):
+  """(lo, hi) of tiles.document_bounds, or (None, None) without documents."""
+  if seg is None:
+    return None, None
+  return tiles.document_bounds(seg, st.block_q, st.block_k)
+
+
 def _query_major(st, q, k, rq, rk, v, seg):
   """Specs of a launch with one program per (query tile, head, batch) reading every key."""
   T, G = q.shape[1], q.shape[2] // k.shape[2]
   bq = st.block_q
+  lo = _bounds(st, seg)[0]
   tile = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0))  # noqa: E731
   keys = lambda d: pl.BlockSpec((None, T, None, d), lambda i, h, b: (b, 0, h // G, 0))  # noqa
   rows = pl.BlockSpec((None, bq, None), lambda i, h, b: (b, i, h))
@@ -75,7 +84,13 @@ def _query_major(st, q, k, rq, rk, v, seg):
       tile=tile, rows=rows,
       inputs=[(q, tile(q.shape[-1])), (k, keys(k.shape[-1])), (rq, rows), (rk, key_rates),
               (v, keys(v.shape[-1])), (seg, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
-              (seg, pl.BlockSpec((None, T), lambda i, h, b: (b, 0)))])
+              (seg, pl.BlockSpec((None, T), lambda i, h, b: (b, 0))),
+              (lo, _bound_spec(lo))])
+
+
+def _bound_spec(x):
+  """A program's whole [n, 1, 1] row of document_bounds' lo or hi (None: absent)."""
+  return None if x is None else pl.BlockSpec((None,) + x.shape[1:], lambda i, h, b: (b, 0, 0, 0))
 
 
 def _forward(cfg, q, k, rq, rk, v, seg):
@@ -123,6 +138,7 @@ def _attention_bwd(cfg, res, do):
   inputs = [(q, group(D)), (k, ktile(D)), (rq, group_rows), (rk, key_rates),
             (v, ktile(v.shape[-1])), (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
             (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
+            (hi := _bounds(st, seg)[1], _bound_spec(hi)),
             (do, group(do.shape[-1])), (lse, group_rows), (delta, group_rows)]
   outs = [(f32_shape(*k.shape), ktile(D)), (None if rk is None else f32_shape(B, T, H), key_rates),
           (f32_shape(*v.shape), ktile(v.shape[-1]))]

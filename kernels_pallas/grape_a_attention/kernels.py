@@ -17,7 +17,9 @@ Refs are time-major, cut by api.py's BlockSpecs: a query tile [bq, X], a whole k
 [T, X] read a tile at a time, a group's queries [T, G, X] read one head at a time. Per-row
 vectors (rates, lse, delta, segment ids) are 1-D. The caller pads T at the end: a padded query
 (sliced off, zero cotangent) or key (seen only by padded queries, later in time) changes no
-real row.
+real row. With documents, every walk skips the tiles that share no document with its own
+(tiles.document_bounds: lo for the query-major walks, hi for the key-major one); a skipped
+tile is wholly masked, so the results are the same bits.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from kernels_pallas.common import tiles
 from kernels_pallas.common.tiles import dot
@@ -53,10 +56,15 @@ def _logits(st: Static, r, c, r_rate, c_rate, dist):
   return s, fdist
 
 
-def forward_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, o_ref, lse_ref, *,
-                   st: Static):
-  """q [bq, D], k [T, D], (rq [bq]), (rk [T]), v [T, Dv], (sq [bq], sk [T]) -> o [bq, Dv],
-  lse [bq] float32."""
+def _first_key_tile(lo_ref):
+  """Where a query tile's walk starts: key tiles before lo share no document with it."""
+  return 0 if lo_ref is None else tiles.bound(lo_ref, pl.program_id(0))
+
+
+def forward_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, lo_ref, o_ref, lse_ref,
+                   *, st: Static):
+  """q [bq, D], k [T, D], (rq [bq]), (rk [T]), v [T, Dv], (sq [bq], sk [T], lo [nq, 1, 1])
+  -> o [bq, Dv], lse [bq] float32."""
   bq, bk = st.block_q, st.block_k
   q = q_ref[...]
   rq = tiles.read_optional(rq_ref, ...)
@@ -69,12 +77,13 @@ def forward_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, o_ref, l
     ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
     return tiles.causal_softmax_step(state, s, ok, v_ref[rows, :], precision=st.v_precision)
 
-  state = lax.fori_loop(0, n, body, tiles.causal_softmax_init(bq, v_ref.shape[-1]))
+  state = lax.fori_loop(_first_key_tile(lo_ref), n, body,
+                        tiles.causal_softmax_init(bq, v_ref.shape[-1]))
   o_ref[...], lse_ref[...] = tiles.causal_softmax_finish(state)
 
 
-def dq_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_ref, delta_ref,
-              dq_ref, drq_ref, *, st: Static):
+def dq_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, lo_ref, do_ref, lse_ref,
+              delta_ref, dq_ref, drq_ref, *, st: Static):
   """One query tile against the key tiles up to the diagonal: -> dq [bq, D], (drq [bq]),
   float32."""
   bq, bk = st.block_q, st.block_k
@@ -100,18 +109,18 @@ def dq_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_r
     return dq, drq
 
   init = (jnp.zeros(q.shape, jnp.float32), None if rq is None else jnp.zeros((bq,), jnp.float32))
-  dq, drq = lax.fori_loop(0, n, body, init)
+  dq, drq = lax.fori_loop(_first_key_tile(lo_ref), n, body, init)
   dq_ref[...] = st.scale * dq
   if drq_ref is not None:
     drq_ref[...] = drq
 
 
-def dkv_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_ref, delta_ref,
-               dk_ref, drk_ref, dv_ref, *, st: Static):
+def dkv_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, hi_ref, do_ref, lse_ref,
+               delta_ref, dk_ref, drk_ref, dv_ref, *, st: Static):
   """One key tile against its group's G query heads, the query tiles from the diagonal on.
   q [T, G, D], (rq [T, G]), do [T, G, Dv], lse, delta [T, G]; k [bk, D], (rk [bk, G]),
-  v [bk, Dv], (sq [T], sk [bk]) -> dk [bk, D], dv [bk, Dv] float32, summed over the group,
-  and (drk [bk, G]) float32, per query head.
+  v [bk, Dv], (sq [T], sk [bk], hi [nk, 1, 1]) -> dk [bk, D], dv [bk, Dv] float32, summed
+  over the group, and (drk [bk, G]) float32, per query head.
 
   Key-major tiles ([keys, queries]) so that dk += dS^T q and dv += P^T dO take them as they
   are."""
@@ -120,6 +129,8 @@ def dkv_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, do_ref, lse_
   v = v_ref[...]
   sk = tiles.read_optional(sk_ref, ...)
   kpos, first, n, G = tiles.key_major(bq, bk, q_ref)
+  if hi_ref is not None:   # the query tiles after hi share no document with this key tile
+    n = tiles.bound(hi_ref, pl.program_id(0)) + 1
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for g in range(G):

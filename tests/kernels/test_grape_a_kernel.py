@@ -32,16 +32,16 @@ def _inputs(key, *, B, T, H, K, D, Dv, dtype):
   return (q, k, v, rq, rk), jax.random.normal(ks[5], (B, T, H, Dv))
 
 
-def _documents(B, T):
-  """Row 0: three documents, starting at 0, 11 and 29 (inside tiles); the others one."""
-  starts = jnp.zeros((B, T), jnp.int32).at[0, jnp.array([11, 29])].set(1)
+def _documents(B, T, starts=(11, 29)):
+  """Row 0: documents starting at 0 and at `starts` (inside tiles); the others one."""
+  starts = jnp.zeros((B, T), jnp.int32).at[0, jnp.array(starts)].set(1)
   return jnp.cumsum(starts, axis=1)
 
 
 def _compare(key, *, dtype, rates, segments, B=2, T=40, H=4, K=2, D=24, Dv=16,
-             blocks=(16, 32)):
+             blocks=(16, 32), starts=(11, 29)):
   args, ct = _inputs(key, B=B, T=T, H=H, K=K, D=D, Dv=Dv, dtype=dtype)
-  seg = _documents(B, T) if segments else None
+  seg = _documents(B, T, starts) if segments else None
   scale = D ** -0.5
   use_q, use_k = "q" in rates, "k" in rates
 
@@ -76,6 +76,15 @@ def _compare(key, *, dtype, rates, segments, B=2, T=40, H=4, K=2, D=24, Dv=16,
 ], ids=["qk-f32-docs", "qk-bf16", "q-f32-docs", "k-f32"])
 def test_grape_a_kernel_matches_the_oracle(key, case):
   _compare(key, **case)
+
+
+@pytest.mark.parametrize("blocks", [(16, 16), (16, 32), (32, 16)])
+def test_grape_a_kernel_skips_other_documents_exactly(key, blocks):
+  """Documents shorter than a row (starting at 21, 40, 70 of 96): the forward and dq walks
+  start past key tiles of earlier documents, the dk/dv walk stops before query tiles of later
+  ones (tiles.document_bounds), and the result is the oracle's."""
+  _compare(key, dtype=F32, rates="qk", segments=True, T=96, blocks=blocks,
+           starts=(21, 40, 70))
 
 
 def test_grape_a_kernel_refuses_a_rate_of_another_shape():
