@@ -63,8 +63,17 @@ def setting(cfg) -> str:
     return f"flip-flop, length {d.seq_len}, {cfg.model.num_layers} layer, {run}"
   if d.task == "text":
     m = cfg.model
-    return (f"code bytes, trained at {d.seq_len}, {m.num_layers} x {m.d_model}, {run}")
+    return (f"code bytes, trained at {d.seq_len}, {m.num_layers} x {m.d_model} ({m.num_heads} "
+            f"heads x {m.head_dim}){_encoding_options(m)}, {run}")
   return run
+
+
+def _encoding_options(model) -> str:
+  """The encoding options a run set (', phase_norm, alpha 0.5'), so that a title tells apart
+  folders that differ only there."""
+  kw = dict(model.get("encoding_kwargs", {}) or {})
+  return "".join(f", {k}" if v is True else f", {k} {v}" for k, v in sorted(kw.items())
+                 if v is not False and v is not None)
 
 
 def seeds_text(n: int) -> str:

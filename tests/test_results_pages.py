@@ -154,3 +154,15 @@ def test_new_runs_that_break_a_claim_still_get_a_readme(tmp_path, monkeypatch):
   assert f"- {why} in experiments/claims/" in text
   assert why in results_pages.index_text()             # the index is still written
   assert "| path " in text                             # the table is still there
+
+
+def test_a_setting_names_the_heads_and_the_encoding_options():
+  """Folders that differ only in head width or an encoding option get titles that say so."""
+  def setting(sub):
+    return results_render.setting(
+        results_pages.Folder(os.path.join(results_pages.RESULTS_ROOT, sub)).config)
+  assert "6 x 768 (6 heads x 128), phase_norm, phase_scale 0.03," in setting(
+      "length_extrapolation_gpu/tapa_norm_hd128")
+  assert "(12 heads x 64), alpha 0.5, phase_norm," in setting(
+      "length_extrapolation_gpu/tapa_norm_alpha05")
+  assert "(12 heads x 64), 600 steps" in setting("length_extrapolation_gpu")
