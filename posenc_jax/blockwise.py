@@ -106,10 +106,10 @@ def map_query_blocks(query_block: Callable, n: int, *, parallel: bool | None = N
   steps over [n, B, H, Q, C] tiles instead of n^2 steps over [B, H, Q, C] ones. The tiles
   above the diagonal are then computed and masked instead of skipped (twice the tile work),
   and the backward holds one carry per key step for all blocks (O(n T) transient memory).
-  In the 12-layer bf16 train step (docs/benchmarks/train_throughput.md) it does not pay: TAPA
-  ran slower in parallel than one block at a time (the tile arithmetic, not the launches,
-  bounds it), ran out of memory at T = 8192, and GRAPE-AP's step took minutes to compile. So
-  None means sequential on every backend.
+  In the 12-layer bf16 train step (docs/benchmarks/train_throughput.md's git history) it does
+  not pay: TAPA ran slower in parallel than one block at a time (the tile arithmetic, not the
+  launches, bounds it), ran out of memory at T = 8192, and GRAPE-AP's step took minutes to
+  compile. So None means sequential on every backend.
   """
   block = jax.checkpoint(query_block)   # only the block's inputs are kept for the backward
   return jax.vmap(block)(jnp.arange(n)) if parallel else jax.lax.map(block, jnp.arange(n))

@@ -54,7 +54,7 @@ SBA_GPU_DTYPES = ("bfloat16", "float16")
 # [B, 1, T, T] mask, which jax turns into a bias in q's dtype: 2 B T^2 bytes per layer call
 # (512 MiB at B=4, T=8192; 8 GiB per row at T=65536). The project's Pallas flash kernel masks
 # segments tile by tile in O(T) memory but is slower: in the 12-layer bf16 train step cuDNN
-# with the mask was the faster at the same peak memory (docs/benchmarks/train_throughput.md).
+# with the mask was the faster at the same peak memory (train_throughput.md, lease E).
 # So packed documents go to cuDNN up to this length and to the Pallas kernel beyond it, where
 # the mask would grow to gigabytes (0 sends them all to Pallas).
 CUDNN_SEGMENT_MASK_MAX_T = 16384

@@ -22,7 +22,7 @@ count). Tokens per step are constant: B = tokens_per_step / T (16 x 2048, 4 x 81
   python -m experiments.benchmarks.train_throughput --render-only \
       --out workdirs/train_throughput.jsonl --markdown workdirs/train_throughput.md
 
-docs/benchmarks/train_throughput.md has the current tables; their rows are in
+docs/benchmarks/train_throughput.md has the current table; its rows are in
 docs/benchmarks/data/train_throughput_*.jsonl (render one with --render-only --out FILE).
 
 Each (encoding, T) runs in a fresh subprocess (`--one NAME --seq-len T ...`), so peak memory is
