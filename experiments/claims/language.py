@@ -1,6 +1,8 @@
 """Verdicts and deviations of the language-modelling experiments: length extrapolation
-(acc_rot Table 1, PaTH Fig. 3 and Table 2, TAPA Tables 1-3, GRAPE). The probes on its
-checkpoints are claims/probes.py; the conversion, claims/convert.py."""
+(acc_rot Table 1, PaTH Fig. 3 and Table 2, GRAPE), and the helpers that read a folder's
+per-seed perplexities and length ratios (ratios, ratio, worst, best, per_seed_at). The TAPA
+folders' pages are claims/tapa_study.py; the probes on the checkpoints, claims/probes.py; the
+conversion, claims/convert.py."""
 from __future__ import annotations
 
 from experiments import report
@@ -31,21 +33,21 @@ def paper_ratio(name: str, factor: int) -> float:
   return ppl[512 * factor] / ppl[512]
 
 
-def _ratios(load, name: str, factor: int, sub: str = ".") -> list[float]:
+def ratios(load, name: str, factor: int, sub: str = ".") -> list[float]:
   """Per seed, perplexity at factor x the training length over perplexity at it."""
   return results_render.length_ratios(load.results(sub), name, factor)
 
 
-def _ratio(load, name: str, factor: int, sub: str = ".") -> str:
-  return seeds(_ratios(load, name, factor, sub))
+def ratio(load, name: str, factor: int, sub: str = ".") -> str:
+  return seeds(ratios(load, name, factor, sub))
 
 
-def _worst(load, name: str, factor: int, sub: str = ".") -> float:
-  return max(_ratios(load, name, factor, sub))
+def worst(load, name: str, factor: int, sub: str = ".") -> float:
+  return max(ratios(load, name, factor, sub))
 
 
-def _best(load, name: str, factor: int, sub: str = ".") -> float:
-  return min(_ratios(load, name, factor, sub))
+def best(load, name: str, factor: int, sub: str = ".") -> float:
+  return min(ratios(load, name, factor, sub))
 
 
 def _paper_table(load) -> list[str]:
@@ -55,7 +57,7 @@ def _paper_table(load) -> list[str]:
     if name not in r["encodings"]:
       continue
     rows.append([name] + [c for f in (8, 16, 32) for c in
-                          (_ratio(load, name, f), f"{paper_ratio(name, f):.2f}")]
+                          (ratio(load, name, f), f"{paper_ratio(name, f):.2f}")]
                 + [f"{paper_ratio(name, 128):.2f}"])
   if not rows:
     return []
@@ -67,7 +69,7 @@ def _paper_table(load) -> list[str]:
 
 
 def _learned_v(load, n: int) -> Verdict:
-  ours, rope = _ratios(load, "acc_rot_learned_v", 16), _ratios(load, "rope", 16)
+  ours, rope = ratios(load, "acc_rot_learned_v", 16), ratios(load, "rope", 16)
   verdict, how = (("reproduced", "near flat") if max(ours) < 1.3 else
                   ("partly", "below RoPE's" + (" in every seed" if n > 1 else "")
                    + ", far from flat")
@@ -75,40 +77,40 @@ def _learned_v(load, n: int) -> Verdict:
   return Verdict("acc_rot Table 1", "learned token rotations on Q/K/V extrapolate far better "
                  f"than RoPE (16x: {paper_ratio('acc_rot_learned_v', 16):.2f}x against "
                  f"{paper_ratio('rope', 16):.1f}x)", verdict,
-                 f"acc_rot_learned_v 16x {_ratio(load, 'acc_rot_learned_v', 16)} against RoPE "
-                 f"{_ratio(load, 'rope', 16)}: {how}", n)
+                 f"acc_rot_learned_v 16x {ratio(load, 'acc_rot_learned_v', 16)} against RoPE "
+                 f"{ratio(load, 'rope', 16)}: {how}", n)
 
 
 def _flat(load, names) -> str:
-  return ", ".join(f"{n} {_ratio(load, n, 32)}" for n in names if n in load.results()["encodings"])
+  return ", ".join(f"{n} {ratio(load, n, 32)}" for n in names if n in load.results()["encodings"])
 
 
 def _acc_rot_le_claims(load, n: int) -> list[Verdict]:
   """The acc_rot Table 1 claims at the factors a CPU length-extrapolation table reaches."""
   out = [Verdict("acc_rot Table 1", "RoPE's perplexity grows past the training length "
                  f"(16x: {paper_ratio('rope', 16):.1f}x, 32x: {paper_ratio('rope', 32):.1f}x)",
-                 "reproduced" if _worst(load, "rope", 16) > 1.5 else "contradicted",
-                 f"RoPE 16x {_ratio(load, 'rope', 16)}, 32x {_ratio(load, 'rope', 32)} (smaller "
+                 "reproduced" if worst(load, "rope", 16) > 1.5 else "contradicted",
+                 f"RoPE 16x {ratio(load, 'rope', 16)}, 32x {ratio(load, 'rope', 32)} (smaller "
                  "than the paper's)", n),
          Verdict("acc_rot Table 1", "accumulated random rotations on Q/K/V stay nearly flat "
                  f"(16x: {paper_ratio('acc_rot_random_v', 16):.2f}x, 32x: "
                  f"{paper_ratio('acc_rot_random_v', 32):.2f}x)",
-                 "contradicted" if _worst(load, "acc_rot_random_v", 16) > 1.3 else "reproduced",
-                 f"acc_rot_random_v 16x {_ratio(load, 'acc_rot_random_v', 16)}, 32x "
-                 f"{_ratio(load, 'acc_rot_random_v', 32)}; RoPE 32x {_ratio(load, 'rope', 32)}", n),
+                 "contradicted" if worst(load, "acc_rot_random_v", 16) > 1.3 else "reproduced",
+                 f"acc_rot_random_v 16x {ratio(load, 'acc_rot_random_v', 16)}, 32x "
+                 f"{ratio(load, 'acc_rot_random_v', 32)}; RoPE 32x {ratio(load, 'rope', 32)}", n),
          _learned_v(load, n),
          Verdict("acc_rot Table 1", f"ALiBi stays flat (32x: {paper_ratio('alibi', 32):.2f}x)",
-                 "reproduced" if _worst(load, "alibi", 32) < 1.1 else "contradicted",
-                 f"ALiBi 32x {_ratio(load, 'alibi', 32)}", n)]
+                 "reproduced" if worst(load, "alibi", 32) < 1.1 else "contradicted",
+                 f"ALiBi 32x {ratio(load, 'alibi', 32)}", n)]
   if "acc_rot_random" in load.results()["encodings"]:
-    gain = _worst(load, "acc_rot_random", 32) > 1.3 * _worst(load, "acc_rot_random_v", 32)
+    gain = worst(load, "acc_rot_random", 32) > 1.3 * worst(load, "acc_rot_random_v", 32)
     out.insert(2, Verdict(
         "acc_rot Table 1", "rotating values as well helps random rotations (32x: Q/K "
         f"{paper_ratio('acc_rot_random', 32):.2f}x, Q/K/V "
         f"{paper_ratio('acc_rot_random_v', 32):.2f}x)",
         "reproduced" if gain else "contradicted",
-        f"32x: Q/K {_ratio(load, 'acc_rot_random', 32)}, Q/K/V "
-        f"{_ratio(load, 'acc_rot_random_v', 32)}", n))
+        f"32x: Q/K {ratio(load, 'acc_rot_random', 32)}, Q/K/V "
+        f"{ratio(load, 'acc_rot_random_v', 32)}", n))
   else:
     out.insert(2, Verdict("acc_rot Table 1", "rotating values as well helps random rotations",
                           "untested", "the Q/K-only rotations (acc_rot_random, "
@@ -126,7 +128,7 @@ def _le_claims(load, *, gpu: bool) -> list[Verdict]:
   out.append(Verdict(
       "PaTH Fig. 3", "PaTH, FoX and PaTH-FoX extrapolate (PaTH stable to 32K; RoPE fails past "
       "its training length)",
-      "reproduced" if max(_worst(load, x, 32) for x in flat) < 1.15 else "partly",
+      "reproduced" if max(worst(load, x, 32) for x in flat) < 1.15 else "partly",
       f"32x / 1x: {_flat(load, flat)}", n))
   fox_ahead = ([a < b for a, b in zip(per["path_fox"][str(L)], per["fox"][str(L)])] if per
                else [enc["path_fox"][str(L)] < enc["fox"][str(L)]])
@@ -135,8 +137,8 @@ def _le_claims(load, *, gpu: bool) -> list[Verdict]:
       "PaTH Fig. 3", "PaTH-FoX reaches lower perplexity than FoX",
       "reproduced" if all(fox_ahead) and n > 1 else
       "contradicted" if n > 1 and not any(fox_ahead) else "untested",
-      f"at 1x PaTH-FoX {seeds(_per(r, 'path_fox', L), '.3f')}, FoX "
-      f"{seeds(_per(r, 'fox', L), '.3f')} ({gap:+.1f}%): "
+      f"at 1x PaTH-FoX {seeds(per_seed(r, 'path_fox', L), '.3f')}, FoX "
+      f"{seeds(per_seed(r, 'fox', L), '.3f')} ({gap:+.1f}%): "
       + ("one seed cannot resolve a gap this size" if n == 1 else
          "the seeds disagree on the order" if not all(fox_ahead) and any(fox_ahead) else
          "PaTH-FoX is worse in every seed"), n))
@@ -145,24 +147,25 @@ def _le_claims(load, *, gpu: bool) -> list[Verdict]:
   out.append(Verdict(
       "PaTH Table 2", "PaTH's language-modelling perplexity is below RoPE's",
       "contradicted" if worse else "reproduced",
-      f"at 1x PaTH {seeds(_per(r, 'path', L), '.3f')}, RoPE {seeds(_per(r, 'rope', L), '.3f')}"
-      + (" (PaTH-FoX closes the gap: " + seeds(_per(r, 'path_fox', L), '.3f') + ")"), n))
+      f"at 1x PaTH {seeds(per_seed(r, 'path', L), '.3f')}, RoPE "
+      f"{seeds(per_seed(r, 'rope', L), '.3f')}"
+      + (" (PaTH-FoX closes the gap: " + seeds(per_seed(r, 'path_fox', L), '.3f') + ")"), n))
   if gpu:
     tapa2 = load.results("tapa_lr2e-4")["encodings"]["tapa"][str(L)]
     out.append(Verdict(
         "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length",
         "untested", f"this table's TAPA did not learn the data: perplexity at 1x "
         f"{enc['tapa'][str(L)]:.2f} (lr 1e-3) and {tapa2:.2f} (lr 2e-4, tapa_lr2e-4/) against "
-        f"{_others_at_1x(load, '.')} for the other encodings. With its phase channels "
+        f"{others_at_1x(load, '.')} for the other encodings. With its phase channels "
         "normalised (phase_norm) it learns and extrapolates: tapa_norm/ (3 seeds) and "
         "tapa_norm_1800/ have the verdicts", len(per["tapa"][str(L)]) if per else n))
     out.append(_grape_claim(r, L, n))
   else:
     out.append(Verdict(
         "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length "
-        "(RoPE collapses)", "reproduced" if _worst(load, "tapa", 32) < _worst(load, "rope", 32)
-        else "contradicted", f"32x / 1x: TAPA {_ratio(load, 'tapa', 32)}, RoPE "
-        f"{_ratio(load, 'rope', 32)}", n))
+        "(RoPE collapses)", "reproduced" if worst(load, "tapa", 32) < worst(load, "rope", 32)
+        else "contradicted", f"32x / 1x: TAPA {ratio(load, 'tapa', 32)}, RoPE "
+        f"{ratio(load, 'rope', 32)}", n))
   return out
 
 
@@ -181,18 +184,23 @@ def _grape_claim(r: dict, L: int, n: int) -> Verdict:
       f"in {below['fox']} of {n} ({gap:+.1f}% against FoX)", n)
 
 
-def _others_at_1x(load, sub: str) -> str:
+def others_at_1x(load, sub: str) -> str:
   r = load.results(sub)
   v = [e[str(r["train_len"])] for k, e in r["encodings"].items() if k != "tapa"]
   return f"{min(v):.2f}-{max(v):.2f}"
 
 
-def _per(r: dict, name: str, length: int) -> list[float]:
+def per_seed(r: dict, name: str, length: int) -> list[float]:
   per = r.get("per_seed")
   return per[name][str(length)] if per else [r["encodings"][name][str(length)]]
 
 
-_LE_COMMON = (
+def per_seed_at(load, sub: str, name: str, factor: int = 1) -> list[float]:
+  r = load.results(sub)
+  return per_seed(r, name, r["train_len"] * factor)
+
+
+LE_COMMON = (
     "Data: byte-level Python standard-library source (held-out files for evaluation). The "
     "accumulated-rotations paper trains on OpenWebText with a 32K BPE; PaTH's Fig. 3 uses "
     "760M models on 50B tokens at 4096 on PG-19, CodeParrot and NarrativeQA; TAPA uses "
@@ -214,7 +222,7 @@ LENGTH = Page(
     ("Scale: a 2-layer, d_model-64 model (2 heads x 32) trained at 64 bytes for 500 steps of "
      "batch 16 (0.5M tokens), lr 3e-3, float32 on a CPU.",
      "Evaluation: 32,768 held-out tokens per length, up to 32x the training length (2048 "
-     "bytes); the accumulated-rotations paper goes to 128x (65,536).") + _LE_COMMON
+     "bytes); the accumulated-rotations paper goes to 128x (65,536).") + LE_COMMON
     + ("Seeds: 2 (the accumulated-rotations paper reports one seed).",),
     sections=(Section(extra=_paper_table),))
 
@@ -232,7 +240,7 @@ LENGTH_GPU = Page(
      "fifth of RoPE's rate with 5k warmup steps. A run at lr 2e-4 is a section below; TAPA and "
      "TAPA-linear with that recipe and the phase started small (3 seeds) another, with "
      "normalised phase channels at the shared rate (3 seeds) another, beside NoPE (3 seeds).")
-    + _LE_COMMON + ("Seeds: 3 for rope, path, alibi, fox, path_fox and grape_ap; 1 for "
+    + LE_COMMON + ("Seeds: 3 for rope, path, alibi, fox, path_fox and grape_ap; 1 for "
                     "acc_rot_learned_v, acc_rot_random_v and tapa, whose 3-seed runs are "
                     "acc_rot/ and tapa_norm/ (the accumulated-rotations paper reports one "
                     "seed).",),
@@ -259,134 +267,15 @@ LENGTH_GPU = Page(
                       "(tapa_norm_alpha05/README.md); NOTES.md has the table."),
               Section("nope", heading="NoPE")))
 
-TAPA_LR = Page(
-    "TAPA at lr 2e-4 in the GPU length-extrapolation setting",
-    lambda load: [Verdict(
-        "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length", "untested",
-        f"perplexity at 1x {load.results()['encodings']['tapa']['512']:.2f}, where the other "
-        f"encodings of ../ reach {_others_at_1x(load, '..')} at lr 1e-3: the model has not "
-        f"learned the data, so its ratios (32x / 1x {_ratio(load, 'tapa', 32)}) say nothing "
-        "about extrapolation", load.seeds())],
-    ("As in ../README.md, with lr 2e-4 (the TAPA paper's ratio of TAPA's rate to RoPE's, "
-     "applied to our 1e-3).", "Seeds: 1."), index=False)
-
-
-def _at(load, sub: str, name: str, factor: int = 1) -> list[float]:
-  r = load.results(sub)
-  return _per(r, name, r["train_len"] * factor)
-
-
-def _tapa_claims(load, *, linear: str = ".") -> list[Verdict]:
-  """TAPA's verdicts from this folder's tapa runs and the tapa_linear runs in `linear`."""
-  n = load.seeds()
-  tapa, lin, nope = (_at(load, ".", "tapa"), _at(load, linear, "tapa_linear"),
-                     _at(load, "../nope", "nope"))
-  rope = _at(load, "..", "rope")
-  tapa32, lin32, rope32 = (_at(load, ".", "tapa", 32), _at(load, linear, "tapa_linear", 32),
-                           _at(load, "..", "rope", 32))
-  quad, lin_means = (load.results()["encodings"]["tapa"],   # per length: the seeds' means
-                     load.results(linear)["encodings"]["tapa_linear"])
-  quad_wins = sorted(int(L) for L in quad if quad[L] < lin_means[L])
-  gentler = _worst(load, "tapa", 32) < _best(load, "rope", 32, "..")
-  # Reproduced when TAPA's perplexity at 32x is also below RoPE's in every seed: gentler
-  # degradation from a worse start alone is only part of the claim.
-  below = gentler and max(tapa32) < min(rope32)
-  return [
-      Verdict("TAPA Tables 1-2", "TAPA degrades gracefully far past its training length "
-              "(RoPE collapses)", "reproduced" if below else "partly" if gentler
-              else "contradicted",
-              f"TAPA 32x / 1x {_ratio(load, 'tapa', 32)} against RoPE's "
-              f"{_ratio(load, 'rope', 32, '..')} (../, {load.seeds('..')} seeds)"
-              + (": gentler" if gentler else "") + "; TAPA fits the data "
-              f"worse at 1x, {seeds(tapa)} (NoPE {seeds(nope)}, ../nope/; RoPE "
-              f"{seeds(rope)}), and at 32x is {'below' if below else 'above'} RoPE "
-              f"({seeds(tapa32)} against {seeds(rope32)})", n),
-      Verdict("TAPA Table 3", "the quadratic phase beats the linear phase at every length",
-              "partly" if quad_wins else "contradicted",
-              f"linear lower at 1x ({seeds(lin)} against {seeds(tapa)}); quadratic lower (means) "
-              f"at {', '.join(str(L) for L in quad_wins) or 'no length'}; at 32x "
-              f"{seeds(tapa32)} against {seeds(lin32)}", n)]
-
-
-TAPA_STABLE = Page(
-    "TAPA and TAPA-linear with a stable recipe in the GPU length-extrapolation setting",
-    _tapa_claims,
-    ("As in ../README.md (6 layers x 768, 600 steps at 512, evaluation to 32x), with TAPA's "
-     "own recipe where it differs from the shared one: lr 2e-4 (the TAPA paper's ratio of "
-     "TAPA's rate to RoPE's, applied to our 1e-3), 300 warmup steps (the paper: 5k of 200k), "
-     "no weight decay (the paper's).",
-     "phase_scale 0.1 (not in the paper): the phase channels scaled by 0.1, so the phase "
-     "argument starts within a radian or so instead of spreading over several (NOTES.md has "
-     "why and what each change did alone).",
-     "Scale: 19.7M tokens; the paper trains 7B-architecture models on 420B tokens at 8K.",
-     "NoPE, the floor TAPA reduces to without its phase term, is ../nope/ (3 seeds, the "
-     "shared recipe).") + _LE_COMMON[:2])
-
-
-TAPA_PS003 = Page(
-    "TAPA and TAPA-linear with phase_scale 0.03 at the shared lr 1e-3 (GPU length "
-    "extrapolation)",
-    lambda load: _tapa_claims(load, linear="../tapa_linear_ps003"),
-    ("As in ../README.md (6 layers x 768, 600 steps at 512, lr 1e-3 with 60 warmup steps, "
-     "weight decay 0.1, evaluation to 32x): the shared recipe, not TAPA's own.",
-     "phase_scale 0.03 (not in the paper): the phase channels scaled by 0.03, the value the "
-     "CPU study found best (../../length_extrapolation/NOTES.md).",
-     "TAPA-linear's runs are ../tapa_linear_ps003/ (same setting, 3 seeds).",
-     "Scale: 19.7M tokens; the paper trains 7B-architecture models on 420B tokens at 8K.")
-    + _LE_COMMON[:2] + ("Seeds: 3.",),
-    sections=(Section(heading="TAPA (quadratic phase)"),
-              Section("../tapa_linear_ps003", heading="TAPA-linear")))
-
-def _linear_claims(load) -> list[Verdict]:
-  """A TAPA-linear folder's verdict, against RoPE's seeds in ../."""
-  return [Verdict(
-      "TAPA Tables 1-2", "TAPA degrades gracefully far past its training length",
-      "contradicted" if _best(load, "tapa_linear", 32) > _worst(load, "rope", 32, "..")
-      else "partly",
-      f"TAPA-linear 32x / 1x {_ratio(load, 'tapa_linear', 32)} against RoPE's "
-      f"{_ratio(load, 'rope', 32, '..')} (../, {load.seeds('..')} seeds); at 1x "
-      f"{seeds(_at(load, '.', 'tapa_linear'))} against RoPE's "
-      f"{seeds(_at(load, '..', 'rope'))}", load.seeds())]
-
-
-TAPA_LINEAR_PS003 = Page(
-    "TAPA-linear with phase_scale 0.03 at the shared lr 1e-3 (GPU length extrapolation)",
-    _linear_claims,
-    ("As ../tapa_ps003/ (the shared recipe, phase_scale 0.03), TAPA's linear phase (eq. 16).",
-     "Seeds: 3."), index=False)
-
-
-TAPA_NORM = Page(
-    "TAPA and TAPA-linear with normalised phase channels (phase_norm) at the shared lr 1e-3 "
-    "(GPU length extrapolation)",
-    lambda load: _tapa_claims(load, linear="../tapa_linear_norm"),
-    ("As ../tapa_ps003/ (the shared recipe: lr 1e-3 with 60 warmup steps, weight decay 0.1, "
-     "600 steps; phase_scale 0.03), with phase_norm (not in the paper): the phase channels of "
-     "q and k divided by their root mean square before phase_scale, so the quadratic phase "
-     "cannot grow with the model's width (../NOTES.md).",
-     "TAPA-linear's runs are ../tapa_linear_norm/ (same setting, 3 seeds).",
-     "Scale: 19.7M tokens; the paper trains 7B-architecture models on 420B tokens at 8K.")
-    + _LE_COMMON[:2] + ("Seeds: 3.",),
-    sections=(Section(heading="TAPA (quadratic phase)"),
-              Section("../tapa_linear_norm", heading="TAPA-linear")))
-
-TAPA_LINEAR_NORM = Page(
-    "TAPA-linear with normalised phase channels at the shared lr 1e-3 (GPU length "
-    "extrapolation)",
-    _linear_claims,
-    ("As ../tapa_norm/ (the shared recipe, phase_scale 0.03, phase_norm), TAPA's linear "
-     "phase (eq. 16).", "Seeds: 3."), index=False)
-
-
 def _nope_claims(load) -> list[Verdict]:
   return [Verdict(
       "acc_rot §3", "NoPE (identity transport) is length-stable, but creates no score gap "
       "that suppresses far tokens", "partly",
-      f"NoPE 32x / 1x {_ratio(load, 'nope', 32)}: its perplexity grows with length, less than "
-      f"RoPE's ({_ratio(load, 'rope', 32, '..')}, ../) and more than ALiBi's "
-      f"({_ratio(load, 'alibi', 32, '..')}) and FoX's ({_ratio(load, 'fox', 32, '..')}), whose "
+      f"NoPE 32x / 1x {ratio(load, 'nope', 32)}: its perplexity grows with length, less than "
+      f"RoPE's ({ratio(load, 'rope', 32, '..')}, ../) and more than ALiBi's "
+      f"({ratio(load, 'alibi', 32, '..')}) and FoX's ({ratio(load, 'fox', 32, '..')}), whose "
       "biases suppress far tokens; at 1x it fits far worse than all of them "
-      f"({seeds(_at(load, '.', 'nope'))})", load.seeds())]
+      f"({seeds(per_seed_at(load, '.', 'nope'))})", load.seeds())]
 
 
 NOPE_GPU = Page(
@@ -397,8 +286,8 @@ NOPE_GPU = Page(
 
 
 def _grape_m_claims(load) -> list[Verdict]:
-  g, r = _at(load, ".", "grape_m"), _at(load, ".", "rope")
-  g32, r32 = _at(load, ".", "grape_m", 32), _at(load, ".", "rope", 32)
+  g, r = per_seed_at(load, ".", "grape_m"), per_seed_at(load, ".", "rope")
+  g32, r32 = per_seed_at(load, ".", "grape_m", 32), per_seed_at(load, ".", "rope", 32)
   overlap = min(g) <= max(r) and min(r) <= max(g)
   return [Verdict(
       "GRAPE Tables 1-2", "GRAPE-M (learned commuting rank-2 planes) trains as well as RoPE "
@@ -423,14 +312,14 @@ GRAPE_M_LM = Page(
      "RoPE's 3 seeds here are new runs; ../ holds one RoPE seed of the same config from "
      "before fields with neutral defaults were added to the config (context axis 1, "
      "divergence checks), which changed its fingerprint, so the tables are not merged.")
-    + _LE_COMMON[:2])
+    + LE_COMMON[:2])
 
 
 def _acc_rot_table(load) -> list[str]:
   """Ours against the paper's Table 1 at 16x (its 8K/512) and 128x (its 65K/512)."""
   r = load.results()
-  rows = [[name, seeds(_at(load, ".", name), ".3f")]
-          + [c for f in (16, 128) for c in (_ratio(load, name, f), f"{paper_ratio(name, f):.2f}")]
+  rows = [[name, seeds(per_seed_at(load, ".", name), ".3f")]
+          + [c for f in (16, 128) for c in (ratio(load, name, f), f"{paper_ratio(name, f):.2f}")]
           for name in ACC_ROT_TABLE1 if name in r["encodings"]]
   return ["Against the accumulated-rotations paper (its Table 1 perplexities divided by its 512 "
           "column):", "",
@@ -440,13 +329,13 @@ def _acc_rot_table(load) -> list[str]:
 
 def _acc_rot_claims(load) -> list[Verdict]:
   n = load.seeds()
-  worst = lambda name, f: _worst(load, name, f)  # noqa: E731
-  r = lambda name, f: _ratio(load, name, f)  # noqa: E731
+  worst_of = lambda name, f: worst(load, name, f)  # noqa: E731
+  r = lambda name, f: ratio(load, name, f)  # noqa: E731
   p = paper_ratio
   # every seed of a below b's
-  below = lambda a, b, f: _worst(load, a, f) < _best(load, b, f)  # noqa: E731
+  below = lambda a, b, f: worst(load, a, f) < best(load, b, f)  # noqa: E731
   # the same seed with and without values rotated; the paper's gain at 65K/512 is 4.7x
-  pairs = list(zip(_ratios(load, "acc_rot_random", 128), _ratios(load, "acc_rot_random_v", 128)))
+  pairs = list(zip(ratios(load, "acc_rot_random", 128), ratios(load, "acc_rot_random_v", 128)))
   gain = sum(qk / qkv for qk, qkv in pairs) / len(pairs)
   paper_gain = p("acc_rot_random", 128) / p("acc_rot_random_v", 128)
   v_helps_random = ("contradicted" if not all(qkv < qk for qk, qkv in pairs) else
@@ -454,7 +343,7 @@ def _acc_rot_claims(load) -> list[Verdict]:
   return [
       Verdict("acc_rot Table 1", f"RoPE's perplexity grows past the training length (8K/512 "
               f"{p('rope', 16):.1f}x, 65K/512 {p('rope', 128):.1f}x)",
-              "reproduced" if _best(load, "rope", 16) > 1.5 else "contradicted",
+              "reproduced" if best(load, "rope", 16) > 1.5 else "contradicted",
               f"RoPE 16x {r('rope', 16)}, 128x {r('rope', 128)}: it grows, by far less than "
               "in the paper", n),
       Verdict("acc_rot Table 1", "accumulated random rotations extrapolate far better than RoPE "
@@ -468,7 +357,7 @@ def _acc_rot_claims(load) -> list[Verdict]:
       Verdict("acc_rot Table 1", "accumulated random rotations on Q/K/V stay nearly flat "
               f"(8K/512 {p('acc_rot_random_v', 16):.2f}x, 65K/512 "
               f"{p('acc_rot_random_v', 128):.2f}x)",
-              "reproduced" if worst("acc_rot_random_v", 128) < 1.3 else "contradicted",
+              "reproduced" if worst_of("acc_rot_random_v", 128) < 1.3 else "contradicted",
               f"acc_rot_random_v 16x {r('acc_rot_random_v', 16)}, 128x "
               f"{r('acc_rot_random_v', 128)}: not flat; about half of RoPE's growth, as rope_v "
               f"({r('rope_v', 16)}, {r('rope_v', 128)})", n),
@@ -483,7 +372,7 @@ def _acc_rot_claims(load) -> list[Verdict]:
               f"{r('acc_rot_learned_v', 128)})", n),
       _learned_v(load, n),
       Verdict("acc_rot Table 1", f"ALiBi stays flat (65K/512: {p('alibi', 128):.2f}x)",
-              "reproduced" if worst("alibi", 128) < 1.1 else "contradicted",
+              "reproduced" if worst_of("alibi", 128) < 1.1 else "contradicted",
               f"ALiBi 16x {r('alibi', 16)}, 128x {r('alibi', 128)}", n)]
 
 
@@ -497,5 +386,5 @@ ACC_ROT_GPU = Page(
      "acc_rot_random draws its step angles independently per layer at training and at "
      "evaluation (one fixed draw per layer, eval_seed 0), as the paper does per layer; the "
      "paper also redraws per forward pass at evaluation.")
-    + _LE_COMMON[:2] + _LE_COMMON[3:],
+    + LE_COMMON[:2] + LE_COMMON[3:],
     sections=(Section(extra=_acc_rot_table),))
