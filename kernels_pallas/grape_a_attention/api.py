@@ -54,7 +54,9 @@ def grape_a_attention(q, k, v, rate_q=None, rate_k=None, *, scale: float, segmen
   precision = launch.float32_precision(backend) if jnp.dtype(dtype).itemsize == 4 else None
   st = kernels.Static(scale=float(scale), block_q=bq, block_k=bk, precision=precision,
                       v_precision=precision)
-  o = _attention_once((st, backend), qp, kp, rate(rate_q), rate(rate_k), vp, seg)
+  # The documents' tile bounds are computed once here, for the forward and both backward walks.
+  docs = None if seg is None else (seg, *tiles.document_bounds(seg, bq, bk))
+  o = _attention_once((st, backend), qp, kp, rate(rate_q), rate(rate_k), vp, docs)
   return o[:, :T, :, :Dv].astype(v.dtype)
 
 
@@ -63,18 +65,16 @@ def _call(backend, kernel, grid, operands, outs, st):
                              backend=backend, warps=WARPS, stages=STAGES)
 
 
-def _bounds(st, seg):
-  """(lo, hi) of tiles.document_bounds, or (None, None) without documents."""
-  if seg is None:
-    return None, None
-  return tiles.document_bounds(seg, st.block_q, st.block_k)
+def _documents(docs):
+  """(segment ids, lo, hi) of the documents operand, or three Nones without documents."""
+  return (None, None, None) if docs is None else docs
 
 
-def _query_major(st, q, k, rq, rk, v, seg):
+def _query_major(st, q, k, rq, rk, v, docs):
   """Specs of a launch with one program per (query tile, head, batch) reading every key."""
   T, G = q.shape[1], q.shape[2] // k.shape[2]
   bq = st.block_q
-  lo = _bounds(st, seg)[0]
+  seg, lo, _ = _documents(docs)
   tile = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0))  # noqa: E731
   keys = lambda d: pl.BlockSpec((None, T, None, d), lambda i, h, b: (b, 0, h // G, 0))  # noqa
   rows = pl.BlockSpec((None, bq, None), lambda i, h, b: (b, i, h))
@@ -93,28 +93,28 @@ def _bound_spec(x):
   return None if x is None else pl.BlockSpec((None,) + x.shape[1:], lambda i, h, b: (b, 0, 0, 0))
 
 
-def _forward(cfg, q, k, rq, rk, v, seg):
+def _forward(cfg, q, k, rq, rk, v, docs):
   st, backend = cfg
   B, T, H, _ = q.shape
-  m = _query_major(st, q, k, rq, rk, v, seg)
+  m = _query_major(st, q, k, rq, rk, v, docs)
   outs = [(f32_shape(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])),
           (f32_shape(B, T, H), m["rows"])]
   return _call(backend, kernels.forward_kernel, (T // st.block_q, H, B), m["inputs"], outs, st)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, rq, rk, v, seg):
-  return _forward(cfg, q, k, rq, rk, v, seg)[0]
+def _attention(cfg, q, k, rq, rk, v, docs):
+  return _forward(cfg, q, k, rq, rk, v, docs)[0]
 
 
-def _attention_fwd(cfg, q, k, rq, rk, v, seg):
-  o, lse = _forward(cfg, q, k, rq, rk, v, seg)
-  return o, (q, k, rq, rk, v, seg, o, lse)
+def _attention_fwd(cfg, q, k, rq, rk, v, docs):
+  o, lse = _forward(cfg, q, k, rq, rk, v, docs)
+  return o, (q, k, rq, rk, v, docs, o, lse)
 
 
 def _attention_bwd(cfg, res, do):
   st, backend = cfg
-  q, k, rq, rk, v, seg, o, lse = res
+  q, k, rq, rk, v, docs, o, lse = res
   B, T, H, D = q.shape
   K = k.shape[2]
   G = H // K
@@ -122,7 +122,7 @@ def _attention_bwd(cfg, res, do):
   do = do.astype(v.dtype)
 
   # dq (and d rate_q): one program per (query tile, head, batch)
-  m = _query_major(st, q, k, rq, rk, v, seg)
+  m = _query_major(st, q, k, rq, rk, v, docs)
   inputs = m["inputs"] + [(do, m["tile"](do.shape[-1])), (lse, m["rows"]), (delta, m["rows"])]
   outs = [(f32_shape(*q.shape), m["tile"](D)),
           (None if rq is None else f32_shape(B, T, H), m["rows"])]
@@ -131,6 +131,7 @@ def _attention_bwd(cfg, res, do):
   # dk, dv (and d rate_k): one program per (key tile, kv head, batch); the group's query heads
   # whole in time
   bk = st.block_k
+  seg, _, hi = _documents(docs)
   group = lambda d: pl.BlockSpec((None, T, G, d), lambda j, h, b: (b, 0, h, 0))  # noqa: E731
   ktile = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0))  # noqa
   group_rows = pl.BlockSpec((None, T, G), lambda j, h, b: (b, 0, h))
@@ -138,7 +139,7 @@ def _attention_bwd(cfg, res, do):
   inputs = [(q, group(D)), (k, ktile(D)), (rq, group_rows), (rk, key_rates),
             (v, ktile(v.shape[-1])), (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
             (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
-            (hi := _bounds(st, seg)[1], _bound_spec(hi)),
+            (hi, _bound_spec(hi)),
             (do, group(do.shape[-1])), (lse, group_rows), (delta, group_rows)]
   outs = [(f32_shape(*k.shape), ktile(D)), (None if rk is None else f32_shape(B, T, H), key_rates),
           (f32_shape(*v.shape), ktile(v.shape[-1]))]
