@@ -3,8 +3,8 @@ tile's and a key tile's positions (query-major and key-major programs), the caus
 documents and the tile bounds that let a walk skip other documents (document_bounds, computed
 before a launch; bound, read in one), 0/1 triangles for sums along a tile, optional operands,
 and the online softmax of the standalone causal kernels (tapa_attention, grape_ap_attention,
-grape_a_attention, stick_breaking_attention, block_attention). PaTH's own tile functions (chunk transports,
-boundary states) are in kernels_pallas/path_attention/tiles.py.
+grape_a_attention, stick_breaking_attention, block_attention). PaTH's own tile functions
+(chunk transports, boundary states) are in kernels_pallas/path_attention/tiles.py.
 """
 from __future__ import annotations
 
