@@ -180,6 +180,12 @@ def full(x, ids, head_of):
                       lambda *p: (ids(*p)[0], head_of(ids(*p)[1])) + (0,) * (nd - 2))
 
 
+def bound_spec(x):
+  """The whole [n, 1, 1] row of tiles.document_bounds' lo or hi [B, n, 1, 1] for a program of
+  a (tile, head, batch) grid; None for an absent bound."""
+  return None if x is None else pl.BlockSpec((None,) + x.shape[1:], lambda i, h, b: (b, 0, 0, 0))
+
+
 def time_major_spec(x, ids, head_of, heads=None):
   """Whole-sequence block of a time-major array (v, dO, dv: chunked [B, n, C, X, D] or merged
   [B, Tp, X, D]) -> the kernel's ref [n, C, D] / [Tp, D] of one head (heads None), or of

@@ -97,6 +97,29 @@ def bound(ref, i):
   return jnp.min(ref[i])
 
 
+def documents(seg_BT, bq: int, bk: int):
+  """The documents operand of a causal kernel: (segment ids, lo, hi) with document_bounds' lo
+  and hi, computed once before the launches; None without ids."""
+  return None if seg_BT is None else (seg_BT, *document_bounds(seg_BT, bq, bk))
+
+
+def unpack_documents(docs):
+  """(segment ids, lo, hi) of a documents operand, or three Nones."""
+  return (None, None, None) if docs is None else docs
+
+
+def first_key_tile(lo_ref):
+  """Where a query-major walk starts (grid axis 0: query tiles): 0, or past the key tiles of
+  earlier documents (document_bounds' lo)."""
+  return 0 if lo_ref is None else bound(lo_ref, pl.program_id(0))
+
+
+def query_tiles_end(hi_ref, n):
+  """Where a key-major walk stops (grid axis 0: key tiles): n, or after the last query tile
+  that shares a document with this key tile (document_bounds' hi)."""
+  return n if hi_ref is None else bound(hi_ref, pl.program_id(0)) + 1
+
+
 def read_optional(ref, index):
   """ref[index], or None for an absent operand."""
   return None if ref is None else ref[index]

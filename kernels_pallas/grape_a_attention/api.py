@@ -55,7 +55,7 @@ def grape_a_attention(q, k, v, rate_q=None, rate_k=None, *, scale: float, segmen
   st = kernels.Static(scale=float(scale), block_q=bq, block_k=bk, precision=precision,
                       v_precision=precision)
   # The documents' tile bounds are computed once here, for the forward and both backward walks.
-  docs = None if seg is None else (seg, *tiles.document_bounds(seg, bq, bk))
+  docs = tiles.documents(seg, bq, bk)
   o = _attention_once((st, backend), qp, kp, rate(rate_q), rate(rate_k), vp, docs)
   return o[:, :T, :, :Dv].astype(v.dtype)
 
@@ -65,16 +65,11 @@ def _call(backend, kernel, grid, operands, outs, st):
                              backend=backend, warps=WARPS, stages=STAGES)
 
 
-def _documents(docs):
-  """(segment ids, lo, hi) of the documents operand, or three Nones without documents."""
-  return (None, None, None) if docs is None else docs
-
-
 def _query_major(st, q, k, rq, rk, v, docs):
   """Specs of a launch with one program per (query tile, head, batch) reading every key."""
   T, G = q.shape[1], q.shape[2] // k.shape[2]
   bq = st.block_q
-  seg, lo, _ = _documents(docs)
+  seg, lo, _ = tiles.unpack_documents(docs)
   tile = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0))  # noqa: E731
   keys = lambda d: pl.BlockSpec((None, T, None, d), lambda i, h, b: (b, 0, h // G, 0))  # noqa
   rows = pl.BlockSpec((None, bq, None), lambda i, h, b: (b, i, h))
@@ -85,12 +80,7 @@ def _query_major(st, q, k, rq, rk, v, docs):
       inputs=[(q, tile(q.shape[-1])), (k, keys(k.shape[-1])), (rq, rows), (rk, key_rates),
               (v, keys(v.shape[-1])), (seg, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
               (seg, pl.BlockSpec((None, T), lambda i, h, b: (b, 0))),
-              (lo, _bound_spec(lo))])
-
-
-def _bound_spec(x):
-  """A program's whole [n, 1, 1] row of document_bounds' lo or hi (None: absent)."""
-  return None if x is None else pl.BlockSpec((None,) + x.shape[1:], lambda i, h, b: (b, 0, 0, 0))
+              (lo, launch.bound_spec(lo))])
 
 
 def _forward(cfg, q, k, rq, rk, v, docs):
@@ -131,7 +121,7 @@ def _attention_bwd(cfg, res, do):
   # dk, dv (and d rate_k): one program per (key tile, kv head, batch); the group's query heads
   # whole in time
   bk = st.block_k
-  seg, _, hi = _documents(docs)
+  seg, _, hi = tiles.unpack_documents(docs)
   group = lambda d: pl.BlockSpec((None, T, G, d), lambda j, h, b: (b, 0, h, 0))  # noqa: E731
   ktile = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0))  # noqa
   group_rows = pl.BlockSpec((None, T, G), lambda j, h, b: (b, 0, h))
@@ -139,7 +129,7 @@ def _attention_bwd(cfg, res, do):
   inputs = [(q, group(D)), (k, ktile(D)), (rq, group_rows), (rk, key_rates),
             (v, ktile(v.shape[-1])), (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
             (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
-            (hi, _bound_spec(hi)),
+            (hi, launch.bound_spec(hi)),
             (do, group(do.shape[-1])), (lse, group_rows), (delta, group_rows)]
   outs = [(f32_shape(*k.shape), ktile(D)), (None if rk is None else f32_shape(B, T, H), key_rates),
           (f32_shape(*v.shape), ktile(v.shape[-1]))]

@@ -27,7 +27,6 @@ import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from kernels_pallas.common import tiles
 from kernels_pallas.common.tiles import dot
@@ -56,11 +55,6 @@ def _logits(st: Static, r, c, r_rate, c_rate, dist):
   return s, fdist
 
 
-def _first_key_tile(lo_ref):
-  """Where a query tile's walk starts: key tiles before lo share no document with it."""
-  return 0 if lo_ref is None else tiles.bound(lo_ref, pl.program_id(0))
-
-
 def forward_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, lo_ref, o_ref, lse_ref,
                    *, st: Static):
   """q [bq, D], k [T, D], (rq [bq]), (rk [T]), v [T, Dv], (sq [bq], sk [T], lo [nq, 1, 1])
@@ -77,7 +71,7 @@ def forward_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, lo_ref, 
     ok = tiles.causal_visible(dist, sq, tiles.read_optional(sk_ref, rows))
     return tiles.causal_softmax_step(state, s, ok, v_ref[rows, :], precision=st.v_precision)
 
-  state = lax.fori_loop(_first_key_tile(lo_ref), n, body,
+  state = lax.fori_loop(tiles.first_key_tile(lo_ref), n, body,
                         tiles.causal_softmax_init(bq, v_ref.shape[-1]))
   o_ref[...], lse_ref[...] = tiles.causal_softmax_finish(state)
 
@@ -109,7 +103,7 @@ def dq_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, lo_ref, do_re
     return dq, drq
 
   init = (jnp.zeros(q.shape, jnp.float32), None if rq is None else jnp.zeros((bq,), jnp.float32))
-  dq, drq = lax.fori_loop(_first_key_tile(lo_ref), n, body, init)
+  dq, drq = lax.fori_loop(tiles.first_key_tile(lo_ref), n, body, init)
   dq_ref[...] = st.scale * dq
   if drq_ref is not None:
     drq_ref[...] = drq
@@ -129,8 +123,7 @@ def dkv_kernel(q_ref, k_ref, rq_ref, rk_ref, v_ref, sq_ref, sk_ref, hi_ref, do_r
   v = v_ref[...]
   sk = tiles.read_optional(sk_ref, ...)
   kpos, first, n, G = tiles.key_major(bq, bk, q_ref)
-  if hi_ref is not None:   # the query tiles after hi share no document with this key tile
-    n = tiles.bound(hi_ref, pl.program_id(0)) + 1
+  n = tiles.query_tiles_end(hi_ref, n)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for g in range(G):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import launch
+from kernels_pallas.common import tiles
 from kernels_pallas.common.launch import f32_shape, pad_axis
 from kernels_pallas.tapa_attention import kernels
 
@@ -76,7 +77,9 @@ def tapa_attention(q, k, v, *, alpha: float, theta: float, linear_phase: bool = 
   st = kernels.Static(alpha=float(alpha), a_scale=1.0 / math.sqrt(A), p_scale=1.0 / math.sqrt(P),
                       linear_phase=bool(linear_phase), block_q=bq, block_k=bk,
                       precision=precision, v_precision=precision, fast=backend == "gpu")
-  o = _attention_once((st, backend), qa, ka, qp, kp, qs, ks, vp, seg)
+  # The documents' tile bounds are computed once here, for the forward and both backward walks.
+  docs = tiles.documents(seg, st.block_q, st.block_k)
+  o = _attention_once((st, backend), qa, ka, qp, kp, qs, ks, vp, docs)
   return o[:, :T, :, :Dv].astype(v.dtype)
 
 
@@ -91,10 +94,11 @@ def _width(x):
   return None if x is None else x.shape[-1]
 
 
-def _query_major(st, qa, ka, qp, kp, qs, ks, v, seg):
+def _query_major(st, qa, ka, qp, kp, qs, ks, v, docs):
   """Specs of a launch with one program per (query tile, head, batch) reading every key."""
   T, G = qa.shape[1], qa.shape[2] // ka.shape[2]
   bq = st.block_q
+  seg, lo, _ = tiles.unpack_documents(docs)
   tile = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0))  # noqa: E731
   keys = lambda d: pl.BlockSpec((None, T, None, d), lambda i, h, b: (b, 0, h // G, 0))  # noqa
   rows = pl.BlockSpec((None, bq, None), lambda i, h, b: (b, i, h))
@@ -104,31 +108,32 @@ def _query_major(st, qa, ka, qp, kp, qs, ks, v, seg):
       inputs=[(qa, tile(_width(qa))), (ka, keys(_width(ka))), (qp, tile(_width(qp))),
               (kp, keys(_width(kp))), (qs, rows), (ks, key_rows), (v, keys(_width(v))),
               (seg, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
-              (seg, pl.BlockSpec((None, T), lambda i, h, b: (b, 0)))])
+              (seg, pl.BlockSpec((None, T), lambda i, h, b: (b, 0))),
+              (lo, launch.bound_spec(lo))])
 
 
-def _forward(cfg, qa, ka, qp, kp, qs, ks, v, seg):
+def _forward(cfg, qa, ka, qp, kp, qs, ks, v, docs):
   st, backend = cfg
   B, T, H, _ = qa.shape
-  m = _query_major(st, qa, ka, qp, kp, qs, ks, v, seg)
+  m = _query_major(st, qa, ka, qp, kp, qs, ks, v, docs)
   outs = [(f32_shape(B, T, H, v.shape[-1]), m["tile"](v.shape[-1])),
           (f32_shape(B, T, H), m["rows"])]
   return _call(backend, kernels.forward_kernel, (T // st.block_q, H, B), m["inputs"], outs, st)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, qa, ka, qp, kp, qs, ks, v, seg):
-  return _forward(cfg, qa, ka, qp, kp, qs, ks, v, seg)[0]
+def _attention(cfg, qa, ka, qp, kp, qs, ks, v, docs):
+  return _forward(cfg, qa, ka, qp, kp, qs, ks, v, docs)[0]
 
 
-def _attention_fwd(cfg, qa, ka, qp, kp, qs, ks, v, seg):
-  o, lse = _forward(cfg, qa, ka, qp, kp, qs, ks, v, seg)
-  return o, (qa, ka, qp, kp, qs, ks, v, seg, o, lse)
+def _attention_fwd(cfg, qa, ka, qp, kp, qs, ks, v, docs):
+  o, lse = _forward(cfg, qa, ka, qp, kp, qs, ks, v, docs)
+  return o, (qa, ka, qp, kp, qs, ks, v, docs, o, lse)
 
 
 def _attention_bwd(cfg, res, do):
   st, backend = cfg
-  qa, ka, qp, kp, qs, ks, v, seg, o, lse = res
+  qa, ka, qp, kp, qs, ks, v, docs, o, lse = res
   B, T, H, _ = qa.shape
   K = ka.shape[2]
   G = H // K
@@ -136,7 +141,7 @@ def _attention_bwd(cfg, res, do):
   do = do.astype(v.dtype)
 
   # dq: one program per (query tile, head, batch)
-  m = _query_major(st, qa, ka, qp, kp, qs, ks, v, seg)
+  m = _query_major(st, qa, ka, qp, kp, qs, ks, v, docs)
   inputs = m["inputs"] + [(do, m["tile"](_width(do))), (lse, m["rows"]), (delta, m["rows"])]
   outs = [(f32_shape(*qa.shape), m["tile"](_width(qa))),
           (None if qp is None else f32_shape(*qp.shape), m["tile"](_width(qp))),
@@ -146,6 +151,7 @@ def _attention_bwd(cfg, res, do):
 
   # dk, dv: one program per (key tile, kv head, batch); the group's query heads whole in time
   bk = st.block_k
+  seg, _, hi = tiles.unpack_documents(docs)
   group = lambda d: pl.BlockSpec((None, T, G, d), lambda j, h, b: (b, 0, h, 0))  # noqa: E731
   ktile = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0))  # noqa
   group_rows = pl.BlockSpec((None, T, G), lambda j, h, b: (b, 0, h))
@@ -154,6 +160,7 @@ def _attention_bwd(cfg, res, do):
             (kp, ktile(_width(kp))), (qs, group_rows), (ks, key_rows), (v, ktile(_width(v))),
             (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
             (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
+            (hi, launch.bound_spec(hi)),
             (do, group(_width(do))), (lse, group_rows), (delta, group_rows)]
   outs = [(f32_shape(*ka.shape), ktile(_width(ka))),
           (None if kp is None else f32_shape(*kp.shape), ktile(_width(kp))),

@@ -18,7 +18,9 @@ Refs are time-major, cut by api.py's BlockSpecs: a query tile [bq, X], a whole k
 [T, X] read a tile at a time, a group's queries [T, G, X] read one head at a time. Per-row
 vectors (phase sums, lse, delta, segment ids) are 1-D. Positions are the time indices: the
 caller pads T at the end, and a padded query (sliced off, zero cotangent) or key (seen only by
-padded queries, which are later in time) changes no real row.
+padded queries, which are later in time) changes no real row. With documents, every walk skips
+the tiles that share no document with its own (tiles.document_bounds); a skipped tile is wholly
+masked, so the results are the same bits.
 """
 from __future__ import annotations
 
@@ -71,9 +73,9 @@ def _parts(st: Static, ra, ca, rp, cp, rs, cs, dist):
 
 
 def forward_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref,
-                   o_ref, lse_ref, *, st: Static):
+                   lo_ref, o_ref, lse_ref, *, st: Static):
   """qa [bq, A], ka [T, A], (qp [bq, P], kp [T, P]) or (qs [bq], ks [T]), v [T, Dv],
-  (sq [bq], sk [T]) -> o [bq, Dv], lse [bq] float32."""
+  (sq [bq], sk [T], lo [nq, 1, 1]) -> o [bq, Dv], lse [bq] float32."""
   bq, bk = st.block_q, st.block_k
   qa = qa_ref[...]
   qp = tiles.read_optional(qp_ref, ...)
@@ -90,12 +92,13 @@ def forward_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref
     return tiles.causal_softmax_step(state, amp * special.cos(theta, fast=st.fast), ok,
                                      v_ref[rows, :], precision=st.v_precision)
 
-  state = lax.fori_loop(0, n, body, tiles.causal_softmax_init(bq, v_ref.shape[-1]))
+  state = lax.fori_loop(tiles.first_key_tile(lo_ref), n, body,
+                        tiles.causal_softmax_init(bq, v_ref.shape[-1]))
   o_ref[...], lse_ref[...] = tiles.causal_softmax_finish(state)
 
 
-def dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref, do_ref,
-              lse_ref, delta_ref, dqa_ref, dqp_ref, dqs_ref, *, st: Static):
+def dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref, lo_ref,
+              do_ref, lse_ref, delta_ref, dqa_ref, dqp_ref, dqs_ref, *, st: Static):
   """One query tile against the key tiles up to the diagonal: -> dqa [bq, A], and dqp
   [bq, P] (quadratic) or dqs [bq] (linear), float32."""
   bq, bk = st.block_q, st.block_k
@@ -129,7 +132,7 @@ def dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_
   init = (jnp.zeros(qa.shape, jnp.float32),
           None if qp is None else jnp.zeros(qp.shape, jnp.float32),
           None if qs is None else jnp.zeros((bq,), jnp.float32))
-  dqa, dqp, dqs = lax.fori_loop(0, n, body, init)
+  dqa, dqp, dqs = lax.fori_loop(tiles.first_key_tile(lo_ref), n, body, init)
   dqa_ref[...] = st.a_scale * dqa
   if dqp_ref is not None:
     dqp_ref[...] = st.p_scale * dqp
@@ -137,12 +140,12 @@ def dq_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_
     dqs_ref[...] = st.p_scale * dqs
 
 
-def dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref, do_ref,
-               lse_ref, delta_ref, dka_ref, dkp_ref, dks_ref, dv_ref, *, st: Static):
+def dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk_ref, hi_ref,
+               do_ref, lse_ref, delta_ref, dka_ref, dkp_ref, dks_ref, dv_ref, *, st: Static):
   """One key tile against its group's G query heads, the query tiles from the diagonal on.
   qa [T, G, A], (qp [T, G, P] or qs [T, G]), do [T, G, Dv], lse, delta [T, G]; ka [bk, A],
-  (kp [bk, P] or ks [bk]), v [bk, Dv], (sq [T], sk [bk]) -> dka [bk, A], (dkp [bk, P] or
-  dks [bk]), dv [bk, Dv], float32, summed over the group.
+  (kp [bk, P] or ks [bk]), v [bk, Dv], (sq [T], sk [bk], hi [nk, 1, 1]) -> dka [bk, A], (dkp
+  [bk, P] or dks [bk]), dv [bk, Dv], float32, summed over the group.
 
   Key-major tiles ([keys, queries]) so that dk += dS^T q and dv += P^T dO take them as they
   are."""
@@ -153,6 +156,7 @@ def dkv_kernel(qa_ref, ka_ref, qp_ref, kp_ref, qs_ref, ks_ref, v_ref, sq_ref, sk
   sk = tiles.read_optional(sk_ref, ...)
   v = v_ref[...]
   kpos, first, n, G = tiles.key_major(bq, bk, qa_ref)
+  n = tiles.query_tiles_end(hi_ref, n)
   dka = jnp.zeros(ka.shape, jnp.float32)
   dkp = None if kp is None else jnp.zeros(kp.shape, jnp.float32)
   dks = None if ks is None else jnp.zeros((bk,), jnp.float32)

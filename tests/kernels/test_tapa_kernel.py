@@ -28,15 +28,16 @@ def _inputs(key, *, B, T, H, K, D, Dv, dtype):
   return (q, k, v), jax.random.normal(ks[3], (B, T, H, Dv))
 
 
-def _documents(B, T):
-  """Row 0: three documents, starting at 0, 11 and 29 (inside tiles); the others one."""
-  starts = jnp.zeros((B, T), jnp.int32).at[0, jnp.array([11, 29])].set(1)
+def _documents(B, T, starts=(11, 29)):
+  """Row 0: documents starting at 0 and at `starts` (inside tiles); the others one."""
+  starts = jnp.zeros((B, T), jnp.int32).at[0, jnp.array(starts)].set(1)
   return jnp.cumsum(starts, axis=1)
 
 
-def _compare(key, *, interpret, tol, B, T, H, K, D, Dv, dtype, hp, segments, blocks):
+def _compare(key, *, interpret, tol, B, T, H, K, D, Dv, dtype, hp, segments, blocks,
+             starts=(11, 29)):
   args, ct = _inputs(key, B=B, T=T, H=H, K=K, D=D, Dv=Dv, dtype=dtype)
-  seg = _documents(B, T) if segments else None
+  seg = _documents(B, T, starts) if segments else None
 
   def kernel(q, k, v):
     return tapa_attention(q, k, v, segment_ids=seg, block_q=blocks[0], block_k=blocks[1],
@@ -69,6 +70,16 @@ SMALL = dict(B=2, T=40, H=4, K=2, D=24, Dv=16, blocks=(16, 32))
 def test_tapa_kernel_matches_the_oracle(key, case):
   case = dict(SMALL, **case)
   _compare(key, interpret=True, tol=TOL[jnp.dtype(case["dtype"])], **case)
+
+
+@pytest.mark.parametrize("blocks", [(16, 16), (16, 32), (32, 16)])
+def test_tapa_kernel_skips_other_documents_exactly(key, blocks):
+  """Documents shorter than a row (starting at 21, 40, 70 of 96): the forward and dq walks
+  start past key tiles of earlier documents, the dk/dv walk stops before query tiles of later
+  ones (tiles.document_bounds), and the result is the oracle's."""
+  case = dict(SMALL, T=96, blocks=blocks, starts=(21, 40, 70), segments=True, dtype=F32,
+              hp=dict(alpha=0.1, theta=0.5, linear_phase=False))
+  _compare(key, interpret=True, tol=TOL[jnp.dtype(F32)], **case)
 
 
 @pytest.mark.parametrize("linear_phase", [False, True], ids=["quadratic", "linear"])
