@@ -18,16 +18,25 @@ Every run is one of configs/convert.py's, at --size (cpu: its default size, runl
   probe_<run>         each run above fine-tuned on flip-flop in byte tokens from its
                       parameters (run=probe): a state-tracking probe
 
---seeds=N repeats all of it with seeds 0 .. N-1 (WORKDIR/seed<n>/, the teacher too). Runs
+--seeds=N repeats all of it with seeds 0 .. N-1 (WORKDIR/seed<n>/, the teacher too);
+--first_seed=K makes them K .. K+N-1, so that seeds can train on different machines. Runs
 already finished in --workdir are not run again (each resumes where it stopped), so the
 command can be repeated across device calls. --results gets results.json (held-out loss per
 run and evaluation length, the probe's read errors, tokens, device and wall time per run) and
 provenance.json; its README and plot are then written (experiments/convert_pages.py, through
-experiments.results_pages).
+experiments.results_pages). A --results folder that already holds other seeds of the same
+experiment keeps them: the new seeds are added beside them.
+
+  python -m experiments.convert_experiment --size=gpu --results=experiments/results/convert_gpu \
+      --gather=PARTS/seed1,PARTS/seed2
+
+trains nothing: it adds the finished seed folders made elsewhere (WORKDIR/seed<n>/, copied
+back without their checkpoints) to --results.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -87,11 +96,12 @@ def run_all(size: str, workdir: str, students, *, seed: int = 0, log=print) -> d
   return summaries
 
 
-def results(per_seed: list[dict[str, dict]]) -> dict:
-  """results.json from run_all's summaries of each seed: per run its encoding, tokens (a
-  conversion's include its teacher's up to the step it converted), and per seed the held-out
-  loss at each evaluation length and its probe's read error per set and length; where and how
-  long it trained."""
+def results(per_seed: list[dict[str, dict]], seed_ids=None) -> dict:
+  """results.json from run_all's summaries of each seed (seeds `seed_ids`, default 0, 1, ...):
+  per run its encoding, tokens (a conversion's include its teacher's up to the step it
+  converted), and per seed the held-out loss at each evaluation length and its probe's read
+  error per set and length; where and how long it trained."""
+  seed_ids = range(len(per_seed)) if seed_ids is None else seed_ids
   runs = {}
   for summaries in per_seed:
     teacher = summaries["teacher"]
@@ -113,7 +123,76 @@ def results(per_seed: list[dict[str, dict]]) -> dict:
       r["finished"] = max(r["finished"] or "", s.get("finished") or "") or None
       r["wall_s"] += round(s.get("wall_time_s", 0) + probe.get("wall_time_s", 0))
   lengths = sorted({int(n) for r in runs.values() for n in r["loss"]})
-  return {"lengths": lengths, "seeds": len(per_seed), "runs": runs}
+  return {"lengths": lengths, "seeds": len(per_seed), "seed_ids": list(seed_ids), "runs": runs}
+
+
+def merge(old: dict, new: dict) -> dict:
+  """Two results() of the same experiment over different seeds, as one (old's seeds first).
+  ValueError if a seed is in both, or if they hold different runs."""
+  old_ids = old.get("seed_ids", list(range(old["seeds"])))  # files written before seed_ids
+  both = sorted(set(old_ids) & set(new["seed_ids"]))
+  if both:
+    raise ValueError(f"seed(s) {both} are already in the results; gather other seeds, or "
+                     "write to a new --results folder")
+  if set(old["runs"]) != set(new["runs"]):
+    raise ValueError(f"the results hold runs {sorted(old['runs'])}, the new seeds "
+                     f"{sorted(new['runs'])}: not the same experiment")
+  runs = {}
+  for name, a in old["runs"].items():
+    b = new["runs"][name]
+    if (a["encoding"], a["tokens"], a["teacher_step"]) != (b["encoding"], b["tokens"],
+                                                          b["teacher_step"]):
+      raise ValueError(f"run {name}: encoding, tokens or teacher step differ between seeds")
+    extend = lambda x, y: {k: x.get(k, []) + y.get(k, []) for k in {**x, **y}}  # noqa: E731
+    runs[name] = dict(a, loss=extend(a["loss"], b["loss"]),
+                      probe_error=extend(a["probe_error"], b["probe_error"]),
+                      device=", ".join(sorted({a["device"], b["device"]} - {None})) or None,
+                      finished=max(a["finished"] or "", b["finished"] or "") or None,
+                      wall_s=a["wall_s"] + b["wall_s"])
+  return {"lengths": sorted(set(old["lengths"]) | set(new["lengths"])),
+          "seeds": len(old_ids) + len(new["seed_ids"]),
+          "seed_ids": old_ids + new["seed_ids"], "runs": runs}
+
+
+def finished_seed(seed_dir: str, students) -> tuple[int, dict[str, dict]]:
+  """(seed, {run name: summary}) of a seed folder whose runs have all finished (--gather);
+  ValueError naming the first run that has not."""
+  from experiments import train
+  summaries, seeds = {}, set()
+  for name, _, _ in plan("cpu", seed_dir, students):
+    run_dir = os.path.join(seed_dir, name)
+    path = os.path.join(run_dir, train.SUMMARY)
+    if not os.path.exists(path):
+      raise ValueError(f"--gather: {path} does not exist: run {name} has not finished")
+    with open(path) as f:
+      summaries[name] = json.load(f)
+    with open(os.path.join(run_dir, "config.json")) as f:
+      seeds.add(json.load(f)["train"]["seed"])
+  if len(seeds) != 1:
+    raise ValueError(f"--gather: the runs of {seed_dir} have different seeds {sorted(seeds)}")
+  return seeds.pop(), summaries
+
+
+def _merged(out_dir: str, new: dict, config, prov: dict) -> tuple[dict, dict]:
+  """(results, provenance) of `new` added to the seeds already in out_dir, when it holds this
+  experiment (same config, seeds aside); `new` and `prov` alone when it holds none."""
+  from experiments import results_writers
+  from experiments import sweeps
+  path = os.path.join(out_dir, "results.json")
+  if not os.path.exists(path):
+    return new, prov
+  with open(path) as f:
+    old = json.load(f)
+  with open(os.path.join(out_dir, results_writers.PROVENANCE)) as f:
+    old_prov = json.load(f)
+  if sweeps.config_fingerprint(old_prov["config"]) != sweeps.config_fingerprint(config):
+    raise ValueError(f"{out_dir} holds another configuration of the experiment; write the new "
+                     "seeds to a new --results folder")
+  return merge(old, new), {
+      **prov, "commands": old_prov.get("commands", [old_prov["command"]]) + [prov["command"]],
+      "machine": "; ".join(dict.fromkeys([old_prov["machine"], prov["machine"]])),
+      "jax": ", ".join(dict.fromkeys([old_prov["jax"], prov["jax"]])),
+      "wall_time_s": old_prov["wall_time_s"] + prov["wall_time_s"]}
 
 
 def main(argv=None) -> None:
@@ -121,25 +200,41 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--size", choices=("cpu", "runlocal", "gpu"), default="cpu",
                  help="configs/convert.py's size")
-  p.add_argument("--workdir", required=True, help="where the runs train (one folder each)")
+  p.add_argument("--workdir", help="where the runs train (one folder each); not with --gather")
   p.add_argument("--results", required=True, help="the results folder to write")
   p.add_argument("--students", default="path,path_fox", help="encodings to convert into")
   p.add_argument("--seeds", type=int, default=1,
-                 help="repeat the whole experiment with seeds 0 .. N-1 (WORKDIR/seed<n>/)")
+                 help="repeat the whole experiment with N seeds (WORKDIR/seed<n>/)")
+  p.add_argument("--first_seed", type=int, default=0, help="the first of the --seeds seeds")
+  p.add_argument("--gather", default="",
+                 help="train nothing: add these finished seed folders (comma-separated "
+                      "WORKDIR/seed<n>) to --results")
   args = p.parse_args(argv)
+  if not args.gather and not args.workdir:
+    p.error("--workdir is required (except with --gather)")
   from absl import logging
   from experiments import results_pages
   from experiments import results_writers
   logging.set_verbosity(logging.WARNING)   # Orbax logs every save and restore at INFO
   students = [s for s in args.students.split(",") if s]
   started = time.perf_counter()
-  per_seed = [run_all(args.size, os.path.join(args.workdir, f"seed{n}"), students, seed=n)
-              for n in range(args.seeds)]
-  teacher_arg = plan(args.size, args.workdir, students)[0][1]
-  prov = results_writers.provenance(sys.argv, time.perf_counter() - started,
-                                    module="experiments.convert_experiment")
-  results_writers.save_results(args.results, EXPERIMENT, results(per_seed),
-                               convert_config.get_config(teacher_arg), prov)
+  module = "experiments.convert_experiment"
+  try:
+    if args.gather:
+      seeds, per_seed = zip(*[finished_seed(d, students) for d in args.gather.split(",") if d])
+      prov = results_writers.gathered_provenance(
+          sys.argv, [s for summaries in per_seed for s in summaries.values()], module=module)
+    else:
+      seeds = range(args.first_seed, args.first_seed + args.seeds)
+      per_seed = [run_all(args.size, os.path.join(args.workdir, f"seed{n}"), students, seed=n)
+                  for n in seeds]
+      prov = results_writers.provenance(sys.argv, time.perf_counter() - started, module=module)
+    config = convert_config.get_config(plan(args.size, "WORKDIR", students)[0][1])
+    out, prov = _merged(args.results, results(list(per_seed), list(seeds)), config, prov)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  results_writers.save_results(args.results, EXPERIMENT, out, config, prov)
   results_pages.write_page(args.results)
   print(f"results: {os.path.join(args.results, 'README.md')}")
 

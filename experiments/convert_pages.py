@@ -34,7 +34,9 @@ def kind(name: str) -> str:
 
 def header(cfg, prov: dict) -> list[str]:
   m, t, d = cfg.model, cfg.train, cfg.data
-  return [f"- command: `{prov['command']}`",
+  commands = prov.get("commands", [prov["command"]])  # one per invocation that added seeds
+  return [f"- command{'s' if len(commands) > 1 else ''}: "
+          + "; then ".join(f"`{c}`" for c in commands),
           f"- teacher: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads x "
           f"{m.head_dim}, block {m.block}, {m.dtype}; {t.steps} steps of {t.batch_size} x "
           f"{d.seq_len} byte-level Python source tokens, AdamW lr {t.learning_rate}",

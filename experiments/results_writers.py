@@ -195,14 +195,16 @@ def gather_summaries(dirs, *, fingerprint: str, log=print) -> list[dict]:
   return out
 
 
-def gathered_provenance(argv: list[str], summaries: list[dict]) -> dict:
+def gathered_provenance(argv: list[str], summaries: list[dict],
+                        module: str = "experiments.sweeps") -> dict:
   """provenance() for gathered runs: their devices and jax, the last one's finish, and the wall
   time from the first start to the last finish (runs side by side overlap)."""
   timed = [(time.mktime(time.strptime(s["finished"], "%Y-%m-%d %H:%M UTC")),
             s.get("wall_time_s", 0)) for s in summaries if s.get("finished", "").endswith("UTC")]
   join = lambda key: ", ".join(sorted({str(s.get(key, "?")) for s in summaries}))  # noqa: E731
-  return {"command": "python -m experiments.sweeps " + " ".join(argv[1:]),
-          "machine": f"{join('device')} ({len(summaries)} runs gathered from side-by-side sweeps)",
+  return {"command": f"python -m {module} " + " ".join(argv[1:]),
+          "machine": f"{join('device')} ({len(summaries)} runs gathered from side-by-side "
+                     + ("sweeps)" if module == "experiments.sweeps" else "commands)"),
           "jax": join("jax"),
           "date": max(s.get("finished", "?") for s in summaries) if summaries else "?",
           "wall_time_s": round(max(e for e, _ in timed) - min(e - w for e, w in timed))

@@ -54,6 +54,72 @@ def test_results_count_a_conversions_teacher_tokens_up_to_its_step_and_list_ever
   assert runs["teacher"]["probe_error"] == {} and runs["path_converted"]["wall_s"] == 12
 
 
+def _seed(d):
+  """One seed's summaries, every loss shifted by d."""
+  return {
+      "teacher": _summary("rope", 1000, {16: 2.0 + d, 64: 3.0 - d}, step=10),
+      "path_converted": _summary("path", 300, {16: 2.1 + d, 64: 2.5}, teacher_step=10),
+      "probe_path_converted": _summary("path", 50, {16: 0.5 + d}, sets="id"),
+  }
+
+
+def test_seeds_merged_into_results_equal_the_results_of_all_seeds_at_once():
+  alone = convert_experiment.results([_seed(0.0)])   # written before seed_ids existed: 0
+  del alone["seed_ids"]
+  later = convert_experiment.results([_seed(0.25), _seed(0.5)], [1, 2])
+  merged = convert_experiment.merge(alone, later)
+  direct = convert_experiment.results([_seed(0.0), _seed(0.25), _seed(0.5)], [0, 1, 2])
+  assert merged == direct
+  assert merged["runs"]["teacher"]["loss"]["16"] == [2.0, 2.25, 2.5]
+  with pytest.raises(ValueError, match=r"seed\(s\) \[2\] are already"):
+    convert_experiment.merge(merged, convert_experiment.results([_seed(0.7)], [2]))
+  other = convert_experiment.results([{"teacher": _seed(0)["teacher"]}], [3])
+  with pytest.raises(ValueError, match="not the same experiment"):
+    convert_experiment.merge(merged, other)
+
+
+def _write_seed(root, seed: int, d: float, students) -> str:
+  """A finished seed folder as a device run leaves it: each run's summary.json and config."""
+  seed_dir = os.path.join(root, f"seed{seed}")
+  summaries = _seed(d)
+  for name, _, _ in convert_experiment.plan("cpu", seed_dir, students):
+    os.makedirs(os.path.join(seed_dir, name))
+    kind = "teacher" if name == "teacher" else ("probe_path_converted" if name.startswith(
+        "probe_") else "path_converted")
+    with open(os.path.join(seed_dir, name, "summary.json"), "w") as f:
+      json.dump(summaries[kind], f)
+    with open(os.path.join(seed_dir, name, "config.json"), "w") as f:
+      json.dump({"train": {"seed": seed}}, f)
+  return seed_dir
+
+
+def test_gather_adds_seed_folders_to_a_results_folder_and_refuses_a_seed_twice(tmp_path, capsys):
+  students = ["path"]
+  parts = [_write_seed(tmp_path / "parts", n, d, students) for n, d in ((0, 0.0), (1, 0.25),
+                                                                        (2, 0.5))]
+  out = str(tmp_path / "results")
+  run = lambda *gather: convert_experiment.main(  # noqa: E731
+      ["--size=runlocal", f"--results={out}", "--students=path", "--gather=" + ",".join(gather)])
+  run(parts[0])
+  run(parts[1], parts[2])
+  with open(os.path.join(out, "results.json")) as f:
+    got = json.load(f)
+  assert got["seeds"] == 3 and got["seed_ids"] == [0, 1, 2]
+  assert got["runs"]["path_converted"]["loss"]["16"] == [2.1, 2.35, 2.6]
+  assert got["runs"]["path_scratch"]["probe_error"]["id@16"] == [0.05, 0.075, 0.1]
+  with open(os.path.join(out, "README.md")) as f:
+    readme = f.read()
+  assert "- commands: `python -m experiments.convert_experiment" in readme
+  assert "; then `python -m experiments.convert_experiment" in readme and "seeds: 3" in readme
+  with pytest.raises(SystemExit) as e:
+    run(parts[1])
+  assert e.value.code == 2 and "seed(s) [1] are already" in capsys.readouterr().err
+  os.remove(os.path.join(parts[2], "probe_path_scratch", "summary.json"))
+  with pytest.raises(SystemExit):
+    run(parts[2])
+  assert "run probe_path_scratch has not finished" in capsys.readouterr().err
+
+
 def test_the_section_tables_every_run_and_draws_the_plot(tmp_path):
   results = {"lengths": [16, 64], "runs": {
       "teacher": {"encoding": "rope", "tokens": 1000, "loss": {"16": [2.0, 2.2], "64": [3.0, 3.0]},
