@@ -164,7 +164,8 @@ def merge_summaries(out_dir: str, summaries: list[dict], *, fingerprint: str,
       old = json.load(f)
   new = [dict(s, config_fingerprint=fingerprint) for s in summaries]
   keys = {summary_key(s) for s in new}
-  kept = [s for s in old if s.get("config_fingerprint") == fingerprint and summary_key(s) not in keys]
+  kept = [s for s in old
+          if s.get("config_fingerprint") == fingerprint and summary_key(s) not in keys]
   dropped = [s for s in old if s.get("config_fingerprint") != fingerprint]
   if dropped:
     log(f"{path}: {len(dropped)} earlier run(s) of another config dropped "
@@ -220,7 +221,8 @@ def runs_table(summaries: list[dict]) -> list[str]:
       "device", "finished", "wall s", "tokens seen", "command"]
   rows = []
   for s in summaries:
-    rows.append([s["encoding"], str(s.get("seed", ""))] + ([str(s.get("axis_value"))] if axis else [])
+    rows.append([s["encoding"], str(s.get("seed", ""))]
+                + ([str(s.get("axis_value"))] if axis else [])
                 + [s.get("device", "?"), s.get("finished", "?"), f"{s.get('wall_time_s', 0):.0f}",
                    f"{s.get('tokens_seen', 0):,}", f"`{s['command']}`" if s.get("command") else ""])
   return ["## Runs", "", report.markdown_table(header, rows), ""]
