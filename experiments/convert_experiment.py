@@ -154,10 +154,15 @@ def merge(old: dict, new: dict) -> dict:
           "seed_ids": old_ids + new["seed_ids"], "runs": runs}
 
 
-def finished_seed(seed_dir: str, students) -> tuple[int, dict[str, dict]]:
-  """(seed, {run name: summary}) of a seed folder whose runs have all finished (--gather);
-  ValueError naming the first run that has not."""
+def finished_seed(seed_dir: str, students, config) -> tuple[int, dict[str, dict]]:
+  """(seed, {run name: summary}) of a seed folder whose runs have all finished (--gather), its
+  teacher trained with `config` (seeds aside); ValueError naming what is not so."""
+  from experiments import sweeps
   from experiments import train
+  with open(os.path.join(seed_dir, "teacher", "config.json")) as f:
+    if sweeps.config_fingerprint(json.load(f)) != sweeps.config_fingerprint(config):
+      raise ValueError(f"--gather: the teacher of {seed_dir} was trained with another "
+                       "configuration than --size's")
   summaries, seeds = {}, set()
   for name, _, _ in plan("cpu", seed_dir, students):
     run_dir = os.path.join(seed_dir, name)
@@ -220,8 +225,10 @@ def main(argv=None) -> None:
   started = time.perf_counter()
   module = "experiments.convert_experiment"
   try:
+    config = convert_config.get_config(plan(args.size, "WORKDIR", students)[0][1])
     if args.gather:
-      seeds, per_seed = zip(*[finished_seed(d, students) for d in args.gather.split(",") if d])
+      seeds, per_seed = zip(*[finished_seed(d, students, config)
+                              for d in args.gather.split(",") if d])
       prov = results_writers.gathered_provenance(
           sys.argv, [s for summaries in per_seed for s in summaries.values()], module=module)
     else:
@@ -229,7 +236,6 @@ def main(argv=None) -> None:
       per_seed = [run_all(args.size, os.path.join(args.workdir, f"seed{n}"), students, seed=n)
                   for n in seeds]
       prov = results_writers.provenance(sys.argv, time.perf_counter() - started, module=module)
-    config = convert_config.get_config(plan(args.size, "WORKDIR", students)[0][1])
     out, prov = _merged(args.results, results(list(per_seed), list(seeds)), config, prov)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

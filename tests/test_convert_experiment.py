@@ -88,8 +88,10 @@ def _write_seed(root, seed: int, d: float, students) -> str:
         "probe_") else "path_converted")
     with open(os.path.join(seed_dir, name, "summary.json"), "w") as f:
       json.dump(summaries[kind], f)
+    config = convert_config.get_config("runlocal,run=teacher").to_dict()   # as train saves it
+    config["train"]["seed"] = seed
     with open(os.path.join(seed_dir, name, "config.json"), "w") as f:
-      json.dump({"train": {"seed": seed}}, f)
+      json.dump(config, f)
   return seed_dir
 
 
@@ -114,6 +116,10 @@ def test_gather_adds_seed_folders_to_a_results_folder_and_refuses_a_seed_twice(t
   with pytest.raises(SystemExit) as e:
     run(parts[1])
   assert e.value.code == 2 and "seed(s) [1] are already" in capsys.readouterr().err
+  with pytest.raises(SystemExit):   # seeds of another size
+    convert_experiment.main(["--size=cpu", f"--results={tmp_path / 'cpu'}", "--students=path",
+                             f"--gather={parts[1]}"])
+  assert "trained with another configuration than --size's" in capsys.readouterr().err
   os.remove(os.path.join(parts[2], "probe_path_scratch", "summary.json"))
   with pytest.raises(SystemExit):
     run(parts[2])
