@@ -128,6 +128,55 @@ def test_word_problem_generator_words(rng):
   assert set(batch["tokens"].ravel().tolist()) <= set(word_problem.generators("A5").tolist())
 
 
+
+def _loop_generate(rng, *, seq_len, group, alphabet):
+  """word_problem.generate as it was before its scans: the same draws, then the plain loop."""
+  table = word_problem.cayley_table(group)
+  if alphabet == "generators":
+    tokens = rng.choice(word_problem.generators(group), size=seq_len).astype(np.int32)
+  else:
+    tokens = rng.integers(0, table.shape[0], size=seq_len).astype(np.int32)
+  targets = np.empty(seq_len, np.int32)
+  state = 0  # identity
+  for t, g in enumerate(tokens):
+    state = table[state, g]
+    targets[t] = state
+  return tokens, targets
+
+
+_SCAN_LENGTHS = (1, 2, 3, 63, 64, 65, 511, 512, 513, 1000)  # both scans and their edges
+
+
+@pytest.mark.parametrize("group", word_problem.GROUPS)
+@pytest.mark.parametrize("alphabet", word_problem.ALPHABETS)
+def test_word_problem_generate_matches_the_plain_loop(group, alphabet):
+  """Every seed's stream is bit-identical to the loop's: same tokens, same targets, dtypes."""
+  seeds = [0, 1] + [secrets.randbits(31) for _ in range(3)]
+  print(f"numpy seeds={seeds}")
+  for seq_len in _SCAN_LENGTHS:
+    for seed in seeds:
+      ex = word_problem.generate(np.random.default_rng(seed), seq_len=seq_len, group=group,
+                                 alphabet=alphabet)
+      tokens, targets = _loop_generate(np.random.default_rng(seed), seq_len=seq_len,
+                                       group=group, alphabet=alphabet)
+      assert ex["tokens"].dtype == ex["targets"].dtype == np.int32
+      assert ex["loss_mask"].dtype == np.float32 and ex["loss_mask"].tolist() == [1.0] * seq_len
+      np.testing.assert_array_equal(ex["tokens"], tokens)
+      np.testing.assert_array_equal(ex["targets"], targets)
+
+
+@pytest.mark.parametrize("group", word_problem.GROUPS)
+@pytest.mark.parametrize("seq_len", [1, 64, 513, 1000])
+def test_word_problem_last_target_is_the_words_product(rng, group, seq_len):
+  """The last target against the word multiplied out on permutation tuples (not the table)."""
+  elems = word_problem.elements(group)
+  for alphabet in word_problem.ALPHABETS:
+    ex = word_problem.generate(rng, seq_len=seq_len, group=group, alphabet=alphabet)
+    state = tuple(range(5))
+    for g in ex["tokens"]:
+      state = tuple(elems[g][state[i]] for i in range(5))  # apply state, then g
+    assert elems[ex["targets"][-1]] == state
+
 # --- MQRAR-N -----------------------------------------------------------------------
 
 
