@@ -144,7 +144,7 @@ def _loop_generate(rng, *, seq_len, group, alphabet):
   return tokens, targets
 
 
-_SCAN_LENGTHS = (1, 2, 3, 63, 64, 65, 511, 512, 513, 1000)  # both scans and their edges
+_SCAN_LENGTHS = (1, 2, 3, 63, 64, 65, 511, 512, 513, 1000)
 
 
 @pytest.mark.parametrize("group", word_problem.GROUPS)
