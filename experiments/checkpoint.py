@@ -364,7 +364,8 @@ class Checkpointer:
 
   def _failed(self, step: int, e: BaseException) -> RunError:
     good = [s for s in all_steps(self._workdir) if s != step]
-    kept = f"step {max(good)} is the newest complete checkpoint" if good else "no checkpoint is complete"
+    kept = (f"step {max(good)} is the newest complete checkpoint" if good
+            else "no checkpoint is complete")
     return RunError(f"saving checkpoint step {step} in {self._directory} failed "
                     f"({_first_line(e)}); {kept}; fix the cause (disk space, permissions) "
                     f"and run the same command to resume")

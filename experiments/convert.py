@@ -349,14 +349,15 @@ def _convert(config, workdir, *, mcfg, tcfg, data_module, stop_after, started) -
   stream1 = _stream(config, student, data_module, batch_size=cv.mse_batch_size,
                     seq_len=stage1_seq_len(config), seed=t.seed + 1)
   streams = _Streams(stream1, stream2)
-  eval_sets = train._eval_sets(config, data_module, student.batch_sharding)  # pylint: disable=protected-access
+  eval_sets = train._eval_sets(  # pylint: disable=protected-access
+      config, data_module, student.batch_sharding)
   stored = config_checks.stored_form(mcfg)
   ckpt = checkpoint.Checkpointer(workdir, every=t.checkpoint_every)
   log = bar = None
   try:
     with jax.set_mesh(mesh), train._sigterm_flag() as sigterm:   # pylint: disable=protected-access
       t_step, host = teacher_params(cv.teacher, cv.teacher_step,
-                                    teacher._abstract["params"])   # pylint: disable=protected-access
+                                    teacher._abstract["params"])  # pylint: disable=protected-access
       tparams = jax.device_put(host, teacher.param_shardings)
       steps = _Steps(config, student, teacher)
       restored = ckpt.restore(student.abstract_state(), streams)
@@ -365,9 +366,11 @@ def _convert(config, workdir, *, mcfg, tcfg, data_module, stop_after, started) -
         step, state = 0, _initial_state(config, mcfg, tcfg, host, student, steps)
       else:
         step, state = restored
-      train._keep_records_through(workdir, step, final=step >= total)  # pylint: disable=protected-access
+      train._keep_records_through(  # pylint: disable=protected-access
+          workdir, step, final=step >= total)
       run_config.record(workdir, config, step=step)
-      evaluate_now = lambda: _evaluate(steps, state["params"], tparams, eval_sets, student.put)  # noqa: E731
+      evaluate_now = lambda: _evaluate(  # noqa: E731
+          steps, state["params"], tparams, eval_sets, student.put)
       if step == 0 and eval_sets:
         log.eval(0, evaluate_now())
       bar = tqdm.tqdm(total=total, initial=step, unit="step", dynamic_ncols=True,

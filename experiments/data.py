@@ -103,7 +103,8 @@ def _check(config, seq_len: int | None = None) -> None:
   seq_len = config.seq_len if seq_len is None else seq_len
   minimum = SYNTHETIC[config.task].MIN_SEQ_LEN if config.task in SYNTHETIC else 1
   if not isinstance(seq_len, (int, np.integer)) or seq_len < minimum:
-    raise ValueError(f"{name}={seq_len!r} must be an int >= {minimum} for data.task={config.task!r}")
+    raise ValueError(f"{name}={seq_len!r} must be an int >= {minimum} "
+                     f"for data.task={config.task!r}")
   for field in ("read_threads", "prefetch_batches"):
     value = config[field]
     if not isinstance(value, (int, np.integer)) or value < 1:
@@ -145,7 +146,8 @@ def _check_batching(batch_size: int, process_index: int = 0, process_count: int 
   if batch_size < 1:
     raise ValueError(f"batch_size={batch_size} must be >= 1")
   if not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index} must lie in [0, process_count={process_count})")
+    raise ValueError(f"process_index={process_index} must lie in "
+                     f"[0, process_count={process_count})")
 
 
 # --- synthetic tasks ---------------------------------------------------------------
@@ -162,7 +164,8 @@ class _SyntheticExample:
 
   def __call__(self, index: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([self.seed, self.stream, index])
-    ex = SYNTHETIC[self.task_name].make_example(self.config, rng, seq_len=self.seq_len, split=self.split)
+    ex = SYNTHETIC[self.task_name].make_example(self.config, rng, seq_len=self.seq_len,
+                                                split=self.split)
     ex["segment_ids"] = np.ones(self.seq_len, np.int32)
     ex["positions"] = np.arange(self.seq_len, dtype=np.int32)
     return ex
@@ -268,7 +271,8 @@ def make_train_iter(config, *, batch_size: int, seed: int, process_index: int = 
   if config.task == "text":
     rows = _packed_text(config, "train", seq_len=config.seq_len, seed=seed)
     if config.shuffle_window > 1:
-      rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=config.shuffle_window, seed=seed)
+      rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=config.shuffle_window,
+                                                         seed=seed)
     batches = rows.batch(batch_size * process_count, drop_remainder=True, batch_fn=_stack)
     if process_count > 1:
       batches = batches.map(functools.partial(_take_block, rows=batch_size, index=process_index))

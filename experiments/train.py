@@ -78,8 +78,10 @@ class Trainer:
     self.graphdef, self.template, self.rest = nnx.split(abstract_model, nnx.Param, ...)
     abstract_params = nnx.to_pure_dict(self.template)
     logical = traverse_util.unflatten_dict(
-        {tuple(p): v.get_metadata().get("out_sharding") for p, v in nnx.to_flat_state(self.template)})
-    self.param_shardings = sharding.named_shardings(logical, abstract_params, mesh, rules=self.rules)
+        {tuple(p): v.get_metadata().get("out_sharding")
+         for p, v in nnx.to_flat_state(self.template)})
+    self.param_shardings = sharding.named_shardings(logical, abstract_params, mesh,
+                                                    rules=self.rules)
     self.tx, self.schedule = make_optimizer(train_cfg)
     repl = sharding.replicated(mesh)
     # The state's shapes, kept for restores (tracing _init_state again would rebuild the model).
@@ -365,7 +367,8 @@ def _train(config, workdir: str, *, data_module, mcfg, stop_after, started: floa
     ckpt.close()
     good = checkpoint.latest_step(workdir)
     raise TrainingDiverged(
-        f"{e}; {'no checkpoint kept' if good is None else f'checkpoint step {good} is from before it'}; "
+        f"{e}; "
+        f"{'no checkpoint kept' if good is None else f'checkpoint step {good} is from before it'}; "
         f"lower config.train.learning_rate and rerun with "
         f"--config.train.allow_config_change=True (or in a new --workdir)") from None
   finally:

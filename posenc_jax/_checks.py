@@ -16,7 +16,8 @@ IMPLEMENTATIONS = ("reference", "xla", "cudnn", "scan", "chunked", "pallas")
 
 def check_rank(name: str, x, rank: int, letters: str) -> None:
   if x.ndim != rank:
-    raise ValueError(f"{name} must have rank {rank} [{', '.join(letters)}], got shape {tuple(x.shape)}")
+    raise ValueError(f"{name} must have rank {rank} [{', '.join(letters)}], "
+                     f"got shape {tuple(x.shape)}")
 
 
 def check_shape(name: str, x, expected: Sequence[int], letters: str) -> None:
@@ -37,7 +38,8 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
   if v.shape[:3] != (B, T, K):
     raise ValueError(f"v must have shape [B={B}, T={T}, K={K}, Dv], got {tuple(v.shape)}")
   if K == 0 or H % K:
-    raise ValueError(f"number of query heads H={H} must be a multiple of key/value heads K={K} (GQA)")
+    raise ValueError(f"number of query heads H={H} must be a multiple of key/value heads "
+                     f"K={K} (GQA)")
   return B, T, H, K, D
 
 
@@ -98,7 +100,8 @@ def check_range(name: str, x, lo: float, hi: float) -> None:
   if is_concrete(x):
     a = np.asarray(x, dtype=np.float64)
     if a.size and (a.min() < lo or a.max() > hi):
-      raise ValueError(f"{name} must lie in [{lo}, {hi}], got values in [{a.min():.4g}, {a.max():.4g}]")
+      raise ValueError(f"{name} must lie in [{lo}, {hi}], got values in "
+                       f"[{a.min():.4g}, {a.max():.4g}]")
 
 
 def check_unit_norm(name: str, x, *, atol: float = 1e-3) -> None:

@@ -83,7 +83,8 @@ def grape_a_lift_logits(q, k, omega_H, lam_q, lam_k, pos_BT, *, scale):
   a0 = jnp.zeros((D + 2, D + 2), f32).at[D + 1, D].set(1.0)      # e_{D+2} e_{D+1}^T
   a_ij = -_pair_rates(lam_q, lam_k)[..., None, None] * a0         # [B, H, T, T, D+2, D+2]
   m = (pos_BT[:, None, :] - pos_BT[:, :, None]).astype(f32)[:, None]  # j - i
-  g = jnp.eye(D + 2, dtype=f32) + (m * omega_H.astype(f32)[None, :, None, None])[..., None, None] * a_ij
+  g = (jnp.eye(D + 2, dtype=f32)
+       + (m * omega_H.astype(f32)[None, :, None, None])[..., None, None] * a_ij)
   g_inv_t = jnp.swapaxes(jnp.linalg.inv(g), -1, -2)                # group inverse, then transpose
   return jnp.einsum("bihd,bhijde,bjhe->bhij", q_hat, g_inv_t, k_hat)
 
@@ -133,11 +134,12 @@ def augmented_head_dim(T: int, D: int, dtype, *, q_gate: bool, k_gate: bool) -> 
 def grape_a_augment(q, k, v, *, omega, lam_q, lam_k, segment_ids=None, scale, attn_scale=None):
   """Extends q and k so that plain softmax attention computes GRAPE-A exactly.
 
-  Returns (q_aug [B,T,H,Da], k_aug [B,T,K',Da], v [B,T,K',Dv]) with Da = D + extra channels padded to a
-  multiple of LANE, such that softmax(attn_scale q_aug.k_aug) == softmax(scale q.k + b), b the
+  Returns (q_aug [B,T,H,Da], k_aug [B,T,K',Da], v [B,T,K',Dv]) with Da = D + extra channels padded
+  to a multiple of LANE, such that softmax(attn_scale q_aug.k_aug) == softmax(scale q.k + b), b the
   closed form. attn_scale defaults to 1/sqrt(Da), the default scale of
   posenc_jax.softmax_attention for the augmented head dim. K' = K unless a key gate is
-  present: the key gate is per query head, so then k and v are repeated to K' = H heads. Float32 gates are carried as three bf16
+  present: the key gate is per query head, so then k and v are repeated to K' = H heads.
+  Float32 gates are carried as three bf16
   pieces (exact), 16-bit inputs as one piece (gate rounded to bf16).
   """
   B, T, H, D = q.shape

@@ -1,4 +1,5 @@
-"""TAPA: token-aware phase attention (TAPA paper eq. 12, ablation eq. 16; docs/encodings/tapa.md#tapa).
+"""TAPA: token-aware phase attention (TAPA paper eq. 12, ablation eq. 16;
+docs/encodings/tapa.md#tapa).
 
 Each head splits q = (q_A, q_P), k = (k_A, k_P), the amplitude part being the first
 round(theta * D) channels, and the softmax logit is

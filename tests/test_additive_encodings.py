@@ -38,7 +38,8 @@ def _randomise(params, key):
   """Moves every parameter away from its (often symmetric) initial value."""
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(kk, x.shape) for x, kk in zip(leaves, keys)])
+  return jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(kk, x.shape)
+                                   for x, kk in zip(leaves, keys)])
 
 
 @pytest.mark.parametrize("name", ["grape_a_q", "grape_a_k", "grape_a_qk"])
@@ -213,7 +214,8 @@ def test_kv_shift_matches_loop_and_does_not_leak(key):
   k1, k2 = jax.random.split(key)
   layer = _layer(k1)
   params = _randomise(additive.kv_shift_init(k2, DIMS), k2)
-  k2_, v2_ = additive.kv_shift_apply(params, x=layer["x"], k=layer["k"], v=layer["v"], segment_ids=SEG)
+  k2_, v2_ = additive.kv_shift_apply(params, x=layer["x"], k=layer["k"], v=layer["v"],
+                                     segment_ids=SEG)
   np.testing.assert_allclose(np.asarray(k2_), _kv_shift_loop(params, layer["x"], layer["k"], SEG),
                              rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(np.asarray(v2_), _kv_shift_loop(params, layer["x"], layer["v"], SEG),

@@ -88,8 +88,8 @@ def test_auto_implementation_table(family, backend, T, expected):
 
 # The measured CPU thresholds (docs/benchmarks/cpu_auto.md): dense up to T, chunked
 # beyond; 0 = chunked at every T. Re-measure before changing one.
-CPU_THRESHOLDS = {"softmax": 256, "grape_a": 256, "path": 0, "forgetting": 2048, "path_integral": 2048,
-                  "tapa": 2048, "stick_breaking": 256}
+CPU_THRESHOLDS = {"softmax": 256, "grape_a": 256, "path": 0, "forgetting": 2048,
+                  "path_integral": 2048, "tapa": 2048, "stick_breaking": 256}
 
 
 @pytest.mark.parametrize("family", dispatch.FAMILIES)
@@ -118,7 +118,8 @@ def test_none_on_a_tpu_runs_the_blockwise_tapa(monkeypatch, key):
   from posenc_jax import tapa
   ran = []
   chunked = tapa.tapa_attention_chunked
-  monkeypatch.setattr(tapa, "tapa_attention_chunked", lambda *a, **kw: ran.append(1) or chunked(*a, **kw))
+  monkeypatch.setattr(tapa, "tapa_attention_chunked",
+                      lambda *a, **kw: ran.append(1) or chunked(*a, **kw))
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   q, k, v = (jax.random.normal(k_, (1, 16, 2, 8)) for k_ in jax.random.split(key, 3))
   o = attention.tapa_attention(q, k, v)
@@ -255,9 +256,11 @@ def test_cudnn_matches_reference_on_gpu(key, segments):
     return lambda q, k, v: jnp.sum(attention.softmax_attention(
         q, k, v, segment_ids=seg, implementation=impl).astype(F32) * do)
 
-  for a, b, name in zip((attention.softmax_attention(q, k, v, segment_ids=seg, implementation="cudnn"),)
+  for a, b, name in zip((attention.softmax_attention(q, k, v, segment_ids=seg,
+                                                     implementation="cudnn"),)
                         + jax.grad(loss("cudnn"), argnums=(0, 1, 2))(q, k, v),
-                        (attention.softmax_attention(q, k, v, segment_ids=seg, implementation="reference"),)
+                        (attention.softmax_attention(q, k, v, segment_ids=seg,
+                                                     implementation="reference"),)
                         + jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v),
                         ("o", "dq", "dk", "dv")):
     assert_rel_rms(a, b, 1e-2, name)
@@ -296,7 +299,8 @@ def _grad_temp_bytes(family: str, T: int) -> int:
   q = k = v = jax.ShapeDtypeStruct((B, T, H, D), F32)
   seg = jnp.ones((B, T), jnp.int32)
   if family == "tapa":
-    fn = lambda q, k, v: attention.tapa_attention(q, k, v, segment_ids=seg, implementation="chunked")
+    fn = lambda q, k, v: attention.tapa_attention(q, k, v, segment_ids=seg,
+                                                  implementation="chunked")
   elif family == "path_integral":
     p, alpha = jnp.ones((B, T, H, 8)), jnp.ones((H,))
     fn = lambda q, k, v: attention.path_integral_attention(q, k, v, p, alpha, segment_ids=seg,

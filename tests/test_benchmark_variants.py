@@ -105,7 +105,8 @@ def test_the_timed_phases_compose_to_path_attention_gradients():
 
 def test_plane_rotations_benchmark_times_every_tile_and_checks_it_against_the_scan(tmp_path):
   """plane_rotations.py in the interpreter at a small shape: a row per variant, the kernel at
-  its default tiles and at every tile matching the scan (y rounded to bf16 once; float32 gradients), the JSON written."""
+  its default tiles and at every tile matching the scan (y rounded to bf16 once; float32
+  gradients), the JSON written."""
   import json
 
   from experiments.benchmarks import plane_rotations

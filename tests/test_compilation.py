@@ -1,4 +1,5 @@
-"""The command line's compile report and persistent compilation cache (experiments/compilation.py)."""
+"""The command line's compile report and persistent compilation cache
+(experiments/compilation.py)."""
 from __future__ import annotations
 
 import os

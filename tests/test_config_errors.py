@@ -51,7 +51,8 @@ ROWS = [
      ["config.model.implementation='pallas:span'", "not KEY=VALUE"]),
     # Unknown fields, in any group, on the command line: named with the valid ones.
     (["--config.model.foo=1"], ["config.model has no field foo; fields: block, d_model,"]),
-    (["--config.foo.bar=1"], ["config has no field foo; fields: data, distributed, eval, mesh, model, sweep"]),
+    (["--config.foo.bar=1"],
+     ["config has no field foo; fields: data, distributed, eval, mesh, model, sweep"]),
     (["--config.train.warmup=3"], ["config.train has no field warmup (did you mean "
                                    "warmup_steps?); fields: allow_config_change, batch_size,"]),
     (["--config.model.encoding.x=1"], ["config.model.encoding='rope' is a str, not a group"]),

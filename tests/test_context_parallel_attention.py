@@ -133,7 +133,8 @@ CASES = [
     ("grape_m_ctx", 1, 2, ""),            # accumulated phases: a scan over the sharded T
 ]
 SLOW_CASES = [
-    ("path_fox", 2, 2, ""), ("path_fox", 1, 2, ""), ("path_fox", 1, 4, ""), ("path", 1, 2, "nosegments"),
+    ("path_fox", 2, 2, ""), ("path_fox", 1, 2, ""), ("path_fox", 1, 4, ""),
+    ("path", 1, 2, "nosegments"),
     ("fox", 1, 2, ""), ("fox", 1, 4, ""), ("fox", 2, 2, ""), ("alibi", 1, 2, ""),
     ("alibi", 1, 4, ""), ("rope", 1, 2, ""), ("rope", 1, 4, ""), ("rope", 2, 2, ""),
     ("grape_m_ctx", 1, 4, ""), ("direct_path", 1, 4, ""), ("direct_path", 2, 2, ""),

@@ -97,8 +97,8 @@ def test_resume_continues_as_uninterrupted(converted, tmp_path):
 
 def test_cli_converts_and_generate_reads_the_student(teacher, tmp_path):
   wd = tmp_path / "student"
-  run = lambda *args: subprocess.run([sys.executable, "-m", *args], capture_output=True,  # noqa: E731
-                                     text=True, check=False)
+  run = lambda *args: subprocess.run([sys.executable, "-m", *args],  # noqa: E731
+                                     capture_output=True, text=True, check=False)
   out = run("experiments.convert", f"--config=experiments/configs/convert.py:teacher={teacher},"
             f"runlocal", f"--workdir={wd}")
   assert out.returncode == 0, out.stderr[-2000:]

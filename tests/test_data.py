@@ -41,7 +41,8 @@ def _config(task, **overrides):
 
 
 def _text_config(corpus_dir, **overrides):
-  return _config("text", **{"text_dir": corpus_dir, "valid_fraction": 0.3, "shuffle_window": 4, **overrides})
+  return _config("text", **{"text_dir": corpus_dir, "valid_fraction": 0.3, "shuffle_window": 4,
+                            **overrides})
 
 
 def _take(it, n):
@@ -194,7 +195,8 @@ def test_text_valid_is_held_out_and_reaches_max_seq_len(corpus_dir):
   assert len(train_files) + len(valid_files) == 28
   assert data.max_seq_len(config) == valid_tokens
   for seq_len in (33, 66, valid_tokens):
-    batches = data.make_eval_sets(config, seq_len=seq_len, batch_size=2, num_batches=50, seed=0)["valid"]
+    batches = data.make_eval_sets(config, seq_len=seq_len, batch_size=2, num_batches=50,
+                                  seed=0)["valid"]
     for b in batches:
       _assert_contract(b, 2, seq_len)
     # All held-out tokens appear exactly once, then only padding.
@@ -218,7 +220,8 @@ def _segments(batches):
     for row in range(b["tokens"].shape[0]):
       seg = b["segment_ids"][row]
       assert (np.diff(seg[seg > 0]) >= 0).all() and (seg[seg > 0][:1] == 1).all()
-      assert (seg[np.argmin(seg > 0):] == 0).all() if (seg == 0).any() else True  # padding at the end
+      # padding at the end
+      assert (seg[np.argmin(seg > 0):] == 0).all() if (seg == 0).any() else True
       np.testing.assert_array_equal(b["loss_mask"][row], (seg > 0).astype(np.float32))
       for s in range(1, seg.max() + 1):
         idx = np.flatnonzero(seg == s)
@@ -320,7 +323,8 @@ def test_default_config_has_every_field():
                "n_back", "num_pairs", "num_values", "query_prob", "text_dir", "max_files",
                "valid_fraction", "shuffle_window"):
     assert name in config
-  assert (config.ignore_prob, config.sparse_ignore_prob, config.dense_ignore_prob) == (0.8, 0.98, 0.1)
+  assert (config.ignore_prob, config.sparse_ignore_prob,
+          config.dense_ignore_prob) == (0.8, 0.98, 0.1)
   config.text_dir = "/tmp"  # placeholders accept their type
   config.max_files = 3
 

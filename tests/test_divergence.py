@@ -37,7 +37,8 @@ def _first_trip(guard, losses, first_step=1):
 
 def test_nonfinite_loss_stops_at_once():
   for bad in (math.nan, math.inf):
-    assert _first_trip(_guard(), [5.6, 5.0, bad]) == (3, f"loss diverged at step 3: the loss is {bad}")
+    assert _first_trip(_guard(), [5.6, 5.0, bad]) == (
+        3, f"loss diverged at step 3: the loss is {bad}")
   assert _first_trip(_guard(patience=0), [5.6, math.nan])[0] == 2
 
 

@@ -39,7 +39,8 @@ def _layer(key, name):
   def f(x, tokens, segment_ids, implementation=None):
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     if segment_ids is not None:  # positions restart per packed document
-      starts = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+      starts = jnp.concatenate([jnp.ones((B, 1), bool),
+                                segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
       idx = jnp.where(starts, pos, 0)
       pos = pos - jax.lax.cummax(idx, axis=1)
     q = (x @ wq).reshape(B, T, H, D)
@@ -88,7 +89,8 @@ def test_causal_under_future_token_changes(name, key):
   tokens2 = tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 1) % V)
   o1, o2 = f(x, tokens, None), f(x2, tokens2, None)
   np.testing.assert_array_equal(np.asarray(o1[:, : t + 1]), np.asarray(o2[:, : t + 1]))
-  assert not np.allclose(np.asarray(o1[:, t + 1:]), np.asarray(o2[:, t + 1:])), "perturbation had no effect"
+  assert not np.allclose(np.asarray(o1[:, t + 1:]),
+                         np.asarray(o2[:, t + 1:])), "perturbation had no effect"
 
 
 @pytest.mark.parametrize("name", STANDALONE)

@@ -38,7 +38,8 @@ def _sweep(name: str, arg: str, workdir: str, out: str, *, seeds=None) -> dict:
 
 
 def test_synthetic_experiments(tmp_path):
-  r = _sweep("flipflop", "runlocal,encodings=rope+path", str(tmp_path / "ff"), str(tmp_path / "ffr"))
+  r = _sweep("flipflop", "runlocal,encodings=rope+path", str(tmp_path / "ff"),
+             str(tmp_path / "ffr"))
   assert set(r) == {"rope", "path"}
   assert all(0 <= r[n][f"{s}_error"] <= 1 for n in r for s in ("id", "sparse", "dense"))
   r = _sweep("word_problem", "runlocal,encodings=path", str(tmp_path / "wp"), str(tmp_path / "wpr"))

@@ -45,7 +45,8 @@ def test_prepare_and_attend(key, name):
       prep._replace(q=q, k=k, v=v, inputs=inputs), segment_ids=SEG, implementation="chunked"))(
           prep.q, prep.k, prep.v, prep.inputs)
   ref = jax.jit(lambda *a: householder.path_attention_reference(
-      *a, log_forget=lf, segment_ids=SEG, scale=DIMS.head_dim**-0.5))(prep.q, prep.k, prep.v, w, beta)
+      *a, log_forget=lf, segment_ids=SEG, scale=DIMS.head_dim**-0.5))(
+          prep.q, prep.k, prep.v, w, beta)
   assert_rel_rms(out, ref, 1e-5)
 
   # Every parameter receives a finite, non-zero training signal through the chunked path.

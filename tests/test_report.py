@@ -71,7 +71,8 @@ def test_run_report_writes_the_plot_with_zero_losses(tmp_path):
 
 def _train_records(losses, *, every):
   """Train records as train.py logs them: each step `every`, with its window's mean loss."""
-  return [{"kind": "train", "step": every * (i + 1), "loss": x[-1], "loss_window_mean": sum(x) / len(x)}
+  return [{"kind": "train", "step": every * (i + 1), "loss": x[-1],
+           "loss_window_mean": sum(x) / len(x)}
           for i, x in enumerate(losses)]
 
 
@@ -113,7 +114,8 @@ def _final(errors: dict, lengths=(64,)):
 
 
 def test_one_eval_length_draws_labelled_bars():
-  fig, ax = report.vs_length_figure(_final({"dense": 0.0, "id": 0.0, "sparse": 0.25}), "error", "path")
+  fig, ax = report.vs_length_figure(_final({"dense": 0.0, "id": 0.0, "sparse": 0.25}), "error",
+                                    "path")
   try:
     assert len(ax.patches) == 3 and not ax.get_lines()
     assert [t.get_text() for t in ax.get_xticklabels()] == ["id", "sparse", "dense"]

@@ -44,7 +44,8 @@ def test_rotary_entry_end_to_end(key, name):
   prep = enc.prepare(params, **layer)
   m = rotations.yarn_attention_factor(4.0) if name == "rope_yarn" else 1.0
   for a, b in ((prep.q, layer["q"]), (prep.k, layer["k"])):
-    np.testing.assert_allclose(jnp.linalg.norm(a, axis=-1), m * jnp.linalg.norm(b, axis=-1), rtol=2e-5)
+    np.testing.assert_allclose(jnp.linalg.norm(a, axis=-1), m * jnp.linalg.norm(b, axis=-1),
+                               rtol=2e-5)
   assert (prep.out_angles is not None) == name.endswith("_v")
   ref = encodings.attend(prep, segment_ids=SEG, implementation="reference")
   chk = encodings.attend(prep, segment_ids=SEG, implementation="chunked")
@@ -75,7 +76,8 @@ def test_bad_hyperparameters_raise():
     enc.prepare(enc.init(jax.random.key(0), DIMS), **_layer(jax.random.key(0), tokens=None))
 
 
-@pytest.mark.parametrize("name", ["grape_m", "grape_m_rank2", "grape_m_noncommuting", "grape_m_ctx"])
+@pytest.mark.parametrize("name",
+                         ["grape_m", "grape_m_rank2", "grape_m_noncommuting", "grape_m_ctx"])
 def test_grape_m_starts_as_rope(key, name):
   k1, k2 = jax.random.split(key)
   layer = _layer(k2)
@@ -112,14 +114,16 @@ def test_learned_parameters_get_gradients(key, name):
 def test_length_extensions_are_rope_variants(key):
   layer = _layer(key)
   pi = encodings.get("rope_pi", train_len=4, eval_len=16).prepare({}, **layer)
-  want = rotations.rotate(layer["q"], rotations.rope_angles(POS / 4.0, rotations.rope_frequencies(D)))
+  want = rotations.rotate(layer["q"],
+                          rotations.rope_angles(POS / 4.0, rotations.rope_frequencies(D)))
   assert_rel_rms(pi.q, want, 1e-6, "PI")
   ntk = encodings.get("rope_ntk", train_len=4, eval_len=16).prepare({}, **layer)
   want = rotations.rope(layer["q"], POS, base=rotations.ntk_base(D, scale=4.0))
   assert_rel_rms(ntk.q, want, 1e-6, "NTK")
   yarn = encodings.get("rope_yarn", train_len=4, eval_len=16).prepare({}, **layer)
   f = rotations.yarn_frequencies(D, scale=4.0, train_len=4)
-  want = rotations.yarn_attention_factor(4.0) * rotations.rotate(layer["q"], rotations.rope_angles(POS, f))
+  want = (rotations.yarn_attention_factor(4.0)
+          * rotations.rotate(layer["q"], rotations.rope_angles(POS, f)))
   assert_rel_rms(yarn.q, want, 1e-6, "YaRN")
   half = encodings.get("rope", layout="half").prepare({}, **layer)
   assert_rel_rms(half.q, rotations.rope(layer["q"], POS, layout="half"), 1e-6, "half layout")
@@ -153,18 +157,21 @@ def test_acc_rot_learned_v_matches_oracle(key):
   params = enc.init(k1, DIMS)
   layer = _layer(k2)
   o = enc.apply(params, implementation="reference", **layer)
-  table, tok, seg = np.asarray(params["angles"], np.float64), np.asarray(layer["tokens"]), np.asarray(SEG)
+  table, tok, seg = (np.asarray(params["angles"], np.float64), np.asarray(layer["tokens"]),
+                     np.asarray(SEG))
   phi = np.zeros((B, T, D // 2))
   for b in range(B):
     for t in range(T):
       prev = phi[b, t - 1] if t and seg[b, t] == seg[b, t - 1] else 0.0
       phi[b, t] = prev + table[tok[b, t]]
-  want = _value_transport_oracle(layer["q"], layer["k"], layer["v"], jnp.asarray(phi, jnp.float32), SEG)
+  want = _value_transport_oracle(layer["q"], layer["k"], layer["v"],
+                                 jnp.asarray(phi, jnp.float32), SEG)
   assert_rel_rms(o, want, 1e-5)
 
 
 def test_acc_rot_learned_init_mean_is_rope():
-  params = encodings.get("acc_rot_learned").init(jax.random.key(0), Dims(8, 1, 1, 8, vocab_size=20000))
+  params = encodings.get("acc_rot_learned").init(jax.random.key(0),
+                                                 Dims(8, 1, 1, 8, vocab_size=20000))
   mean = np.asarray(params["angles"]).mean(0)
   np.testing.assert_allclose(mean / rotations.rope_frequencies(8), 1.0, atol=0.03)  # 6 sigma
 
@@ -191,7 +198,8 @@ def test_acc_rot_random_sampling_rules(key, name):
   want = rotations.rotate(layer["q"], rotations.accumulate_phases(steps, SEG)[:, :, None, :])
   assert_rel_rms(e1.q, want, 1e-6, "q at evaluation, no layer index")
   # Shared across heads: every query head of a token turns by the same angles.
-  ang = jnp.arctan2(a.q[..., 1::2], a.q[..., 0::2]) - jnp.arctan2(layer["q"][..., 1::2], layer["q"][..., 0::2])
+  ang = (jnp.arctan2(a.q[..., 1::2], a.q[..., 0::2])
+         - jnp.arctan2(layer["q"][..., 1::2], layer["q"][..., 0::2]))
   d = jnp.angle(jnp.exp(1j * (ang - ang[:, :, :1])))
   assert float(jnp.abs(d).max()) < 1e-4
 

@@ -100,7 +100,8 @@ def test_accumulate_phases_restart_at_segments(key):
       want_exc[b, t] = acc
       acc = acc + s[b, t]
       want_inc[b, t] = acc
-  np.testing.assert_allclose(rotations.accumulate_phases(steps, seg), want_inc, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(rotations.accumulate_phases(steps, seg), want_inc,
+                             rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(rotations.accumulate_phases(steps, seg, exclusive=True), want_exc,
                              rtol=1e-5, atol=1e-6)
 
@@ -139,7 +140,8 @@ def test_rope_is_grape_m_with_canonical_basis(key):
   x = jax.random.normal(k1, (2, 7, 3, 8))
   pos = jax.random.randint(k2, (2, 7), 0, 1000)
   angles = rotations.rope_angles(pos, rotations.rope_frequencies(8))
-  y = grape_m.basis_rotate(x, jnp.broadcast_to(angles, (2, 7, 3, 4)), jnp.broadcast_to(jnp.eye(8), (3, 8, 8)))
+  y = grape_m.basis_rotate(x, jnp.broadcast_to(angles, (2, 7, 3, 4)),
+                           jnp.broadcast_to(jnp.eye(8), (3, 8, 8)))
   np.testing.assert_allclose(y, rotations.rope(x, pos), atol=1e-5)
 
 
@@ -175,7 +177,8 @@ def test_learned_basis_stays_orthogonal_after_a_step(key):
 
   def loss(param):
     b = grape_m.orthogonal_from_param(param)
-    return jnp.sum((_logits(grape_m.basis_rotate(q, a, b), grape_m.basis_rotate(k, a, b)) - target) ** 2)
+    return jnp.sum((_logits(grape_m.basis_rotate(q, a, b), grape_m.basis_rotate(k, a, b))
+                    - target) ** 2)
 
   param = jnp.zeros((H, D, D))
   grad = jax.jit(jax.grad(loss))   # one compile instead of eager op-by-op dispatch (CI time)
@@ -185,8 +188,8 @@ def test_learned_basis_stays_orthogonal_after_a_step(key):
     param = param - 0.05 * g / jnp.abs(g).max()
   b = grape_m.orthogonal_from_param(param)
   assert float(jnp.abs(b - jnp.eye(D)).max()) > 1e-2          # the basis did move
-  np.testing.assert_allclose(jnp.einsum("hdi,hdj->hij", b, b), jnp.broadcast_to(jnp.eye(D), (H, D, D)),
-                             atol=2e-6)
+  np.testing.assert_allclose(jnp.einsum("hdi,hdj->hij", b, b),
+                             jnp.broadcast_to(jnp.eye(D), (H, D, D)), atol=2e-6)
   np.testing.assert_allclose(jnp.linalg.det(b), 1.0, atol=1e-5)
 
 
@@ -302,7 +305,8 @@ def test_thin_compression_matches_expm(key):
 
   def fast(e, t, theta, x):
     frame = grape_m.thin_frame(e[None], t[None])
-    return grape_m.thin_apply(x.reshape(1, 1, 1, D), (n * theta).reshape(1, 1, 1, R // 2), frame).ravel()
+    return grape_m.thin_apply(x.reshape(1, 1, 1, D), (n * theta).reshape(1, 1, 1, R // 2),
+                              frame).ravel()
 
   def oracle(e, t, theta, x):
     # Dense and independent of thin_frame: E, T from expm of skew parts, L = E T (+)theta J T^T E^T.

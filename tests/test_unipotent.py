@@ -126,7 +126,8 @@ def test_alibi_equals_grape_a_lift_with_constant_gates(key):
   assert_rel_rms(o_alibi, o_lift, 1e-5, "ALiBi vs lift")
   i, j = np.tril_indices(T)
   bias = np.asarray(lift - masking.dot_logits(q, k, SCALE))[:, :, i, j]
-  np.testing.assert_allclose(bias, np.broadcast_to(-np.asarray(slopes)[:, None] * (i - j), bias.shape),
+  np.testing.assert_allclose(bias,
+                             np.broadcast_to(-np.asarray(slopes)[:, None] * (i - j), bias.shape),
                              rtol=1e-5, atol=1e-4)
 
 

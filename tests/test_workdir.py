@@ -112,7 +112,8 @@ def _holder(workdir: str) -> subprocess.Popen:
 def test_lock_refuses_a_live_run_and_takes_over_a_killed_ones(tmp_path):
   holder = _holder(str(tmp_path))
   try:
-    with pytest.raises(errors.RunError, match=rf"in use by another run \(pid {holder.pid} on host "):
+    with pytest.raises(errors.RunError,
+                       match=rf"in use by another run \(pid {holder.pid} on host "):
       with workdir_lock.hold(str(tmp_path)):
         pass
   finally:
@@ -192,7 +193,8 @@ def test_unreadable_model_config_or_missing_state_names_the_file(run_copy):
   for step in (2, 4):
     shutil.rmtree(os.path.join(run_copy, "checkpoints", str(step), "state"))
     os.remove(os.path.join(run_copy, "checkpoints", str(step), checkpoint.INTEGRITY))
-  with pytest.raises(errors.RunError, match=r"step 4: state/ is missing; step 2: state/ is missing"):
+  with pytest.raises(errors.RunError,
+                     match=r"step 4: state/ is missing; step 2: state/ is missing"):
     checkpoint.stored_model_config(run_copy)
 
 
@@ -257,7 +259,8 @@ def test_unreadable_config_json_names_the_file(run_copy):
   with open(os.path.join(run_copy, "config.json"), "w") as f:
     f.write("")
   with pytest.raises(errors.RunError, match=rf"^{run_copy}/config.json is unreadable \(Expecting "
-                     r"value: .*\); restore it, or delete it to resume under this command's config"):
+                     r"value: .*\); restore it, or delete it to resume under this command's "
+                     r"config"):
     train.run(_config(steps=6), run_copy)
 
 

@@ -10,8 +10,8 @@ slots whose rows hold S - new_tokens tokens (random contents: a decode step's wo
 depend on the values, and every step reads all S slots, masked), and times the compiled
 greedy decoding loop of posenc_jax.generation (lax.while_loop, one token per row per step):
 one warm-up call, then --runs rounds that time one call of every encoding in turn (so load on
-a shared machine hits them alike), the median per encoding. Reported: milliseconds per step, tokens/s
-(batch x new_tokens / time), the ratio of the step time to rope's at the same context, the
+a shared machine hits them alike), the median per encoding. Reported: milliseconds per step,
+tokens/s (batch x new_tokens / time), the ratio of the step time to rope's at the same context, the
 cache's size (every layer) and XLA's temporary buffers of the compiled loop. The prefill is
 not timed (it is the training forward).
 
@@ -179,7 +179,8 @@ def _fit_table(rows: list[dict], bandwidth_gbs: float | None) -> str:
   for name, (fixed, gbs) in fits.items():
     p_ms, share = "-", "-"
     if bandwidth_gbs:
-      p_ms = f"{read_bound_ms(cache_mib=0, param_mib=params[name], bandwidth_gbs=bandwidth_gbs):.3f}"
+      p_ms = (
+          f"{read_bound_ms(cache_mib=0, param_mib=params[name], bandwidth_gbs=bandwidth_gbs):.3f}")
       share = f"{gbs / bandwidth_gbs:.2f}"
     out.append(f"| {name} | {fixed:.3f} | {p_ms} | {gbs:,.0f} | {share} |")
   return "\n".join(["", "Each encoding's step fitted over its contexts as fixed + cache bytes / "

@@ -11,8 +11,9 @@ segment_ids; FLA: cu_seqlens, which needs B = 1).
 FLA's gate is passed as common.fla_gate(log f, scale) = log f / scale: FLA scales the gate's
 prefix sums with the logits, so the gradient of our log f is FLA's dg / scale. bf16 q, k, v,
 dO are the same bf16 numbers on both sides (bf16 -> float32 is exact); w, beta, log f are
-float32 as both kernels want them. One JSON line per case: relative RMS errors (ours vs oracle, FLA vs oracle, ours vs FLA) of o, dq, dk, dv, dw, dbeta, dlog_f,
-and the plan our kernel ran. docs/benchmarks/fla_parity.md has the current table.
+float32 as both kernels want them. One JSON line per case: relative RMS errors (ours vs oracle,
+FLA vs oracle, ours vs FLA) of o, dq, dk, dv, dw, dbeta, dlog_f, and the plan our kernel ran.
+docs/benchmarks/fla_parity.md has the current table.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ largest step-wise gap between each row and the first.
 
   python -m experiments.benchmarks.loss_curves docs/benchmarks/data/train_losses_h200.jsonl \
       --out docs/benchmarks/data/train_losses_h200.png \
-      --labels "A: default (call 4),B: keep_inverse=false (call 4),C: default (call 5),D: default (call 5; beside C)"
+      --labels "A: default (call 4),B: keep_inverse=false (call 4),C: default (call 5),\
+D: default (call 5; beside C)"
 
 Each row is labelled by its line number, encoding, implementation and note's first clause
 (--labels overrides). Colours are the encodings' (experiments/plot_style.py); rows of one

@@ -28,8 +28,8 @@ docs/benchmarks/data/train_throughput_*.jsonl (render one with --render-only --o
 Each (encoding, T) runs in a fresh subprocess (`--one NAME --seq-len T ...`), so peak memory is
 per encoding and an OOM, crash or timeout becomes a row with its error. The parent never
 initialises a GPU backend. Each finished row is appended at once to --out (JSON lines);
-rows already there (same encoding, T, B, dtype, implementation, scan_layers) are skipped unless --force
-(--retry-errors re-runs only the failed ones); --deadline stops launching (and kills a child
+rows already there (same encoding, T, B, dtype, implementation, scan_layers) are skipped unless
+--force (--retry-errors re-runs only the failed ones); --deadline stops launching (and kills a child
 cut short by it, writing no row) before the caller's wall-clock limit, so the same command run
 again continues where it stopped.
 

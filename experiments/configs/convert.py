@@ -40,11 +40,19 @@ question whether a teacher trained longer is harder to convert ("ossification").
 command is one run (experiments/convert_experiment.py runs them all, the early conversion's
 stage 2 lengthened to equal tokens); none of the GPU runs has been run yet:
 
-  python -m experiments.main --config=experiments/configs/convert.py:gpu,run=teacher --workdir=W/rope
-  python -m experiments.convert --config=experiments/configs/convert.py:gpu,teacher=W/rope,encoding=path --workdir=W/path_converted
-  python -m experiments.convert --config=experiments/configs/convert.py:gpu,teacher=W/rope,encoding=path,teacher_step=600 --workdir=W/path_converted_at_600
-  python -m experiments.main --config=experiments/configs/convert.py:gpu,run=scratch,encoding=path --workdir=W/path_scratch
-  python -m experiments.main --config=experiments/configs/convert.py:gpu,run=probe,init=W/path_converted --workdir=W/probe_path_converted
+  python -m experiments.main --config=experiments/configs/convert.py:gpu,run=teacher \
+      --workdir=W/rope
+  python -m experiments.convert \
+      --config=experiments/configs/convert.py:gpu,teacher=W/rope,encoding=path \
+      --workdir=W/path_converted
+  python -m experiments.convert \
+      --config=experiments/configs/convert.py:gpu,teacher=W/rope,encoding=path,teacher_step=600 \
+      --workdir=W/path_converted_at_600
+  python -m experiments.main --config=experiments/configs/convert.py:gpu,run=scratch,encoding=path \
+      --workdir=W/path_scratch
+  python -m experiments.main \
+      --config=experiments/configs/convert.py:gpu,run=probe,init=W/path_converted \
+      --workdir=W/probe_path_converted
 """
 from __future__ import annotations
 

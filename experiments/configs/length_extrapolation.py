@@ -1,4 +1,5 @@
-r"""Length extrapolation on the byte-level code corpus (acc_rot Table 1, TAPA Tables 1-2, PaTH Fig. 3).
+r"""Length extrapolation on the byte-level code corpus (acc_rot Table 1, TAPA Tables 1-2, PaTH
+Fig. 3).
 
 Every encoding trains the same 2-layer model on the same stream of packed stdlib Python
 source at a short length L, then is evaluated (perplexity per byte on held-out files) at
@@ -33,8 +34,10 @@ on the same 131,072 held-out tokens per length; the nine encodings of the GPU ta
 encoding is one device call (<= 10 min with compile and evaluation); run them as separate
 invocations with encodings=NAME and the same --results directory, which gathers them:
 
-  python -m experiments.sweeps --config=experiments/configs/length_extrapolation.py:gpu,encodings=rope \
-      --workdir=workdirs/length_extrapolation_gpu --results=experiments/results/length_extrapolation_gpu
+  python -m experiments.sweeps \
+      --config=experiments/configs/length_extrapolation.py:gpu,encodings=rope \
+      --workdir=workdirs/length_extrapolation_gpu \
+      --results=experiments/results/length_extrapolation_gpu
 Scale gap vs the papers: acc_rot trains at 512 and tests to 65,536 (128x); TAPA trains at
 8K. Here L = 64 bytes, evaluation to 32L = 2048 bytes, a 2-layer d_model-64 model and 500
 steps of batch 16 on a shared CPU (the papers: 125M-1B models, billions of tokens).

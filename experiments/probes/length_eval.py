@@ -19,7 +19,8 @@ from experiments import evaluate
 from experiments.probes import load
 
 
-def evaluate_lengths(config, workdir: str, *, lengths, tokens: int, batch_tokens: int) -> list[dict]:
+def evaluate_lengths(config, workdir: str, *, lengths, tokens: int,
+                     batch_tokens: int) -> list[dict]:
   """Eval records (as train.run's summary["eval"]) of workdir's checkpoint; cached on disk."""
   cache = os.path.join(workdir, "length_eval.json")
   key = {"lengths": [int(n) for n in lengths], "tokens": tokens, "batch_tokens": batch_tokens}

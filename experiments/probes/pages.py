@@ -13,7 +13,8 @@ from experiments import report
 
 # mixing_window's statistics, shown in its README (experiments/probes/mixing_window.py computes
 # them)
-MIXING_WINDOW_STATISTICS = """For a trained model (length_extrapolation checkpoints) and each layer and kv head, on
+MIXING_WINDOW_STATISTICS = """\
+For a trained model (length_extrapolation checkpoints) and each layer and kv head, on
 held-out text rows of T bytes. The per-token transport G_t is the encoding's own:
   accumulated rotations  G_t = R(delta_t), block-diagonal 2x2 rotations by the step angles
                          (read back from the encoding: phi_t = angle of the rotated unit

@@ -59,7 +59,8 @@ def split_ignore_prob(config, split: str) -> float:
   return float(table[split])
 
 
-def generate(rng: np.random.Generator, *, seq_len: int, ignore_prob: float) -> dict[str, np.ndarray]:
+def generate(rng: np.random.Generator, *, seq_len: int,
+             ignore_prob: float) -> dict[str, np.ndarray]:
   """One example: tokens, targets (int32 [T]) and loss_mask (float32 [T])."""
   if seq_len < MIN_SEQ_LEN:
     raise ValueError(f"flip-flop seq_len={seq_len} must be >= {MIN_SEQ_LEN}")
@@ -83,7 +84,8 @@ def generate(rng: np.random.Generator, *, seq_len: int, ignore_prob: float) -> d
   return {"tokens": tokens, "targets": targets, "loss_mask": (tokens == READ).astype(np.float32)}
 
 
-def make_example(config, rng: np.random.Generator, *, seq_len: int, split: str) -> dict[str, np.ndarray]:
+def make_example(config, rng: np.random.Generator, *, seq_len: int,
+                 split: str) -> dict[str, np.ndarray]:
   example = generate(rng, seq_len=seq_len, ignore_prob=split_ignore_prob(config, split))
   if config.get("byte_tokens", False):
     for key in ("tokens", "targets"):

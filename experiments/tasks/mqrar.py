@@ -77,7 +77,8 @@ def generate(rng: np.random.Generator, *, seq_len: int, n_back: int, num_pairs: 
   return {"tokens": s_arr[:seq_len], "targets": s_arr[1:], "loss_mask": loss_mask}
 
 
-def make_example(config, rng: np.random.Generator, *, seq_len: int, split: str) -> dict[str, np.ndarray]:
+def make_example(config, rng: np.random.Generator, *, seq_len: int,
+                 split: str) -> dict[str, np.ndarray]:
   if split not in ("train",) + TEST_SETS:
     raise ValueError(f"mqrar split={split!r} is not one of {('train',) + TEST_SETS}")
   return generate(rng, seq_len=seq_len, n_back=config.n_back, num_pairs=config.num_pairs,

@@ -214,7 +214,8 @@ def _spec(q, k, v, w, beta, log_forget, segment_ids, backend) -> Spec:
                      f"got {k.shape}")
   K = k.shape[2]
   for name, x, shape in (("v", v, (B, T, K, D)), ("w", w, (B, T, K, D)), ("beta", beta, (B, T, K)),
-                         ("log_forget", log_forget, (B, T, H)), ("segment_ids", segment_ids, (B, T))):
+                         ("log_forget", log_forget, (B, T, H)),
+                         ("segment_ids", segment_ids, (B, T))):
     if x is not None and tuple(x.shape) != shape:
       raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
   return Spec(batch=B, seq_len=T, heads=H, kv_heads=K, head_dim=D,
@@ -230,7 +231,8 @@ def _plan(spec: Spec, scale, block_sizes, plan: Plan | None) -> Plan:
     raise ValueError("pass block_sizes or plan, not both (a plan is resolved already)")
   if plan.spec != spec:
     diff = [f"{f.name}={getattr(plan.spec, f.name)!r} (the call's {getattr(spec, f.name)!r})"
-            for f in dataclasses.fields(Spec) if getattr(plan.spec, f.name) != getattr(spec, f.name)]
+            for f in dataclasses.fields(Spec)
+            if getattr(plan.spec, f.name) != getattr(spec, f.name)]
     raise ValueError(f"plan is for another call: {', '.join(diff)}")
   return dataclasses.replace(plan, scale=scale)
 

@@ -46,7 +46,8 @@ def dkv_step_keys(query, kc, mop, dk, dv, dfk, *, scale, transport, precision, c
   with `diag`, the diagonal chunk c = m. Key-major tiles: every tile is [S keys, R queries], so
   the key rows are M in all four products (l^T = k~ q^T, dP^T = v dO^T, dv += p^T dO, dS^T q^
   with p^T, dS^T formed as they are used) and no register tile is transposed (query-major
-  tiles transposed p and dS, and fell back from wgmma to mma.sync at head_dim 128). query(g): head g's q, dO [R, D] and lse, delta, (fq, sq) as rows [1, R]; kc: k, v
+  tiles transposed p and dS, and fell back from wgmma to mma.sync at head_dim 128).
+  query(g): head g's q, dO [R, D] and lse, delta, (fq, sq) as rows [1, R]; kc: k, v
   [S, D], fk (a list over heads) and sk as columns [S, 1]; dfk: [S, 1] float32 accumulators,
   colsum(dS) taken over the queries (a reduction along a row: no cross-warp round trip).
   causal: the diagonal chunk (key <= query); its logits are diag(g), the in-chunk logits [C

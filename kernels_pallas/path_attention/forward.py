@@ -44,8 +44,8 @@ def fwd_kernel(*refs, scale, transport, gate, segments, precision, chunk_axis, r
   q^_c M_cm = qb^(b) M_bm. Between spans the state crosses the whole span at once,
   qb^(a) = qb^(b) Pi_J (float32, precision `fine`). Far steps take two products instead of
   the walk's three (four at head_dim 128: the move is C x D x D). far=False: the far keys are
-  left to another launch (mosaic_gpu/forward_far.py), which reads the states stored here; o and lse are
-  then those of the near keys alone."""
+  left to another launch (mosaic_gpu/forward_far.py), which reads the states stored here; o and lse
+  are then those of the near keys alone."""
   q_ref, k_ref, v_ref, e_ref, d_ref, fq_ref, fk_ref, sq_ref, sk_ref, lo_ref, (kb_ref, pi_ref), \
       outs = unpack_forward(refs, transport, gate, segments, bounds, spans=bool(span))
   o_ref, lse_ref, *qb_ref = outs

@@ -62,8 +62,9 @@ def far_dq_kernel(*refs, scale, span, nb, gate, segments, bounds, precision, fin
   pi [nb, D, D], (fk [n, 1, C], sk [n, 1, C]) of its kv head; (lo [n, 1, 1]). Out, this tile's
   rows in the packed layout (tiles.boundary_offset: boundary j keeps the chunks c >= s_j
   only): qb [R, D], the states at the boundaries s_j = (j + 1) S <= c; A [R, D], the adjoint at
-  s_j from the keys left of it; (dfq [n*C, 1] of the far tiles). Products with Pi take `fine` (spans.boundary_kernel). A 2C-row
-  tile reads each key chunk once for two query chunks and gives the products twice the rows."""
+  s_j from the keys left of it; (dfq [n*C, 1] of the far tiles).
+  Products with Pi take `fine` (spans.boundary_kernel). A 2C-row tile reads each key chunk once for
+  two query chunks and gives the products twice the rows."""
   r = unpack(refs, [("q", True), ("kb", True), ("v", True), ("e", True), ("pi", True),
                     ("do", True), ("lse", True), ("delta", True), ("fq", gate), ("fk", gate),
                     ("sq", segments), ("sk", segments), ("lo", bounds), ("qb", True),

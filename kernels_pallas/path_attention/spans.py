@@ -29,8 +29,8 @@ def boundary_kernel(k_ref, e_ref, kb_ref, pi_ref, *, span, nb, precision, fine, 
   the span (Pi_J = M_ba P_a). Chunks of the last span (no boundary at its end) write nothing.
 
   The walk takes kernel-dtype operands, as the dk/dv kernel's; Pi's last product takes float32
-  ones at precision `fine` (an aggregate operator rounded to the kernel dtype carries that rounding into every state
-  or adjoint it moves)."""
+  ones at precision `fine` (an aggregate operator rounded to the kernel dtype carries that
+  rounding into every state or adjoint it moves)."""
   n = k_ref.shape[0]
   D = e_ref.shape[-1]
   f32 = jnp.float32

@@ -3,7 +3,8 @@
 The model never branches on encoding names; it asks this registry once:
 
     enc = encodings.get("path", **hparams)           # hparams from config.model.encoding_kwargs
-    params = enc.init(key, dims)                      # pytree of arrays ({} when nothing is learned)
+    params = enc.init(key, dims)                      # pytree of arrays ({} when nothing is
+                                                      # learned)
     prep = enc.prepare(params, x=x_BTC, q=q_BTHD, k=k_BTKD, v=v_BTKD, positions=pos_BT,
                        segment_ids=seg_BT, tokens=tok_BT, rng=key_or_None, train=bool)
     o_BTHD = encodings.attend(prep, segment_ids=seg_BT, implementation=None)

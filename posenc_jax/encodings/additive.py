@@ -1,4 +1,5 @@
-"""Additive encodings, docs/encodings/additive.md#additive-encodings: ALiBi, FoX, GRAPE-A/AP, KV-shift.
+"""Additive encodings, docs/encodings/additive.md#additive-encodings: ALiBi, FoX, GRAPE-A/AP,
+KV-shift.
 
   alibi        family "forgetting": constant gate log_forget[..., h] = -slope_h, no parameters.
   fox          family "forgetting": log_forget = log_sigmoid(x W_f + b_f) per query head.
@@ -230,7 +231,8 @@ def kv_shift_apply(params, *, x, k, v, segment_ids=None):
 def _kv_shift_prepare(params, **unused):
   del params, unused
   raise ValueError("kv_shift is a modifier, not an attention encoding: enable it with "
-                   "config.model.kv_shift=True (kv_shift_init / kv_shift_apply) alongside an encoding")
+                   "config.model.kv_shift=True (kv_shift_init / kv_shift_apply) alongside "
+                   "an encoding")
 
 
 register("kv_shift", family="modifier", init=kv_shift_init, prepare=_kv_shift_prepare)

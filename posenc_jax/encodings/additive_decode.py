@@ -1,4 +1,5 @@
-"""Decoding with a cache for the additive encodings (docs/encodings/decoding.md#decoding-with-a-cache).
+"""Decoding with a cache for the additive encodings
+(docs/encodings/decoding.md#decoding-with-a-cache).
 
 Every one caches keys and values as they enter the logits (untransformed) plus what its bias
 needs per cached key; the new query's logits are scale q.k_j + b_j over the cache.

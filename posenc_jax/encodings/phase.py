@@ -1,4 +1,5 @@
-"""TAPA entries (docs/encodings/tapa.md#tapa): token-aware phase attention, quadratic and linear phase.
+"""TAPA entries (docs/encodings/tapa.md#tapa): token-aware phase attention, quadratic and
+linear phase.
 
 No positional transform of q, k or v: the distance enters the logits inside
 `posenc_jax.tapa` as cos(2 pi |i - j|^alpha phi(q_P, k_P)). Hyperparameters alpha = 0.1,

@@ -1,4 +1,5 @@
-"""Decoding with a cache for the rotation encodings (docs/encodings/decoding.md#decoding-with-a-cache).
+"""Decoding with a cache for the rotation encodings
+(docs/encodings/decoding.md#decoding-with-a-cache).
 
 Position-driven maps need no state but the position: nope, rope and its scaled variants
 (rope_pi, rope_ntk, rope_yarn, rope_llama3, ...), grape_m, grape_m_rank2,

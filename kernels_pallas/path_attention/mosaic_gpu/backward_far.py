@@ -424,8 +424,8 @@ def far_dkv(ops, do, lse, delta, kb, qb, *, scale: float, span: int, slots: int 
   if gate:
     out_type["dfk"] = jax.ShapeDtypeStruct((B, H, n, C), f32)
   bounds = {} if ops.lo is None else {"hi": ops.hi}
-  outs = launch(body, {**ring, **keys, **bounds}, out_type, smem_types=smem_types, bar_types=bar_types,
-                consumed_types=consumed_types, grid=(pairs, K, B),
+  outs = launch(body, {**ring, **keys, **bounds}, out_type, smem_types=smem_types,
+                bar_types=bar_types, consumed_types=consumed_types, grid=(pairs, K, B),
                 grid_names=("m", "heads", "batch"))
   return outs[0], outs[1], (outs[2].reshape(B, H, n, 1, C) if gate else None)
 

@@ -56,9 +56,9 @@ def sweeps(ops, do, lse, delta, a, dp, *, scale: float, span: int, slots: int = 
   """-> dq^ [B, H, n, C, D] (kernel dtype), dfq [B, H, n, C, 1] float32 (the sweeps' share;
   None without a gate), dp + the sweeps' share of dL/dP [B, K, n, D, D] float32.
 
-  ops: the pre-pass Operands; do [B, n, C, H, D] (chunked); lse, delta [B, H, n, C, 1] float32 (natural
-  log); a [B, H, R, D] the far dq launch's packed adjoints (tiles.boundary_offset); dp the span
-  kernel's dL/dP (updated in place). sweeps_reference is the oracle."""
+  ops: the pre-pass Operands; do [B, n, C, H, D] (chunked); lse, delta [B, H, n, C, 1] float32
+  (natural log); a [B, H, R, D] the far dq launch's packed adjoints (tiles.boundary_offset); dp the
+  span kernel's dL/dP (updated in place). sweeps_reference is the oracle."""
   B, H, K, G, n, C, D, dt, gate, segments = dims(ops)
   f32 = jnp.float32
   nsp = (n - 1) // span + 1

@@ -39,10 +39,10 @@ class Products:
   harmless there (or exact: q, k and the cotangents of bf16 inputs are bf16 values). Then
   - hilo=False: acc and hi are the value itself, mm is one dot at `precision` with float32
     accumulation: every product at one precision (float32 inputs; the TPU);
-  - hilo=True (16-bit inputs on the GPU): acc(x) is a bf16 pair (hi, lo = x - hi), hi(x) the pair without
-    lo, and mm sums hi*hi + lo*hi + hi*lo over the halves present: an operand is split once
-    however many products read it, a bf16-exact operand costs one pass instead of two, and an
-    insensitive one drops its lo.
+  - hilo=True (16-bit inputs on the GPU): acc(x) is a bf16 pair (hi, lo = x - hi), hi(x) the pair
+    without lo, and mm sums hi*hi + lo*hi + hi*lo over the halves present: an operand is split
+    once however many products read it, a bf16-exact operand costs one pass instead of two, and
+    an insensitive one drops its lo.
   Which operands may drop lo was measured, not guessed: one chunk (C = D = 64) at w shared to
   eps 0.01 / 1, antiparallel and random, beta 2 and uniform, each product's lo halves dropped
   alone and then together (greedy) against float64, keeping every output's worst relative RMS
