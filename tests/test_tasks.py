@@ -208,7 +208,8 @@ def test_mqrar_answers_are_the_nth_last_assignment(rng, n_back):
         history.setdefault(k, []).append(v)
         p += 2
     np.testing.assert_array_equal(ex["loss_mask"], expected_mask)
-    assert ex["tokens"].max() < mqrar.vocab_size(_config(num_pairs=num_pairs, num_values=num_values))
+    assert ex["tokens"].max() < mqrar.vocab_size(_config(num_pairs=num_pairs,
+                                                         num_values=num_values))
 
 
 def test_mqrar_paper_setting_has_answers_for_every_n():

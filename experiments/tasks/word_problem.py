@@ -131,7 +131,8 @@ def _running_products(tokens: np.ndarray, group: str) -> np.ndarray:
   return np.array(products, np.int32)
 
 
-def make_example(config, rng: np.random.Generator, *, seq_len: int, split: str) -> dict[str, np.ndarray]:
+def make_example(config, rng: np.random.Generator, *, seq_len: int,
+                 split: str) -> dict[str, np.ndarray]:
   if split not in ("train",) + TEST_SETS:
     raise ValueError(f"word problem split={split!r} is not one of {('train',) + TEST_SETS}")
   return generate(rng, seq_len=seq_len, group=config.group,
