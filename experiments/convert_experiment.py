@@ -24,8 +24,8 @@ already finished in --workdir are not run again (each resumes where it stopped),
 command can be repeated across device calls. --results gets results.json (held-out loss per
 run and evaluation length, the probe's read errors, tokens, device and wall time per run) and
 provenance.json; its README and plot are then written (experiments/convert_pages.py, through
-experiments.results_pages). A --results folder that already holds other seeds of the same
-experiment keeps them: the new seeds are added beside them.
+experiments.results_pages). A --results folder that already holds seeds of the same
+experiment keeps them: the new seeds are added beside them, or replace those of the same seed.
 
   python -m experiments.convert_experiment --size=gpu --results=experiments/results/convert_gpu \
       --gather=PARTS/seed1,PARTS/seed2
@@ -127,31 +127,36 @@ def results(per_seed: list[dict[str, dict]], seed_ids=None) -> dict:
 
 
 def merge(old: dict, new: dict) -> dict:
-  """Two results() of the same experiment over different seeds, as one (old's seeds first).
-  ValueError if a seed is in both, or if they hold different runs."""
+  """Two results() of the same experiment as one, by seed: new's seeds replace old's of the same
+  id (a repeated command re-reports its seeds), old's others are kept; seeds in id order, wall
+  times summed. ValueError if they hold different runs."""
   old_ids = old.get("seed_ids", list(range(old["seeds"])))  # files written before seed_ids
-  both = sorted(set(old_ids) & set(new["seed_ids"]))
-  if both:
-    raise ValueError(f"seed(s) {both} are already in the results; gather other seeds, or "
-                     "write to a new --results folder")
+  kept = [n for n, s in enumerate(old_ids) if s not in new["seed_ids"]]
+  ids = [old_ids[n] for n in kept] + new["seed_ids"]
+  order = sorted(range(len(ids)), key=ids.__getitem__)
   if set(old["runs"]) != set(new["runs"]):
     raise ValueError(f"the results hold runs {sorted(old['runs'])}, the new seeds "
                      f"{sorted(new['runs'])}: not the same experiment")
+
+  def per_seed(name, a, b):   # {key: one value per seed} of old's kept seeds and new's
+    if set(a) != set(b):
+      raise ValueError(f"run {name}: the seeds were evaluated at different lengths or sets")
+    both = {k: [a[k][n] for n in kept] + b[k] for k in a}
+    return {k: [v[n] for n in order] for k, v in both.items()}
+
   runs = {}
   for name, a in old["runs"].items():
     b = new["runs"][name]
     if (a["encoding"], a["tokens"], a["teacher_step"]) != (b["encoding"], b["tokens"],
                                                           b["teacher_step"]):
       raise ValueError(f"run {name}: encoding, tokens or teacher step differ between seeds")
-    extend = lambda x, y: {k: x.get(k, []) + y.get(k, []) for k in {**x, **y}}  # noqa: E731
-    runs[name] = dict(a, loss=extend(a["loss"], b["loss"]),
-                      probe_error=extend(a["probe_error"], b["probe_error"]),
+    runs[name] = dict(a, loss=per_seed(name, a["loss"], b["loss"]),
+                      probe_error=per_seed(name, a["probe_error"], b["probe_error"]),
                       device=", ".join(sorted({a["device"], b["device"]} - {None})) or None,
                       finished=max(a["finished"] or "", b["finished"] or "") or None,
                       wall_s=a["wall_s"] + b["wall_s"])
-  return {"lengths": sorted(set(old["lengths"]) | set(new["lengths"])),
-          "seeds": len(old_ids) + len(new["seed_ids"]),
-          "seed_ids": old_ids + new["seed_ids"], "runs": runs}
+  return {"lengths": sorted(set(old["lengths"]) | set(new["lengths"])), "seeds": len(ids),
+          "seed_ids": sorted(ids), "runs": runs}
 
 
 def finished_seed(seed_dir: str, students, config) -> tuple[int, dict[str, dict]]:

@@ -71,8 +71,11 @@ def test_seeds_merged_into_results_equal_the_results_of_all_seeds_at_once():
   direct = convert_experiment.results([_seed(0.0), _seed(0.25), _seed(0.5)], [0, 1, 2])
   assert merged == direct
   assert merged["runs"]["teacher"]["loss"]["16"] == [2.0, 2.25, 2.5]
-  with pytest.raises(ValueError, match=r"seed\(s\) \[2\] are already"):
-    convert_experiment.merge(merged, convert_experiment.results([_seed(0.7)], [2]))
+  again = convert_experiment.merge(merged, convert_experiment.results([_seed(0.7)], [1]))
+  assert again["seed_ids"] == [0, 1, 2] and again["runs"]["teacher"]["loss"]["16"] == [
+      2.0, 2.7, 2.5]                                   # a seed run again replaces its values
+  # An earlier seed added later still lands in seed order.
+  assert convert_experiment.merge(later, convert_experiment.results([_seed(0.0)], [0])) == direct
   other = convert_experiment.results([{"teacher": _seed(0)["teacher"]}], [3])
   with pytest.raises(ValueError, match="not the same experiment"):
     convert_experiment.merge(merged, other)
@@ -95,7 +98,7 @@ def _write_seed(root, seed: int, d: float, students) -> str:
   return seed_dir
 
 
-def test_gather_adds_seed_folders_to_a_results_folder_and_refuses_a_seed_twice(tmp_path, capsys):
+def test_gather_adds_seed_folders_to_a_results_folder(tmp_path, capsys):
   students = ["path"]
   parts = [_write_seed(tmp_path / "parts", n, d, students) for n, d in ((0, 0.0), (1, 0.25),
                                                                         (2, 0.5))]
@@ -113,9 +116,12 @@ def test_gather_adds_seed_folders_to_a_results_folder_and_refuses_a_seed_twice(t
     readme = f.read()
   assert "- commands: `python -m experiments.convert_experiment" in readme
   assert "; then `python -m experiments.convert_experiment" in readme and "seeds: 3" in readme
-  with pytest.raises(SystemExit) as e:
-    run(parts[1])
-  assert e.value.code == 2 and "seed(s) [1] are already" in capsys.readouterr().err
+  run(parts[1])                       # a seed gathered again replaces its own values
+  with open(os.path.join(out, "results.json")) as f:
+    again = json.load(f)
+  assert again["seed_ids"] == [0, 1, 2]
+  assert {n: r["loss"] for n, r in again["runs"].items()} == {
+      n: r["loss"] for n, r in got["runs"].items()}
   with pytest.raises(SystemExit):   # seeds of another size
     convert_experiment.main(["--size=cpu", f"--results={tmp_path / 'cpu'}", "--students=path",
                              f"--gather={parts[1]}"])
