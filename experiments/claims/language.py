@@ -223,7 +223,7 @@ LENGTH = Page(
      "batch 16 (0.5M tokens), lr 3e-3, float32 on a CPU.",
      "Evaluation: 32,768 held-out tokens per length, up to 32x the training length (2048 "
      "bytes); the accumulated-rotations paper goes to 128x (65,536).") + LE_COMMON
-    + ("Seeds: 2 (the accumulated-rotations paper reports one seed).",),
+    + ("The accumulated-rotations paper reports one seed.",),
     sections=(Section(extra=_paper_table),))
 
 LENGTH_GPU = Page(
@@ -240,10 +240,9 @@ LENGTH_GPU = Page(
      "fifth of RoPE's rate with 5k warmup steps. A run at lr 2e-4 is a section below; TAPA and "
      "TAPA-linear with that recipe and the phase started small (3 seeds) another, with "
      "normalised phase channels at the shared rate (3 seeds) another, beside NoPE (3 seeds).")
-    + LE_COMMON + ("Seeds: 3 for rope, path, alibi, fox, path_fox and grape_ap; 1 for "
-                    "acc_rot_learned_v, acc_rot_random_v and tapa, whose 3-seed runs are "
-                    "acc_rot/ and tapa_norm/ (the accumulated-rotations paper reports one "
-                    "seed).",),
+    + LE_COMMON + ("The accumulated-rotations table's 3-seed runs are in acc_rot/, TAPA's at "
+                    "the shared rate in tapa_norm/; the accumulated-rotations paper reports "
+                    "one seed.",),
     sections=(Section(notes=(("tapa", " (lr 1e-3)"),), extra=_paper_table),
               Section("tapa_lr2e-4", heading="TAPA at lr 2e-4"),
               Section("tapa_stable", heading="TAPA and TAPA-linear with a stable recipe "

@@ -59,8 +59,7 @@ FLIPFLOP = Page(
     "Flip-flop language modelling on the CPU (PaTH Table 1)", _flipflop_claims,
     ("Data: sequences of 64 tokens (the paper follows Liu et al.'s 512).",
      "Training: 800 steps of batch 16 on a shared CPU, AdamW lr 3e-3 with 100 warmup steps "
-     "and cosine decay to 10%; the paper trains far longer on GPUs.") + _FF_COMMON
-    + ("Seeds: 2.",))
+     "and cosine decay to 10%; the paper trains far longer on GPUs.") + _FF_COMMON)
 
 FLIPFLOP_GPU = Page(
     "Flip-flop language modelling on one GPU (PaTH Table 1)", _flipflop_claims,
@@ -68,8 +67,7 @@ FLIPFLOP_GPU = Page(
      "FFL(0.1).",
      "Training: 5000 steps of batch 64 (163.8M tokens) in bfloat16, AdamW lr 3e-3 with 200 "
      "warmup steps and cosine decay to 10%, one rate for every encoding (not tuned per "
-     "encoding).") + _FF_COMMON + ("Seeds: 3 for RoPE, FoX, PaTH and PaTH-FoX (the claims' "
-                                   "encodings); 2 for the others.",))
+     "encoding).") + _FF_COMMON)
 
 
 def _sba_claims(load) -> list[Verdict]:
@@ -150,15 +148,13 @@ _MQ_COMMON = ("Block: our llama-style block (RMSNorm, SwiGLU).",
 MQRAR = Page(
     "MQRAR-N-back on the CPU (PaTH Fig. 2 top)", lambda load: _mqrar_claims(load, gpu=False),
     ("Scale: 2 layers, hidden 128 (2 heads x 64), streams of 128 tokens with 6 keys, 1000 "
-     "steps of batch 16; the paper: hidden 256, 2 heads, 32 keys, length 768.",) + _MQ_COMMON
-    + ("Seeds: 1.",))
+     "steps of batch 16; the paper: hidden 256, 2 heads, 32 keys, length 768.",) + _MQ_COMMON)
 
 MQRAR_GPU = Page(
     "MQRAR-N-back on one GPU (PaTH Fig. 2 top)", lambda load: _mqrar_claims(load, gpu=True),
     ("Scale: the paper's sizes (2 layers, hidden 256, 2 heads x 128, 32 keys, length 768); "
      "4000 steps of batch 64 (196.6M tokens) in bfloat16, lr 1e-3 with 200 warmup steps and "
-     "cosine decay to 10%, the same for every encoding.",) + _MQ_COMMON
-    + ("Seeds: 3.",),
+     "cosine decay to 10%, the same for every encoding.",) + _MQ_COMMON,
     sections=(Section(notes=(("rope", " (lr 1e-3: seed 0 never learned, see below)"),)),
               Section("rope_lr3e-4", heading="RoPE at lr 3e-4, 3 seeds",
                       intro="At the table's lr 1e-3 RoPE's seeds split: seed 0 stays at "
@@ -198,12 +194,12 @@ def _rope_n1_claims(load) -> list[Verdict]:
 
 _ROPE_N1 = ("As ../README.md, N = 1 only, RoPE only.",)
 ROPE_N1_SEEDS = Page("RoPE at MQRAR N = 1, two seeds (lr 1e-3)", _rope_n1_claims,
-                     _ROPE_N1 + ("Seeds: 2 (0, 1).",), index=False)
+                     _ROPE_N1, index=False)
 ROPE_N1_LR3E4 = Page("RoPE at MQRAR N = 1, lr 3e-4", _rope_n1_claims,
-                     _ROPE_N1 + ("Learning rate 3e-4 (the table's: 1e-3).", "Seeds: 1."),
+                     _ROPE_N1 + ("Learning rate 3e-4 (the table's: 1e-3).",),
                      index=False)
 ROPE_N1_LR3E3 = Page("RoPE at MQRAR N = 1, lr 3e-3", _rope_n1_claims,
-                     _ROPE_N1 + ("Learning rate 3e-3 (the table's: 1e-3).", "Seeds: 1."),
+                     _ROPE_N1 + ("Learning rate 3e-3 (the table's: 1e-3).",),
                      index=False)
 
 
@@ -227,8 +223,7 @@ SBA_MQRAR_GPU = Page(
     ("As in ../README.md (the paper's sizes, 4000 steps of batch 64, lr 1e-3), 3 seeds, on "
      "SBA's Pallas kernel.",
      "SBA as docs/encodings/stick_breaking.md defines it: sigmoid scores, the stick broken "
-     "from the nearest earlier key back, remainder on the query's own value.") + _MQ_COMMON
-    + ("Seeds: 3.",))
+     "from the nearest earlier key back, remainder on the query's own value.") + _MQ_COMMON)
 
 
 def _rope_mqrar_claims(load) -> list[Verdict]:
@@ -244,7 +239,7 @@ def _rope_mqrar_claims(load) -> list[Verdict]:
 ROPE_MQRAR_LR3E4 = Page(
     "RoPE in MQRAR-N-back at lr 3e-4, 3 seeds (PaTH Fig. 2 top)", _rope_mqrar_claims,
     ("As in ../README.md with lr 3e-4 (the table's: 1e-3, where seed 0 never learned).",)
-    + _MQ_COMMON + ("Seeds: 3.",), index=False)
+    + _MQ_COMMON, index=False)
 
 
 # --- word problems -----------------------------------------------------------------
@@ -315,9 +310,7 @@ WORD_PROBLEM_GPU = Page(
     _A5_TASK + (
         "Scale: d_model 256 (4 heads x 64), llama-style block in bfloat16, 1-4 layers, batch "
         "128, lr 1e-3 (200 warmup steps, cosine to 10%); generator runs 10,000 steps (20.5M "
-        "tokens at words of 16, 81.9M at 64), the uniform-element table 5000 steps (41M).",
-        "Seeds: 3 for the generator alphabet at words of 16 (RoPE, FoX, PaTH; SBA), 1 for "
-        "the other tables."),
+        "tokens at words of 16, 81.9M at 64), the uniform-element table 5000 steps (41M).",),
     sections=(
         Section("generators_words16", heading="PaTH's generator alphabet, words of 16",
                 intro="The paper's form of the task. These runs reproduce the claim."),
@@ -352,7 +345,7 @@ def _a5_sub(title: str, deviations: tuple) -> Page:
 
 
 _A5_GPU = ("Scale: d_model 256 (4 heads x 64), llama-style block in bfloat16, batch 128, lr "
-           "1e-3 unless the title says otherwise.", "Seeds: 1.")
+           "1e-3 unless the title says otherwise.",)
 
 
 def _sba_a5_claims(load) -> list[Verdict]:
@@ -371,7 +364,7 @@ def _sba_a5_claims(load) -> list[Verdict]:
 A5_SUBPAGES = {
     "word_problem_gpu/generators_words16": _a5_sub(
         "A5, generator alphabet, words of 16 (one GPU)",
-        ("10,000 steps: 20.5M tokens.",) + _A5_GPU[:1] + ("Seeds: 3.",)),
+        ("10,000 steps: 20.5M tokens.",) + _A5_GPU),
     "word_problem_gpu/generators_words64": _a5_sub(
         "A5, generator alphabet, words of 64 (one GPU)",
         ("10,000 steps: 81.9M tokens.",) + _A5_GPU),
@@ -385,12 +378,11 @@ A5_SUBPAGES = {
         "SBA (stick-breaking attention) on A5, generator alphabet, words of 16 (one GPU)",
         _sba_a5_claims,
         _A5_TASK + ("As ../generators_words16/ (10,000 steps, 20.5M tokens), 3 seeds of SBA on "
-                    "its Pallas kernel; RoPE, FoX and PaTH are there (3 seeds).",) + _A5_GPU[:1]
-        + ("Seeds: 3.",)),
+                    "its Pallas kernel; RoPE, FoX and PaTH are there (3 seeds).",) + _A5_GPU),
 }
 
 _A5_CPU = ("Scale: d_model 128 (4 heads x 32), words of 16, 1500 steps of batch 32 (0.77M "
-           "tokens), float32 on a shared CPU.", "Seeds: 1.")
+           "tokens), float32 on a shared CPU.",)
 WORD_PROBLEM = Page(
     "A5 word problem on the CPU (PaTH Fig. 2 bottom)",
     lambda load: _a5_claims(load, folders=(("generators_words16", "generators, 2 layers"),

@@ -27,7 +27,7 @@ TAPA_LR = Page(
         f"learned the data, so its ratios (32x / 1x {ratio(load, 'tapa', 32)}) say nothing "
         "about extrapolation", load.seeds())],
     ("As in ../README.md, with lr 2e-4 (the TAPA paper's ratio of TAPA's rate to RoPE's, "
-     "applied to our 1e-3).", "Seeds: 1."), index=False)
+     "applied to our 1e-3).",), index=False)
 
 
 def _tapa_claims(load, *, linear: str = ".") -> list[Verdict]:
@@ -85,7 +85,7 @@ def _shared_recipe_pair(title: str, linear: str, setting: str) -> Page:
       lambda load: _tapa_claims(load, linear=linear), setting
       + (f"TAPA-linear's runs are {linear}/ (same setting, 3 seeds).",
          "Scale: 19.7M tokens; the paper trains 7B-architecture models on 420B tokens at 8K.")
-      + LE_COMMON[:2] + ("Seeds: 3.",),
+      + LE_COMMON[:2],
       sections=(Section(heading="TAPA (quadratic phase)"),
                 Section(linear, heading="TAPA-linear")))
 
@@ -112,8 +112,8 @@ def _linear_claims(load) -> list[Verdict]:
 TAPA_LINEAR_PS003 = Page(
     "TAPA-linear with phase_scale 0.03 at the shared lr 1e-3 (GPU length extrapolation)",
     _linear_claims,
-    ("As ../tapa_ps003/ (the shared recipe, phase_scale 0.03), TAPA's linear phase (eq. 16).",
-     "Seeds: 3."), index=False)
+    ("As ../tapa_ps003/ (the shared recipe, phase_scale 0.03), TAPA's linear phase (eq. 16).",),
+    index=False)
 
 
 TAPA_NORM = _shared_recipe_pair(
@@ -128,7 +128,7 @@ TAPA_LINEAR_NORM = Page(
     "extrapolation)",
     _linear_claims,
     ("As ../tapa_norm/ (the shared recipe, phase_scale 0.03, phase_norm), TAPA's linear "
-     "phase (eq. 16).", "Seeds: 3."), index=False)
+     "phase (eq. 16).",), index=False)
 
 
 # The paper's in-distribution comparison (Table 2, no fine-tuning): TAPA 13.12 / 12.22 against
@@ -187,8 +187,8 @@ def _rope_page(steps: int | None, *, width: str = "") -> Page:
           f"16x / 1x {ratio(load, 'rope', 16)}, 32x / 1x {ratio(load, 'rope', 32)}; after "
           f"600 steps at head dim 64 (../): {ratio(load, 'rope', 16, '..')} and "
           f"{ratio(load, 'rope', 32, '..')}", load.seeds())],
-      (f"As ../README.md, {what}; the RoPE baseline of a TAPA folder beside it.",
-       f"Seeds: {3 if width else 1}."), index=False)
+      (f"As ../README.md, {what}; the RoPE baseline of a TAPA folder beside it.",),
+      index=False)
 
 
 def _longer(steps: int, rope: str) -> Page:
@@ -199,8 +199,7 @@ def _longer(steps: int, rope: str) -> Page:
       lambda load: [_graceful(load, rope, setting), _match(load, rope, f"{steps:,} steps")],
       (f"As ../tapa_norm/ (TAPA) and ../README.md (RoPE), trained for {steps:,} steps "
        f"({steps * 32768 / 1e6:.0f}M tokens) instead of 600: the cosine decay stretched "
-       f"with them, the warmup kept at 60 steps; RoPE's run is {rope}/.",
-       "Seeds: 1 each.") + LE_COMMON[:2],
+       f"with them, the warmup kept at 60 steps; RoPE's run is {rope}/.",) + LE_COMMON[:2],
       sections=(Section(heading="TAPA (phase_norm)"), Section(rope, heading="RoPE")))
 
 
@@ -217,8 +216,7 @@ TAPA_NORM_HD128 = Page(
                   _graceful(load, "../rope_hd128", "at head dim 128")],
     ("As ../tapa_norm/, with 6 heads of 128 channels instead of 12 of 64 (the paper's "
      "LLaMA3-7B head width, so TAPA's amplitude and phase parts have 64 channels each); RoPE "
-     "with the same heads is ../rope_hd128/.",
-     "Seeds: 3 each.") + LE_COMMON[:2],
+     "with the same heads is ../rope_hd128/.",) + LE_COMMON[:2],
     sections=(Section(heading="TAPA (phase_norm), head dim 128"),
               Section("../rope_hd128", heading="RoPE, head dim 128")))
 
@@ -230,8 +228,8 @@ TAPA_NORM_RECIPE = Page(
                   _graceful(load, "../rope_1800", "with the paper's recipe shape")],
     ("As ../tapa_norm_1800/, with the TAPA paper's recipe shape: a fifth of RoPE's rate (2e-4 "
      "against the shared 1e-3; the paper: 2e-5 against 1e-4), a longer warmup (300 steps; "
-     "the paper: 5K of 200K) and no weight decay. RoPE is ../rope_1800/ at its own rate.",
-     "Seeds: 1.") + LE_COMMON[:2])
+     "the paper: 5K of 200K) and no weight decay. RoPE is ../rope_1800/ at its own rate.",)
+    + LE_COMMON[:2])
 
 TAPA_NORM_ALPHA05 = Page(
     "TAPA with normalised phase channels and distance exponent 0.5 (GPU length extrapolation)",
@@ -247,4 +245,4 @@ TAPA_NORM_ALPHA05 = Page(
         "extrapolation, "
         "not the fit at the training length", load.seeds())],
     ("As ../tapa_norm/ (600 steps, shared recipe, phase_norm), with alpha 0.5: the phase "
-     "grows as distance^0.5 instead of distance^0.1.", "Seeds: 3.") + LE_COMMON[:2])
+     "grows as distance^0.5 instead of distance^0.1.",) + LE_COMMON[:2])
