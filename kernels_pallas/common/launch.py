@@ -180,9 +180,25 @@ def full(x, ids, head_of):
                       lambda *p: (ids(*p)[0], head_of(ids(*p)[1])) + (0,) * (nd - 2))
 
 
-def bound_spec(x):
-  """The whole [n, 1, 1] row of tiles.document_bounds' lo or hi [B, n, 1, 1] for a program of
-  a (tile, head, batch) grid; None for an absent bound."""
+def query_major_documents(docs, bq: int, T: int) -> list:
+  """(operand, spec) pairs of a documents operand (tiles.documents, or None) for a program of
+  a (query tile, head, batch) grid: the tile's segment ids [bq], every key's [T], and the
+  walk's first key tile (its row of lo [n, 1, 1]); Nones without documents."""
+  seg, lo, _ = (None, None, None) if docs is None else docs
+  return [(seg, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
+          (seg, pl.BlockSpec((None, T), lambda i, h, b: (b, 0))), (lo, _bounds_spec(lo))]
+
+
+def key_major_documents(docs, bk: int, T: int) -> list:
+  """As query_major_documents for a (key tile, kv head, batch) grid: every query's segment
+  ids [T], the tile's [bk], and the walk's last query tile (its row of hi [n, 1, 1])."""
+  seg, _, hi = (None, None, None) if docs is None else docs
+  return [(seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
+          (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))), (hi, _bounds_spec(hi))]
+
+
+def _bounds_spec(x):
+  """The whole [n, 1, 1] row of a batch's tile bounds [B, n, 1, 1]; None for absent bounds."""
   return None if x is None else pl.BlockSpec((None,) + x.shape[1:], lambda i, h, b: (b, 0, 0, 0))
 
 

@@ -103,11 +103,6 @@ def documents(seg_BT, bq: int, bk: int):
   return None if seg_BT is None else (seg_BT, *document_bounds(seg_BT, bq, bk))
 
 
-def unpack_documents(docs):
-  """(segment ids, lo, hi) of a documents operand, or three Nones."""
-  return (None, None, None) if docs is None else docs
-
-
 def first_key_tile(lo_ref):
   """Where a query-major walk starts (grid axis 0: query tiles): 0, or past the key tiles of
   earlier documents (document_bounds' lo)."""

@@ -69,7 +69,6 @@ def _query_major(st, q, k, rq, rk, v, docs):
   """Specs of a launch with one program per (query tile, head, batch) reading every key."""
   T, G = q.shape[1], q.shape[2] // k.shape[2]
   bq = st.block_q
-  seg, lo, _ = tiles.unpack_documents(docs)
   tile = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0))  # noqa: E731
   keys = lambda d: pl.BlockSpec((None, T, None, d), lambda i, h, b: (b, 0, h // G, 0))  # noqa
   rows = pl.BlockSpec((None, bq, None), lambda i, h, b: (b, i, h))
@@ -78,9 +77,7 @@ def _query_major(st, q, k, rq, rk, v, docs):
   return dict(
       tile=tile, rows=rows,
       inputs=[(q, tile(q.shape[-1])), (k, keys(k.shape[-1])), (rq, rows), (rk, key_rates),
-              (v, keys(v.shape[-1])), (seg, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
-              (seg, pl.BlockSpec((None, T), lambda i, h, b: (b, 0))),
-              (lo, launch.bound_spec(lo))])
+              (v, keys(v.shape[-1])), *launch.query_major_documents(docs, bq, T)])
 
 
 def _forward(cfg, q, k, rq, rk, v, docs):
@@ -121,15 +118,12 @@ def _attention_bwd(cfg, res, do):
   # dk, dv (and d rate_k): one program per (key tile, kv head, batch); the group's query heads
   # whole in time
   bk = st.block_k
-  seg, _, hi = tiles.unpack_documents(docs)
   group = lambda d: pl.BlockSpec((None, T, G, d), lambda j, h, b: (b, 0, h, 0))  # noqa: E731
   ktile = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0))  # noqa
   group_rows = pl.BlockSpec((None, T, G), lambda j, h, b: (b, 0, h))
   key_rates = pl.BlockSpec((None, bk, G), lambda j, h, b: (b, j, h))
   inputs = [(q, group(D)), (k, ktile(D)), (rq, group_rows), (rk, key_rates),
-            (v, ktile(v.shape[-1])), (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
-            (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
-            (hi, launch.bound_spec(hi)),
+            (v, ktile(v.shape[-1])), *launch.key_major_documents(docs, bk, T),
             (do, group(do.shape[-1])), (lse, group_rows), (delta, group_rows)]
   outs = [(f32_shape(*k.shape), ktile(D)), (None if rk is None else f32_shape(B, T, H), key_rates),
           (f32_shape(*v.shape), ktile(v.shape[-1]))]

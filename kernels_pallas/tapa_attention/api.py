@@ -98,7 +98,6 @@ def _query_major(st, qa, ka, qp, kp, qs, ks, v, docs):
   """Specs of a launch with one program per (query tile, head, batch) reading every key."""
   T, G = qa.shape[1], qa.shape[2] // ka.shape[2]
   bq = st.block_q
-  seg, lo, _ = tiles.unpack_documents(docs)
   tile = lambda d: pl.BlockSpec((None, bq, None, d), lambda i, h, b: (b, i, h, 0))  # noqa: E731
   keys = lambda d: pl.BlockSpec((None, T, None, d), lambda i, h, b: (b, 0, h // G, 0))  # noqa
   rows = pl.BlockSpec((None, bq, None), lambda i, h, b: (b, i, h))
@@ -107,9 +106,7 @@ def _query_major(st, qa, ka, qp, kp, qs, ks, v, docs):
       tile=tile, rows=rows,
       inputs=[(qa, tile(_width(qa))), (ka, keys(_width(ka))), (qp, tile(_width(qp))),
               (kp, keys(_width(kp))), (qs, rows), (ks, key_rows), (v, keys(_width(v))),
-              (seg, pl.BlockSpec((None, bq), lambda i, h, b: (b, i))),
-              (seg, pl.BlockSpec((None, T), lambda i, h, b: (b, 0))),
-              (lo, launch.bound_spec(lo))])
+              *launch.query_major_documents(docs, bq, T)])
 
 
 def _forward(cfg, qa, ka, qp, kp, qs, ks, v, docs):
@@ -151,16 +148,13 @@ def _attention_bwd(cfg, res, do):
 
   # dk, dv: one program per (key tile, kv head, batch); the group's query heads whole in time
   bk = st.block_k
-  seg, _, hi = tiles.unpack_documents(docs)
   group = lambda d: pl.BlockSpec((None, T, G, d), lambda j, h, b: (b, 0, h, 0))  # noqa: E731
   ktile = lambda d: pl.BlockSpec((None, bk, None, d), lambda j, h, b: (b, j, h, 0))  # noqa
   group_rows = pl.BlockSpec((None, T, G), lambda j, h, b: (b, 0, h))
   key_rows = pl.BlockSpec((None, bk, None), lambda j, h, b: (b, j, h))
   inputs = [(qa, group(_width(qa))), (ka, ktile(_width(ka))), (qp, group(_width(qp))),
             (kp, ktile(_width(kp))), (qs, group_rows), (ks, key_rows), (v, ktile(_width(v))),
-            (seg, pl.BlockSpec((None, T), lambda j, h, b: (b, 0))),
-            (seg, pl.BlockSpec((None, bk), lambda j, h, b: (b, j))),
-            (hi, launch.bound_spec(hi)),
+            *launch.key_major_documents(docs, bk, T),
             (do, group(_width(do))), (lse, group_rows), (delta, group_rows)]
   outs = [(f32_shape(*ka.shape), ktile(_width(ka))),
           (None if kp is None else f32_shape(*kp.shape), ktile(_width(kp))),
