@@ -193,7 +193,7 @@ def _rope_n1_claims(load) -> list[Verdict]:
 
 
 _ROPE_N1 = ("As ../README.md, N = 1 only, RoPE only.",)
-ROPE_N1_SEEDS = Page("RoPE at MQRAR N = 1, two seeds (lr 1e-3)", _rope_n1_claims,
+ROPE_N1_SEEDS = Page("RoPE at MQRAR N = 1, seeds at lr 1e-3", _rope_n1_claims,
                      _ROPE_N1, index=False)
 ROPE_N1_LR3E4 = Page("RoPE at MQRAR N = 1, lr 3e-4", _rope_n1_claims,
                      _ROPE_N1 + ("Learning rate 3e-4 (the table's: 1e-3).",),
