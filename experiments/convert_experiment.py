@@ -159,7 +159,7 @@ def merge(old: dict, new: dict) -> dict:
           "seed_ids": sorted(ids), "runs": runs}
 
 
-def finished_seed(seed_dir: str, students, config) -> tuple[int, dict[str, dict]]:
+def finished_seed(seed_dir: str, size: str, students, config) -> tuple[int, dict[str, dict]]:
   """(seed, {run name: summary}) of a seed folder whose runs have all finished (--gather), its
   teacher trained with `config` (seeds aside); ValueError naming what is not so."""
   from experiments import sweeps
@@ -169,7 +169,7 @@ def finished_seed(seed_dir: str, students, config) -> tuple[int, dict[str, dict]
       raise ValueError(f"--gather: the teacher of {seed_dir} was trained with another "
                        "configuration than --size's")
   summaries, seeds = {}, set()
-  for name, _, _ in plan("cpu", seed_dir, students):
+  for name, _, _ in plan(size, seed_dir, students):
     run_dir = os.path.join(seed_dir, name)
     path = os.path.join(run_dir, train.SUMMARY)
     if not os.path.exists(path):
@@ -232,7 +232,7 @@ def main(argv=None) -> None:
   try:
     config = convert_config.get_config(plan(args.size, "WORKDIR", students)[0][1])
     if args.gather:
-      seeds, per_seed = zip(*[finished_seed(d, students, config)
+      seeds, per_seed = zip(*[finished_seed(d, args.size, students, config)
                               for d in args.gather.split(",") if d])
       prov = results_writers.gathered_provenance(
           sys.argv, [s for summaries in per_seed for s in summaries.values()], module=module)

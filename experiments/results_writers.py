@@ -204,8 +204,7 @@ def gathered_provenance(argv: list[str], summaries: list[dict],
             s.get("wall_time_s", 0)) for s in summaries if s.get("finished", "").endswith("UTC")]
   join = lambda key: ", ".join(sorted({str(s.get(key, "?")) for s in summaries}))  # noqa: E731
   return {"command": f"python -m {module} " + " ".join(argv[1:]),
-          "machine": f"{join('device')} ({len(summaries)} runs gathered from side-by-side "
-                     + ("sweeps)" if module == "experiments.sweeps" else "commands)"),
+          "machine": f"{join('device')} ({len(summaries)} runs gathered)",
           "jax": join("jax"),
           "date": max(s.get("finished", "?") for s in summaries) if summaries else "?",
           "wall_time_s": round(max(e for e, _ in timed) - min(e - w for e, w in timed))

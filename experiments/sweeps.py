@@ -42,6 +42,7 @@ later invocations while its lengths, token counts and checkpoint step are unchan
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import signal
@@ -119,22 +120,28 @@ def config_fingerprint(config) -> str:
   nothing, leaves the fingerprints of the runs made before it unchanged."""
   import hashlib
 
-  from experiments.configs import base
-
-  def plain(d):
-    return json.loads(json.dumps(d, default=str))   # tuples -> lists, as stored configs hold
-
   def changed(d, default):
     return {k: (changed(v, default[k]) if isinstance(v, dict) and isinstance(default.get(k), dict)
                 else v) for k, v in d.items() if k not in default or v != default[k]}
 
-  d = plain(config.to_dict() if hasattr(config, "to_dict") else config)
+  d = _plain(config.to_dict() if hasattr(config, "to_dict") else config)
   for section, names in _NOT_FINGERPRINTED.items():
     node = d.get(section, {}) if section else d
     for name in names:
       node.pop(name, None)
-  d = changed(d, plain(base.get_config().to_dict()))
+  d = changed(d, _base_defaults())
   return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _plain(d: dict) -> dict:
+  return json.loads(json.dumps(d, default=str))   # tuples -> lists, as stored configs hold
+
+
+@functools.cache
+def _base_defaults() -> dict:
+  """The base config's fields as plain JSON values, built once (read, never changed)."""
+  from experiments.configs import base
+  return _plain(base.get_config().to_dict())
 
 
 def run_sweep(config, workdir: str, *, log=print, only=None) -> list[dict]:
